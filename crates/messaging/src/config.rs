@@ -1,0 +1,155 @@
+//! Configuration shared by the binaries: flags with environment fallbacks (`clap`), so that every
+//! binary's `--help` documents them, and connection URLs that never print their password.
+
+use std::{fmt, str::FromStr, time::Duration};
+
+use crate::topology::RetryPolicy;
+
+/// A connection URL whose password is masked whenever it is printed or logged.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// Wrap a URL.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The URL with its password, for the one place that connects.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for SecretUrl {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    /// `scheme://user:***@host/...`: the password (between `:` and `@` after the scheme) is masked.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let url = &self.0;
+        let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+            return f.write_str(url);
+        };
+        let rest = &url[scheme_end..];
+        match (rest.find('@'), rest.find(':')) {
+            (Some(at), Some(colon)) if colon < at => {
+                write!(f, "{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..])
+            }
+            _ => f.write_str(url),
+        }
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{self}\"")
+    }
+}
+
+/// The broker connection, shared by every binary.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BrokerArgs {
+    /// RabbitMQ URL (AMQP 0-9-1); the vhost is the path, `%2f` for `/`.
+    #[arg(long, env = "AMQP_URL", default_value = "amqp://guest:guest@localhost:5672/%2f")]
+    pub amqp_url: SecretUrl,
+}
+
+/// How a consuming endpoint retries and how many deliveries it takes at once.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConsumerArgs {
+    /// Delays of the retry tiers, in order (units ms, s, m, h). Attempt n+1 waits in tier n; past
+    /// the last tier, the last delay repeats.
+    #[arg(long, env = "RETRY_DELAYS", default_value = "1s,5s,30s,2m,10m")]
+    pub retry_delays: RetryDelays,
+
+    /// Attempts before a message that keeps failing is parked (1 = no retry).
+    #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_attempts: u32,
+
+    /// Unacknowledged deliveries per consumer; also how many are handled concurrently.
+    #[arg(long, env = "PREFETCH", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+}
+
+impl ConsumerArgs {
+    /// The retry policy these flags describe.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts)
+    }
+}
+
+/// A comma-separated list of delays such as `1s,5s,30s,2m,10m`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryDelays(pub Vec<Duration>);
+
+impl FromStr for RetryDelays {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let delays = s.split(',').map(|part| parse_duration(part.trim())).collect::<Result<Vec<_>, _>>()?;
+        if delays.is_empty() {
+            return Err("at least one retry delay is needed".into());
+        }
+        Ok(Self(delays))
+    }
+}
+
+/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let value: u64 = number.parse().map_err(|_| format!("`{s}` is not a duration such as 500ms, 5s, 2m or 1h"))?;
+    let duration = match unit {
+        "ms" => Duration::from_millis(value),
+        "s" => Duration::from_secs(value),
+        "m" => Duration::from_secs(value * 60),
+        "h" => Duration::from_secs(value * 3600),
+        _ => return Err(format!("`{s}` has no unit: use ms, s, m or h")),
+    };
+    if duration.is_zero() {
+        return Err(format!("`{s}`: a retry delay must be greater than zero"));
+    }
+    Ok(duration)
+}
+
+/// Format a duration the way queue names and `RETRY_DELAYS` spell it: the largest whole unit.
+pub fn format_duration(duration: Duration) -> String {
+    let ms = duration.as_millis();
+    match ms {
+        _ if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+        _ if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+        _ if ms % 1_000 == 0 => format!("{}s", ms / 1_000),
+        _ => format!("{ms}ms"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secret_url_masks_password() {
+        let url = SecretUrl::new("amqp://guest:hunter2@localhost:5672/%2f");
+        assert_eq!(url.to_string(), "amqp://guest:***@localhost:5672/%2f");
+        assert!(!format!("{url:?}").contains("hunter2"));
+        assert_eq!(
+            SecretUrl::new("postgres://postgres@localhost/orders").to_string(),
+            "postgres://postgres@localhost/orders"
+        );
+    }
+
+    #[test]
+    fn retry_delays_parse_and_format_round_trip() {
+        let delays: RetryDelays = "1s, 5s,30s,2m,10m,50ms,1h".parse().expect("valid");
+        let names: Vec<_> = delays.0.iter().map(|d| format_duration(*d)).collect();
+        assert_eq!(names, ["1s", "5s", "30s", "2m", "10m", "50ms", "1h"]);
+        assert!("".parse::<RetryDelays>().is_err());
+        assert!("0s".parse::<RetryDelays>().is_err());
+        assert!("5".parse::<RetryDelays>().is_err());
+        assert!("5 days".parse::<RetryDelays>().is_err());
+    }
+}

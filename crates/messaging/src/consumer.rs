@@ -1,0 +1,441 @@
+//! The consumer runtime (DESIGN §5). A service writes a [`Handler`]; the runtime does the rest,
+//! once, for every endpoint:
+//!
+//! 1. manual acks and a bounded prefetch, which also bounds how many deliveries are handled at
+//!    once (each in its own task and its own transaction);
+//! 2. a delivery without a readable `message_id`, or of an unknown type or major version, is
+//!    parked at once;
+//! 3. otherwise one transaction records the message in the inbox, runs the handler and commits;
+//!    only then is the delivery acked. A message the inbox has seen is acked without effect;
+//! 4. a transient error re-publishes a copy to the next wait tier with `retry-count + 1`
+//!    (confirmed), then acks the original; the last allowed attempt, or a permanent error, parks
+//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event;
+//! 5. there is no `nack(requeue = true)` for a failure: a message that fails never spins. Only
+//!    shutdown and lost connections leave deliveries unacked, and the broker redelivers those.
+//!
+//! Acking happens in exactly one place, [`InFlight`], whose methods consume it: a delivery cannot
+//! be acked twice, and cannot be acked before its outcome is durable.
+
+use std::{future::Future, sync::Arc};
+
+use chrono::Utc;
+use futures_util::StreamExt;
+use lapin::{
+    BasicProperties, Connection,
+    message::Delivery,
+    options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions},
+    types::{AMQPValue, FieldTable},
+};
+use sqlx::{PgConnection, PgPool};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::{
+    backoff::Backoff,
+    broker,
+    config::SecretUrl,
+    contracts::{Contract, JobQuarantined, JobRetryScheduled},
+    envelope::{self, Headers, Incoming, Unreadable},
+    health::Health,
+    inbox,
+    metrics::{INBOX_DUPLICATES, MESSAGES_HANDLED},
+    publisher::{PublishError, Publisher},
+    shutdown::Shutdown,
+    topology::{self, Endpoint, RetryPolicy},
+};
+
+/// How a handler failed. Business refusals are not errors: they commit an outcome like any result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandlerError {
+    /// Might work later (database unreachable, deadlock, a flaky dependency): retry after a wait.
+    #[error("{0}")]
+    Transient(String),
+    /// Will never work (a bug, a message we cannot make sense of): park now.
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl From<sqlx::Error> for HandlerError {
+    /// Connection trouble and transaction conflicts are transient; anything the database rejects
+    /// on its merits (a constraint, a type) would fail the same way again, so it is permanent.
+    fn from(error: sqlx::Error) -> Self {
+        let transient = match &error {
+            sqlx::Error::Database(e) => {
+                // 08 connection, 40 rollback (serialization, deadlock), 53 resources, 57 operator.
+                let class = e.code().map(|code| code.chars().take(2).collect::<String>());
+                matches!(class.as_deref(), Some("08" | "40" | "53" | "57"))
+            }
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => true,
+            _ => false,
+        };
+        if transient { Self::Transient(error.to_string()) } else { Self::Permanent(error.to_string()) }
+    }
+}
+
+impl From<Unreadable> for HandlerError {
+    fn from(error: Unreadable) -> Self {
+        Self::Permanent(error.to_string())
+    }
+}
+
+/// What a service implements: apply one message inside the runtime's transaction. The inbox row
+/// is already written in `tx`; the handler adds its effect and any outbox rows, and must not
+/// commit. Returning an error rolls everything back, inbox row included.
+pub trait Handler: Send + Sync + 'static {
+    /// Apply `message`.
+    fn handle(
+        &self,
+        message: &Incoming,
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// Everything a consumer needs besides its handler.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    /// The endpoint it consumes.
+    pub endpoint: Endpoint,
+    /// Retry tiers and attempt cap.
+    pub policy: RetryPolicy,
+    /// Unacked deliveries at once (and handled concurrently).
+    pub prefetch: u16,
+    /// The broker.
+    pub amqp_url: SecretUrl,
+    /// Between reconnects.
+    pub reconnect: Backoff,
+}
+
+/// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
+/// connection, reconnect with backoff and resume. Never returns early on a broker or database
+/// failure: those are waited out.
+pub async fn run<H: Handler>(
+    settings: ConsumerSettings,
+    handler: Arc<H>,
+    pool: PgPool,
+    health: Health,
+    shutdown: Shutdown,
+) {
+    let runtime = Arc::new(Runtime { settings, handler, pool, health });
+    let name = runtime.settings.endpoint.name;
+    let flag = format!("consumer:{name}");
+    runtime.health.readiness.set(&flag, false);
+    let mut failures = 0;
+    loop {
+        let Some(connection) =
+            broker::connect_with_backoff(&runtime.settings.amqp_url, name, runtime.settings.reconnect, &shutdown).await
+        else {
+            break;
+        };
+        let result = runtime.session(&connection, &flag, &shutdown).await;
+        runtime.health.readiness.set(&flag, false);
+        let _ = connection.close(200, "bye".into()).await;
+        match result {
+            Ok(()) => break,
+            Err(SessionError::Lost(true)) => failures = 0,
+            Err(_) => failures += 1,
+        }
+        if shutdown.is_triggered() {
+            break;
+        }
+        let delay = runtime.settings.reconnect.delay(failures);
+        if !shutdown.sleep(delay).await {
+            break;
+        }
+    }
+    tracing::info!(endpoint = name, "consumer stopped");
+}
+
+/// Why a session ended early.
+#[derive(Debug)]
+enum SessionError {
+    /// The session ended after it had been consuming (`true`) or before (`false`); either way the
+    /// connection is gone or unusable and a new session starts.
+    Lost(bool),
+}
+
+struct Runtime<H> {
+    settings: ConsumerSettings,
+    handler: Arc<H>,
+    pool: PgPool,
+    health: Health,
+}
+
+/// The outcome of the transaction for one message.
+enum Applied {
+    Done,
+    Duplicate,
+}
+
+impl<H: Handler> Runtime<H> {
+    /// One connection's worth of consuming. `Ok` only after a requested shutdown.
+    async fn session(
+        self: &Arc<Self>,
+        connection: &Connection,
+        flag: &str,
+        shutdown: &Shutdown,
+    ) -> Result<(), SessionError> {
+        let endpoint = &self.settings.endpoint;
+        let setup = async {
+            let channel = connection.create_channel().await?;
+            channel.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
+            topology::declare_endpoint(&channel, endpoint, &self.settings.policy).await?;
+            let publisher = Publisher::open(connection).await?;
+            let tag = format!("{}-{}", endpoint.name, Uuid::new_v4());
+            let deliveries = channel
+                .basic_consume(
+                    endpoint.name.into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>((channel, publisher, tag, deliveries))
+        };
+        let (channel, publisher, tag, mut deliveries) = setup.await.map_err(|error| {
+            tracing::warn!(endpoint = endpoint.name, %error, "cannot start consuming; will reconnect");
+            SessionError::Lost(false)
+        })?;
+        self.health.readiness.set(flag, true);
+        tracing::info!(endpoint = endpoint.name, prefetch = self.settings.prefetch, "consuming");
+
+        let mut in_flight = JoinSet::new();
+        let ended = loop {
+            tokio::select! {
+                () = shutdown.triggered() => break Ok(()),
+                Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
+                    if let Err(error) = flatten(joined) {
+                        tracing::warn!(endpoint = endpoint.name, %error, "delivery could not be settled; reconnecting");
+                        break Err(SessionError::Lost(true));
+                    }
+                }
+                next = deliveries.next() => match next {
+                    Some(Ok(delivery)) => {
+                        in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone()));
+                    }
+                    Some(Err(error)) => {
+                        tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
+                        break Err(SessionError::Lost(true));
+                    }
+                    None => {
+                        tracing::warn!(endpoint = endpoint.name, "consumer cancelled by the broker; reconnecting");
+                        break Err(SessionError::Lost(true));
+                    }
+                },
+            }
+        };
+
+        // Stop new deliveries, then let every in-flight one finish and settle (commit, then ack)
+        // before the channel closes; whatever was prefetched but not started goes back to the queue
+        // when the channel closes. This is the only requeue the runtime ever causes.
+        let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+        while let Some(joined) = in_flight.join_next().await {
+            if let Err(error) = flatten(joined) {
+                tracing::warn!(endpoint = endpoint.name, %error, "delivery left unacked; the broker will redeliver it");
+            }
+        }
+        publisher.close().await;
+        let _ = channel.close(200, "bye".into()).await;
+        ended
+    }
+
+    /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
+    /// (the broker connection failed): it stays unacked and comes back on the next session.
+    async fn process(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+        let delivery = InFlight(delivery);
+        let endpoint = &self.settings.endpoint;
+        let decoded = Incoming::decode(&delivery.0).and_then(|message| {
+            endpoint.check(&message.message_type, message.version)?;
+            Ok(message)
+        });
+        let message = match decoded {
+            Ok(message) => message,
+            Err(unreadable) => {
+                let retry_count = envelope::retry_count(&delivery.0);
+                return self.park(delivery, &publisher, retry_count, &unreadable.to_string()).await;
+            }
+        };
+
+        match self.apply(&message).await {
+            Ok(Applied::Done) => {
+                delivery.ack().await?;
+                self.count("succeeded");
+            }
+            Ok(Applied::Duplicate) => {
+                delivery.ack().await?;
+                self.count("duplicate");
+                self.health.metrics.increment(INBOX_DUPLICATES, &[("endpoint", endpoint.name)]);
+                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "duplicate skipped by the inbox");
+            }
+            Err(HandlerError::Transient(error)) => match self.settings.policy.next_delay(message.retry_count) {
+                Some(delay) => self.retry(delivery, &publisher, &message, delay, &error).await?,
+                None => {
+                    let reason = format!("gave up after {} attempts: {error}", message.attempt());
+                    self.park(delivery, &publisher, message.retry_count, &reason).await?;
+                }
+            },
+            Err(HandlerError::Permanent(error)) => self.park(delivery, &publisher, message.retry_count, &error).await?,
+        }
+        Ok(())
+    }
+
+    /// Inbox row, handler, commit: all or nothing.
+    async fn apply(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let mut tx = self.pool.begin().await?;
+        let endpoint = self.settings.endpoint.name;
+        if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint).await? {
+            return Ok(Applied::Duplicate);
+        }
+        self.handler.handle(message, &mut tx).await?;
+        tx.commit().await?;
+        Ok(Applied::Done)
+    }
+
+    /// Re-publish a copy to the wait tier for `delay`, then ack the original. The copy goes to the
+    /// wait queue by name and comes back to this endpoint's work queue only.
+    async fn retry(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        message: &Incoming,
+        delay: std::time::Duration,
+        error: &str,
+    ) -> Result<(), PublishError> {
+        let endpoint = &self.settings.endpoint;
+        let next_retry = i64::from(message.retry_count) + 1;
+        let properties = envelope::with_headers(
+            &delivery.0.properties,
+            &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
+        );
+        let copy = publisher.send("", &endpoint.wait_queue(delay), &delivery.0.data, properties).await?;
+        let event = message.correlation_id.map(|job_id| JobRetryScheduled {
+            job_id,
+            endpoint: endpoint.name.to_owned(),
+            message_id: message.message_id,
+            message_type: message.message_type.clone(),
+            attempt: message.attempt(),
+            next_attempt: message.attempt() + 1,
+            next_attempt_at: Utc::now() + delay,
+            error: error.to_owned(),
+        });
+        let event = self.send_event(publisher, event).await;
+        copy.confirmed().await?;
+        self.settle_event(event).await;
+        delivery.ack().await?;
+        self.count("retried");
+        tracing::warn!(endpoint = endpoint.name, message_id = %message.message_id, attempt = message.attempt(), ?delay, error, "transient failure; retry scheduled");
+        Ok(())
+    }
+
+    /// Publish the delivery, untouched but for our headers, to the parking queue; then ack it.
+    async fn park(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        retry_count: u32,
+        reason: &str,
+    ) -> Result<(), PublishError> {
+        let endpoint = &self.settings.endpoint;
+        let properties = &delivery.0.properties;
+        let parked_properties = envelope::with_headers(
+            properties,
+            &[
+                (envelope::HEADER_LAST_ERROR, envelope::string_value(reason)),
+                (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(i64::from(retry_count))),
+                (envelope::HEADER_ENDPOINT, envelope::string_value(endpoint.name)),
+                (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
+            ],
+        );
+        let parked = publisher.send("", &endpoint.parking_queue(), &delivery.0.data, parked_properties).await?;
+        let event = correlation_id(properties).map(|job_id| JobQuarantined {
+            job_id,
+            endpoint: endpoint.name.to_owned(),
+            message_id: properties.message_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok()),
+            message_type: properties.kind().as_ref().map(|kind| kind.to_string()),
+            attempt: retry_count + 1,
+            error: reason.to_owned(),
+        });
+        let event = self.send_event(publisher, event).await;
+        parked.confirmed().await?;
+        self.settle_event(event).await;
+        let message_id = properties.message_id().clone();
+        delivery.ack().await?;
+        self.count("parked");
+        tracing::error!(endpoint = endpoint.name, ?message_id, reason, "message parked");
+        Ok(())
+    }
+
+    /// Send a `job.*` event (pipelined with the retry or park publish it reports).
+    async fn send_event<C: Contract>(
+        &self,
+        publisher: &Publisher,
+        event: Option<C>,
+    ) -> Option<crate::publisher::Pending> {
+        let event = event?;
+        let body = serde_json::to_vec(&event).ok()?;
+        let properties: BasicProperties =
+            Headers::new(job_id_of(&body), C::VERSION).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+        match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
+            Ok(pending) => Some(pending),
+            Err(error) => {
+                tracing::warn!(%error, event = C::TYPE, "job event not sent");
+                None
+            }
+        }
+    }
+
+    /// Job events are informational (the status consumer applies them monotonically): a lost one
+    /// is logged, and does not stop the retry or park it describes from being acked.
+    async fn settle_event(&self, pending: Option<crate::publisher::Pending>) {
+        if let Some(pending) = pending
+            && let Err(error) = pending.confirmed().await
+        {
+            tracing::warn!(%error, "job event not confirmed");
+        }
+    }
+
+    fn count(&self, outcome: &str) {
+        self.health
+            .metrics
+            .increment(MESSAGES_HANDLED, &[("endpoint", self.settings.endpoint.name), ("outcome", outcome)]);
+    }
+}
+
+/// A delivery not yet settled. Its only ways out consume it, so it is settled at most once.
+struct InFlight(Delivery);
+
+impl InFlight {
+    /// Ack: the outcome (commit, retry copy, parked copy) is already durable.
+    async fn ack(self) -> Result<(), PublishError> {
+        self.0.acker.ack(BasicAckOptions::default()).await?;
+        Ok(())
+    }
+}
+
+fn flatten(joined: Result<Result<(), PublishError>, tokio::task::JoinError>) -> Result<(), String> {
+    match joined {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        // A handler that panics leaves its delivery unacked; the broker's delivery limit parks
+        // a message that keeps doing it.
+        Err(join_error) => Err(format!("handler task failed: {join_error}")),
+    }
+}
+
+fn correlation_id(properties: &BasicProperties) -> Option<Uuid> {
+    properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok())
+}
+
+/// The `jobId` field of a serialized job event: the event's correlation id.
+fn job_id_of(body: &[u8]) -> Option<Uuid> {
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct JobRef {
+        job_id: Uuid,
+    }
+    serde_json::from_slice::<JobRef>(body).ok().map(|r| r.job_id)
+}

@@ -1,0 +1,105 @@
+//! Database start-up: create the service's database if it is missing, connect a pool, migrate.
+//! Safe when several instances start together: `CREATE DATABASE` races are tolerated and sqlx's
+//! migrator holds an advisory lock while it migrates.
+
+use std::{str::FromStr, time::Duration};
+
+use sqlx::{
+    Connection, PgConnection, PgPool,
+    migrate::Migrator,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+
+use crate::{backoff::Backoff, config::SecretUrl, shutdown::Shutdown};
+
+/// Pool settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSettings {
+    /// Connections at most.
+    pub max_connections: u32,
+    /// How long a caller waits for a free connection before getting an error (which the API turns
+    /// into a 503 and the consumers into a retry) instead of hanging.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self { max_connections: 10, acquire_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// Create the database named in `url` if missing, connect, and run `migrator`. Retries with
+/// backoff while the server cannot be reached (it may still be starting); other errors (a bad
+/// migration, bad credentials) are returned at once. `Ok(None)` if shutdown came first.
+pub async fn open(
+    url: &SecretUrl,
+    migrator: &Migrator,
+    settings: PoolSettings,
+    shutdown: &Shutdown,
+) -> Result<Option<PgPool>, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url.expose())?;
+    let backoff = Backoff::default();
+    let mut failures = 0;
+    loop {
+        match try_open(&options, migrator, settings).await {
+            Ok(pool) => return Ok(Some(pool)),
+            Err(error) if is_unreachable(&error) => {
+                let delay = backoff.delay(failures);
+                tracing::warn!(%error, %url, ?delay, "cannot reach the database; retrying");
+                failures += 1;
+                if !shutdown.sleep(delay).await {
+                    return Ok(None);
+                }
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+async fn try_open(
+    options: &PgConnectOptions,
+    migrator: &Migrator,
+    settings: PoolSettings,
+) -> Result<PgPool, sqlx::Error> {
+    create_database_if_missing(options).await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(settings.acquire_timeout)
+        .connect_with(options.clone())
+        .await?;
+    migrator.run(&pool).await?;
+    Ok(pool)
+}
+
+/// `CREATE DATABASE` if the database named in `options` does not exist, through the `postgres`
+/// maintenance database.
+pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<(), sqlx::Error> {
+    let Some(name) = options.get_database().map(str::to_owned) else {
+        return Ok(());
+    };
+    let mut admin = PgConnection::connect_with(&options.clone().database("postgres")).await?;
+    let exists: bool = sqlx::query_scalar("select exists (select 1 from pg_database where datname = $1)")
+        .bind(&name)
+        .fetch_one(&mut admin)
+        .await?;
+    if !exists {
+        let create = format!("create database \"{}\"", name.replace('"', "\"\""));
+        match sqlx::query(&create).execute(&mut admin).await {
+            Ok(_) => tracing::info!(database = %name, "created database"),
+            // Another instance won the race: duplicate_database, or unique_violation on pg_database.
+            Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42P04" | "23505")) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    admin.close().await
+}
+
+/// Whether an error means "the server is not there (yet)", worth waiting for.
+pub fn is_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
+        // 57P03 cannot_connect_now: the server is starting up or shutting down.
+        sqlx::Error::Database(e) => e.code().as_deref() == Some("57P03"),
+        _ => false,
+    }
+}

@@ -1,0 +1,221 @@
+//! The envelope: what every message carries besides its body, and how it maps onto AMQP
+//! properties (DESIGN §4). Outgoing messages are built from outbox rows or contracts; incoming
+//! deliveries are decoded here once, before any handler sees them.
+
+use chrono::{DateTime, Utc};
+use lapin::{
+    BasicProperties,
+    message::Delivery,
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// `content_type` of every message we publish.
+pub const CONTENT_TYPE_JSON: &str = "application/json";
+/// Header: schema major version of the body (integer).
+pub const HEADER_VERSION: &str = "version";
+/// Header: W3C trace context.
+pub const HEADER_TRACEPARENT: &str = "traceparent";
+/// Header: how many times the message has been retried. Ours, not the broker's `x-death`, which
+/// RabbitMQ 3.13+/4.x no longer counts for client re-publishes.
+pub const HEADER_RETRY_COUNT: &str = "retry-count";
+/// Header on parked messages: why it was parked.
+pub const HEADER_LAST_ERROR: &str = "last-error";
+/// Header on parked messages: the endpoint that gave up on it.
+pub const HEADER_ENDPOINT: &str = "endpoint";
+/// Header on parked messages: when it was parked (RFC 3339).
+pub const HEADER_PARKED_AT: &str = "parked-at";
+
+/// AMQP `delivery_mode` for persistent messages.
+const PERSISTENT: u8 = 2;
+
+/// Metadata that travels with a message: stored in the outbox `headers` column as JSON and
+/// written into AMQP properties and headers on publish.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Headers {
+    /// The job this message belongs to (AMQP `correlation_id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation_id: Option<Uuid>,
+    /// W3C trace context, passed along unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// Schema major version of the body.
+    #[serde(default = "default_version")]
+    pub version: u32,
+}
+
+fn default_version() -> u32 {
+    1
+}
+
+impl Headers {
+    /// Headers for a message of `version` belonging to job `correlation_id`.
+    pub fn new(correlation_id: Option<Uuid>, version: u32) -> Self {
+        Self { correlation_id, traceparent: None, version }
+    }
+
+    /// The AMQP properties of a message with these headers.
+    pub fn properties(&self, message_id: Uuid, message_type: &str, timestamp: DateTime<Utc>) -> BasicProperties {
+        let mut table = FieldTable::default();
+        table.insert(HEADER_VERSION.into(), AMQPValue::LongLongInt(i64::from(self.version)));
+        if let Some(traceparent) = &self.traceparent {
+            table.insert(HEADER_TRACEPARENT.into(), AMQPValue::LongString(traceparent.as_str().into()));
+        }
+        let properties = BasicProperties::default()
+            .with_message_id(ShortString::from(message_id.to_string()))
+            .with_type(ShortString::from(message_type))
+            .with_content_type(CONTENT_TYPE_JSON.into())
+            .with_delivery_mode(PERSISTENT)
+            .with_timestamp(u64::try_from(timestamp.timestamp()).unwrap_or(0))
+            .with_headers(table);
+        match self.correlation_id {
+            Some(id) => properties.with_correlation_id(ShortString::from(id.to_string())),
+            None => properties,
+        }
+    }
+}
+
+/// Why a delivery cannot be handed to a handler. Such a message is parked at once: no retry can
+/// make it readable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    /// No `message_id`, or not a UUID: the inbox cannot deduplicate it.
+    #[error("missing or malformed message_id")]
+    MessageId,
+    /// No `type` property.
+    #[error("missing message type")]
+    MissingType,
+    /// A type this endpoint does not consume.
+    #[error("unknown message type `{0}`")]
+    UnknownType(String),
+    /// A schema major version this endpoint does not understand.
+    #[error("unsupported version {version} of `{message_type}`")]
+    UnsupportedVersion {
+        /// The message type.
+        message_type: String,
+        /// The version it claims.
+        version: u32,
+    },
+    /// The body is not JSON of the expected shape.
+    #[error("unreadable body: {0}")]
+    Body(String),
+}
+
+/// A decoded delivery: the envelope fields a handler and the runtime need, and the raw body.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// Stable id of the message across every republish: the inbox key.
+    pub message_id: Uuid,
+    /// e.g. `order.placed`.
+    pub message_type: String,
+    /// Schema major version.
+    pub version: u32,
+    /// The job the message belongs to, if any.
+    pub correlation_id: Option<Uuid>,
+    /// How many times this message has been retried before this delivery.
+    pub retry_count: u32,
+    /// The JSON body.
+    pub body: Vec<u8>,
+}
+
+impl Incoming {
+    /// Decode the envelope of a delivery. Body parsing is left to [`Incoming::json`].
+    pub fn decode(delivery: &Delivery) -> Result<Self, Unreadable> {
+        let properties = &delivery.properties;
+        let message_id = properties
+            .message_id()
+            .as_ref()
+            .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+            .ok_or(Unreadable::MessageId)?;
+        let message_type =
+            properties.kind().as_ref().map(|kind| kind.as_str().to_owned()).ok_or(Unreadable::MissingType)?;
+        let headers = properties.headers().as_ref();
+        let version = headers.and_then(|h| header_u32(h, HEADER_VERSION)).unwrap_or(1);
+        Ok(Self {
+            message_id,
+            message_type,
+            version,
+            correlation_id: properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok()),
+            retry_count: retry_count(delivery),
+            body: delivery.data.clone(),
+        })
+    }
+
+    /// The attempt this delivery is: 1 for the first, `retry_count + 1` in general.
+    pub fn attempt(&self) -> u32 {
+        self.retry_count.saturating_add(1)
+    }
+
+    /// Parse the body as `T`.
+    pub fn json<'a, T: Deserialize<'a>>(&'a self) -> Result<T, Unreadable> {
+        serde_json::from_slice(&self.body).map_err(|e| Unreadable::Body(e.to_string()))
+    }
+}
+
+/// Our `retry-count` header of a delivery (0 when absent).
+pub fn retry_count(delivery: &Delivery) -> u32 {
+    delivery.properties.headers().as_ref().and_then(|h| header_u32(h, HEADER_RETRY_COUNT)).unwrap_or(0)
+}
+
+/// An integer header, whatever integer width the publisher chose.
+pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
+    let value = table.inner().get(key)?;
+    let wide: i64 = match value {
+        AMQPValue::ShortShortInt(v) => i64::from(*v),
+        AMQPValue::ShortShortUInt(v) => i64::from(*v),
+        AMQPValue::ShortInt(v) => i64::from(*v),
+        AMQPValue::ShortUInt(v) => i64::from(*v),
+        AMQPValue::LongInt(v) => i64::from(*v),
+        AMQPValue::LongUInt(v) => i64::from(*v),
+        AMQPValue::LongLongInt(v) => *v,
+        AMQPValue::Timestamp(v) => i64::try_from(*v).ok()?,
+        AMQPValue::LongString(v) => std::str::from_utf8(v.as_bytes()).ok()?.parse().ok()?,
+        _ => return None,
+    };
+    u32::try_from(wide).ok()
+}
+
+/// A copy of `properties` with extra headers set (replacing any of the same name). Used for
+/// retries and parking, which must keep `message_id`, type and correlation id intact.
+pub fn with_headers(properties: &BasicProperties, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+    let mut table = properties.headers().clone().unwrap_or_default();
+    for (key, value) in extra {
+        table.insert(ShortString::from(*key), value.clone());
+    }
+    properties.clone().with_headers(table)
+}
+
+/// A string header value.
+pub fn string_value(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_through_amqp_properties() {
+        let job = Uuid::new_v4();
+        let id = Uuid::new_v4();
+        let mut headers = Headers::new(Some(job), 2);
+        headers.traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+        let properties = headers.properties(id, "order.placed", Utc::now());
+        assert_eq!(properties.message_id().as_ref().map(|s| s.as_str()), Some(id.to_string().as_str()));
+        assert_eq!(properties.correlation_id().as_ref().map(|s| s.as_str()), Some(job.to_string().as_str()));
+        assert_eq!(properties.delivery_mode(), &Some(PERSISTENT));
+        let table = properties.headers().clone().expect("headers");
+        assert_eq!(header_u32(&table, HEADER_VERSION), Some(2));
+        let retried = with_headers(&properties, &[(HEADER_RETRY_COUNT, AMQPValue::LongLongInt(3))]);
+        let table = retried.headers().clone().expect("headers");
+        assert_eq!(header_u32(&table, HEADER_RETRY_COUNT), Some(3));
+        assert_eq!(header_u32(&table, HEADER_VERSION), Some(2), "existing headers are kept");
+    }
+
+    #[test]
+    fn outbox_headers_json_defaults_version_to_one() {
+        let headers: Headers = serde_json::from_str("{}").expect("json");
+        assert_eq!(headers, Headers::new(None, 1));
+    }
+}

@@ -1,0 +1,109 @@
+//! `/healthz`, `/readyz` and `/metrics`, served by every binary (the API merges them into its own
+//! router). Liveness says the process runs; readiness says its databases answer and each of its
+//! broker sessions is up.
+
+use std::{collections::BTreeMap, sync::Arc, sync::Mutex, time::Duration};
+
+use axum::{
+    Json, Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+use sqlx::PgPool;
+
+use crate::{
+    metrics::{Metrics, render_gauge},
+    outbox,
+    shutdown::Shutdown,
+};
+
+/// Named readiness flags: each long-running session (a consumer, a relay loop) sets its own.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    flags: Mutex<BTreeMap<String, bool>>,
+}
+
+impl Readiness {
+    /// Set flag `name`.
+    pub fn set(&self, name: &str, ready: bool) {
+        let mut flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        flags.insert(name.to_owned(), ready);
+    }
+
+    /// The flags that are not ready.
+    pub fn failing(&self) -> Vec<String> {
+        let flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        flags.iter().filter(|(_, ready)| !**ready).map(|(name, _)| name.clone()).collect()
+    }
+}
+
+/// What the health endpoints look at.
+#[derive(Clone, Default)]
+pub struct Health {
+    /// Counters for `/metrics`.
+    pub metrics: Arc<Metrics>,
+    /// Session flags for `/readyz`.
+    pub readiness: Arc<Readiness>,
+    /// Databases to ping, with the label their outbox gauges carry.
+    pub databases: Vec<(String, PgPool)>,
+}
+
+/// The three health routes.
+pub fn routes(health: Health) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(health)
+}
+
+async fn readyz(State(health): State<Health>) -> impl IntoResponse {
+    let mut failing = health.readiness.failing();
+    for (name, pool) in &health.databases {
+        let ping = tokio::time::timeout(Duration::from_secs(2), sqlx::query("select 1").execute(pool)).await;
+        if !matches!(ping, Ok(Ok(_))) {
+            failing.push(format!("database:{name}"));
+        }
+    }
+    let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body =
+        serde_json::json!({ "status": if failing.is_empty() { "ready" } else { "not ready" }, "failing": failing });
+    (status, Json(body))
+}
+
+async fn metrics(State(health): State<Health>) -> impl IntoResponse {
+    let mut out = String::new();
+    health.metrics.render(&mut out);
+    let mut first = true;
+    for (name, pool) in &health.databases {
+        // A database that is down only loses its gauges; the counters still render.
+        if let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(2), outbox::counts(pool)).await {
+            let help = "Outbox rows by state (published rows are kept until retention deletes them).";
+            render_gauge(
+                &mut out,
+                "outbox_rows",
+                help,
+                &[("database", name), ("state", "published")],
+                counts.published,
+                first,
+            );
+            render_gauge(
+                &mut out,
+                "outbox_rows",
+                help,
+                &[("database", name), ("state", "unpublished")],
+                counts.unpublished,
+                false,
+            );
+            first = false;
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+}
+
+/// Serve `router` on `listener` until shutdown, then finish in-flight requests.
+pub async fn serve(listener: tokio::net::TcpListener, router: Router, shutdown: Shutdown) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.triggered().await }).await
+}

@@ -1,0 +1,155 @@
+//! The transactional outbox: messages are inserted in the caller's transaction, next to the
+//! business change they announce, and published later by the relay. A message therefore exists
+//! if and only if the change committed. The insert trigger (migration `0001_messaging.sql`) wakes
+//! the relay with `NOTIFY outbox` at commit.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use sqlx::{PgConnection, PgExecutor, types::Json};
+use uuid::Uuid;
+
+use crate::{contracts::Contract, envelope::Headers};
+
+/// The `LISTEN` channel the outbox trigger notifies.
+pub const NOTIFY_CHANNEL: &str = "outbox";
+
+/// Insert `body` as a message of contract `C` in the caller's transaction. Returns its message id,
+/// which stays the same across every republish (the consumers' inbox key). The id is a UUIDv7 so
+/// ids sort by creation time, which keeps the inbox's primary key index append-mostly.
+pub async fn enqueue<C: Contract>(conn: &mut PgConnection, body: &C, headers: &Headers) -> sqlx::Result<Uuid> {
+    let message_id = Uuid::now_v7();
+    sqlx::query(
+        "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers)
+         values ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(message_id)
+    .bind(C::TYPE)
+    .bind(C::EXCHANGE)
+    .bind(C::TYPE)
+    .bind(Json(body))
+    .bind(Json(headers))
+    .execute(conn)
+    .await?;
+    Ok(message_id)
+}
+
+/// An unpublished outbox row, claimed by a relay.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    /// Publication order.
+    pub id: i64,
+    /// Stable message id.
+    pub message_id: Uuid,
+    /// e.g. `order.placed`.
+    pub message_type: String,
+    /// Target exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// The JSON body as text, exactly as stored.
+    pub payload: String,
+    /// Correlation id, traceparent, version.
+    pub headers: Json<Headers>,
+    /// When the business change committed (the AMQP timestamp).
+    pub created_at: DateTime<Utc>,
+    /// Failed publish attempts so far.
+    pub attempts: i32,
+}
+
+impl OutboxRow {
+    /// The AMQP properties this row is published with.
+    pub fn properties(&self) -> BasicProperties {
+        self.headers.properties(self.message_id, &self.message_type, self.created_at)
+    }
+}
+
+/// Lock up to `limit` unpublished rows that are due, oldest first, skipping rows another relay
+/// holds: several relays can run against one database without publishing a row twice in steady
+/// state. The locks last until the caller's transaction ends.
+pub async fn claim_unpublished(conn: &mut PgConnection, limit: i64) -> sqlx::Result<Vec<OutboxRow>> {
+    sqlx::query_as(
+        "select id, message_id, message_type, exchange, routing_key, payload::text as payload,
+                headers, created_at, attempts
+           from outbox
+          where published_at is null and available_at <= now()
+          order by id
+          limit $1
+            for update skip locked",
+    )
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// Mark exactly these rows as published (one statement for the whole confirmed batch).
+pub async fn mark_published(conn: &mut PgConnection, ids: &[i64]) -> sqlx::Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("update outbox set published_at = now(), last_error = null where id = any($1)")
+        .bind(ids)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Record a failed publish (returned, nacked): the row stays unpublished and is not claimed again
+/// before `retry_after` has passed.
+pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
+    let retry_ms = i64::try_from(retry_after.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query(
+        "update outbox
+            set attempts = attempts + 1,
+                last_error = $2,
+                available_at = now() + $3 * interval '1 millisecond'
+          where id = $1",
+    )
+    .bind(id)
+    .bind(error)
+    .bind(retry_ms)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Delete up to `batch` rows published more than `retention` ago; returns how many went.
+pub async fn delete_published_before<'e>(
+    db: impl PgExecutor<'e>,
+    retention: Duration,
+    batch: i64,
+) -> sqlx::Result<u64> {
+    let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query(
+        "delete from outbox
+          where id in (select id from outbox
+                        where published_at < now() - $1 * interval '1 millisecond'
+                        limit $2)",
+    )
+    .bind(retention_ms)
+    .bind(batch)
+    .execute(db)
+    .await
+    .map(|done| done.rows_affected())
+}
+
+/// Rows published and waiting, for `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct OutboxCounts {
+    /// Rows published and not yet deleted by retention.
+    pub published: i64,
+    /// Rows waiting to be published.
+    pub unpublished: i64,
+}
+
+/// Count published and unpublished rows.
+pub async fn counts<'e>(db: impl PgExecutor<'e>) -> sqlx::Result<OutboxCounts> {
+    sqlx::query_as(
+        "select count(*) filter (where published_at is not null) as published,
+                count(*) filter (where published_at is null) as unpublished
+           from outbox",
+    )
+    .fetch_one(db)
+    .await
+}

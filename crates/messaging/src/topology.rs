@@ -1,0 +1,219 @@
+//! Broker topology (DESIGN §5): the shop's exchanges and, per consuming endpoint, its work queue,
+//! retry wait queues and parking queue. Declarations are idempotent and work on RabbitMQ 3.10 and
+//! 4.x; every queue is a quorum queue, so messages survive a broker node restart.
+
+use std::time::Duration;
+
+use lapin::{
+    Channel, ExchangeKind,
+    options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    types::{AMQPValue, FieldTable, ShortString},
+};
+
+use crate::{config::format_duration, contracts::exchanges};
+
+/// Deliveries of one message before the broker itself dead-letters it to parking. Only consumers
+/// that crash mid-message (never ack, never nack) reach it: our runtime acks every delivery it
+/// handled, so this is the safety net for handlers that kill the process.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+/// How a consuming endpoint retries: the wait tiers and the attempt cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    delays: Vec<Duration>,
+    max_attempts: u32,
+}
+
+impl RetryPolicy {
+    /// Tiers `delays` (attempt n+1 waits in tier n, the last repeating) and at most `max_attempts`
+    /// attempts. An empty list means no retry; `max_attempts` is at least 1.
+    pub fn new(delays: Vec<Duration>, max_attempts: u32) -> Self {
+        Self { delays, max_attempts: max_attempts.max(1) }
+    }
+
+    /// Attempts before a message is parked.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The tier delays.
+    pub fn delays(&self) -> &[Duration] {
+        &self.delays
+    }
+
+    /// The wait before retrying a message that has been retried `retry_count` times already, or
+    /// `None` if it has used up its attempts (attempt = `retry_count + 1` = `max_attempts`).
+    pub fn next_delay(&self, retry_count: u32) -> Option<Duration> {
+        if retry_count.saturating_add(1) >= self.max_attempts {
+            return None;
+        }
+        let last = self.delays.len().checked_sub(1)?;
+        Some(self.delays[(retry_count as usize).min(last)])
+    }
+}
+
+/// A binding of an endpoint's work queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Binding {
+    /// The exchange.
+    pub exchange: &'static str,
+    /// Its routing key pattern.
+    pub routing_key: &'static str,
+}
+
+/// A consuming endpoint: one work queue (named after the endpoint), its bindings, and the message
+/// types and major versions it accepts (anything else is parked on arrival).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// e.g. `inventory.order-placed`: the work queue's name and the prefix of its other queues.
+    pub name: &'static str,
+    /// Where its messages come from.
+    pub bindings: Vec<Binding>,
+    /// (type, highest major version understood).
+    pub accepts: Vec<(&'static str, u32)>,
+    /// The broker's delivery limit on the work queue (crash safety net).
+    pub delivery_limit: u32,
+}
+
+impl Endpoint {
+    /// An endpoint with no bindings yet.
+    pub fn new(name: &'static str) -> Self {
+        Self { name, bindings: Vec::new(), accepts: Vec::new(), delivery_limit: DEFAULT_DELIVERY_LIMIT }
+    }
+
+    /// Bind the work queue to `routing_key` on `exchange`.
+    pub fn bind(mut self, exchange: &'static str, routing_key: &'static str) -> Self {
+        self.bindings.push(Binding { exchange, routing_key });
+        self
+    }
+
+    /// Accept messages of contract `C` up to its current major version.
+    pub fn accept<C: crate::contracts::Contract>(mut self) -> Self {
+        self.accepts.push((C::TYPE, C::VERSION));
+        self
+    }
+
+    /// Whether a message of this type and version can be handled here.
+    pub fn check(&self, message_type: &str, version: u32) -> Result<(), crate::envelope::Unreadable> {
+        use crate::envelope::Unreadable;
+        match self.accepts.iter().find(|(t, _)| *t == message_type) {
+            None => Err(Unreadable::UnknownType(message_type.to_owned())),
+            Some((_, max)) if version > *max || version == 0 => {
+                Err(Unreadable::UnsupportedVersion { message_type: message_type.to_owned(), version })
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// `<endpoint>.parking`.
+    pub fn parking_queue(&self) -> String {
+        format!("{}.parking", self.name)
+    }
+
+    /// `<endpoint>.wait.<delay>`, e.g. `inventory.order-placed.wait.5s`. The delay is part of the
+    /// name, so a changed tier list declares new queues instead of clashing with old arguments.
+    pub fn wait_queue(&self, delay: Duration) -> String {
+        format!("{}.wait.{}", self.name, format_duration(delay))
+    }
+}
+
+/// Declare the shop's topic exchanges (durable). Everybody who publishes or binds declares them,
+/// so start-up order between services does not matter.
+pub async fn declare_exchanges(channel: &Channel) -> lapin::Result<()> {
+    for exchange in exchanges::ALL {
+        channel
+            .exchange_declare(
+                exchange.into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// Declare an endpoint's queues and bindings: parking, the work queue, and one wait queue per
+/// retry tier.
+pub async fn declare_endpoint(channel: &Channel, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
+    declare_exchanges(channel).await?;
+    let parking = endpoint.parking_queue();
+    declare_queue(channel, &parking, quorum()).await?;
+
+    // Dead letters of the work queue (delivery limit exceeded) go to parking through the default
+    // exchange, by queue name. At-least-once dead-lettering needs `reject-publish` overflow: with the
+    // default overflow the broker silently falls back to at-most-once.
+    let mut work = dead_lettering_to(&parking);
+    work.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(i64::from(endpoint.delivery_limit)));
+    declare_queue(channel, endpoint.name, work).await?;
+    for binding in &endpoint.bindings {
+        channel
+            .queue_bind(
+                endpoint.name.into(),
+                binding.exchange.into(),
+                binding.routing_key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+
+    // Wait queues have no consumer: the queue-level TTL expires each message back into the work
+    // queue by name. Queue-level (not per-message) TTL, so one long wait never holds up a short
+    // one behind it; and by name, never through the shared exchange, which would hand every other
+    // consumer of that routing key a duplicate.
+    let mut delays = policy.delays().to_vec();
+    delays.dedup();
+    for delay in delays {
+        let mut wait = dead_lettering_to(endpoint.name);
+        let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        wait.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+        declare_queue(channel, &endpoint.wait_queue(delay), wait).await?;
+    }
+    Ok(())
+}
+
+fn quorum() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    arguments
+}
+
+/// Quorum queue arguments that dead-letter, at least once, into `target` by name.
+fn dead_lettering_to(target: &str) -> FieldTable {
+    let mut arguments = quorum();
+    arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+    arguments.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(target.into()));
+    arguments.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
+    arguments.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    arguments
+}
+
+async fn declare_queue(channel: &Channel, name: &str, arguments: FieldTable) -> lapin::Result<()> {
+    channel.queue_declare(ShortString::from(name), QueueDeclareOptions::durable(), arguments).await.map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_policy_caps_attempts_and_repeats_last_tier() {
+        let policy = RetryPolicy::new(vec![Duration::from_secs(1), Duration::from_secs(5)], 4);
+        assert_eq!(policy.next_delay(0), Some(Duration::from_secs(1)));
+        assert_eq!(policy.next_delay(1), Some(Duration::from_secs(5)));
+        assert_eq!(policy.next_delay(2), Some(Duration::from_secs(5)));
+        assert_eq!(policy.next_delay(3), None, "attempt 4 of 4 is the last");
+        assert_eq!(RetryPolicy::new(vec![Duration::from_secs(1)], 1).next_delay(0), None);
+    }
+
+    #[test]
+    fn endpoint_names_its_queues_and_checks_versions() {
+        let endpoint = Endpoint::new("inventory.order-placed").accept::<crate::contracts::OrderPlaced>();
+        assert_eq!(endpoint.parking_queue(), "inventory.order-placed.parking");
+        assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "inventory.order-placed.wait.5s");
+        assert!(endpoint.check("order.placed", 1).is_ok());
+        assert!(endpoint.check("order.placed", 2).is_err());
+        assert!(endpoint.check("order.cancelled", 1).is_err());
+    }
+}

@@ -1,0 +1,288 @@
+//! The HTTP API (DESIGN §7): accept orders, report jobs and orders.
+
+use axum::{
+    Json, Router,
+    body::{Body, Bytes},
+    extract::{Path, State},
+    http::{HeaderMap, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use chrono::{DateTime, Utc};
+use messaging::{
+    contracts::{OrderLine, OrderPlaced},
+    envelope::Headers,
+    outbox,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::problem::ApiError;
+
+/// Largest accepted request body.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Most lines in one order.
+pub const MAX_LINES: usize = 100;
+/// Accepted quantities per line.
+pub const QUANTITY: std::ops::RangeInclusive<i32> = 1..=1000;
+const MAX_ID_CHARS: usize = 200;
+
+/// The API's routes.
+pub fn router(pool: PgPool) -> Router {
+    Router::new()
+        .route("/orders", post(place_order))
+        .route("/orders/{order_id}", get(get_order))
+        .route("/jobs/{job_id}", get(get_job))
+        .with_state(pool)
+}
+
+/// `POST /orders` body. Unknown fields are refused: a typo must not silently drop data.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PlaceOrder {
+    /// Who orders.
+    pub customer_id: String,
+    /// What.
+    pub lines: Vec<OrderLineRequest>,
+}
+
+/// One requested line.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OrderLineRequest {
+    /// Stock keeping unit.
+    pub sku: String,
+    /// How many.
+    pub quantity: i32,
+}
+
+impl PlaceOrder {
+    /// Check what the type system cannot.
+    fn validate(&self) -> Result<(), ApiError> {
+        let bad = |detail: String| Err(ApiError::BadRequest(detail));
+        if self.customer_id.trim().is_empty() || self.customer_id.chars().count() > MAX_ID_CHARS {
+            return bad(format!("customerId must be 1 to {MAX_ID_CHARS} characters"));
+        }
+        if self.lines.is_empty() {
+            return bad("lines must not be empty".into());
+        }
+        if self.lines.len() > MAX_LINES {
+            return bad(format!("at most {MAX_LINES} lines per order, got {}", self.lines.len()));
+        }
+        for (i, line) in self.lines.iter().enumerate() {
+            if line.sku.trim().is_empty() || line.sku.chars().count() > MAX_ID_CHARS {
+                return bad(format!("lines[{i}].sku must be 1 to {MAX_ID_CHARS} characters"));
+            }
+            if !QUANTITY.contains(&line.quantity) {
+                return bad(format!(
+                    "lines[{i}].quantity must be between {} and {}, got {}",
+                    QUANTITY.start(),
+                    QUANTITY.end(),
+                    line.quantity
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `202` body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Accepted {
+    /// Poll `/jobs/{jobId}`.
+    pub job_id: Uuid,
+    /// The order created.
+    pub order_id: Uuid,
+}
+
+async fn place_order(State(pool): State<PgPool>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let order = read_json::<PlaceOrder>(&headers, body).await?;
+    order.validate()?;
+    let key = idempotency_key(&headers)?;
+    let accepted = accept(&pool, &order, key.as_deref()).await?;
+    let location = format!("/jobs/{}", accepted.job_id);
+    Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
+}
+
+/// Check the content type, read at most [`MAX_BODY_BYTES`], parse.
+async fn read_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = content_type.split(';').next().unwrap_or("").trim();
+    if !essence.eq_ignore_ascii_case("application/json") {
+        return Err(ApiError::UnsupportedMediaType);
+    }
+    let bytes: Bytes =
+        axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| ApiError::PayloadTooLarge(MAX_BODY_BYTES))?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(key) if !key.is_empty() && key.len() <= 255 && key.bytes().all(|b| b.is_ascii_graphic()) => {
+            Ok(Some(key.to_owned()))
+        }
+        _ => Err(ApiError::BadRequest("Idempotency-Key must be 1 to 255 visible ASCII characters".into())),
+    }
+}
+
+/// Write the order, its lines, its job, its `order.placed` outbox row and (with a key) the
+/// idempotency record in ONE transaction: all of it exists, or none of it.
+async fn accept(pool: &PgPool, order: &PlaceOrder, key: Option<&str>) -> Result<Accepted, ApiError> {
+    let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
+    let mut tx = pool.begin().await?;
+    insert_order(&mut tx, &accepted, order).await?;
+    let Some(key) = key else {
+        tx.commit().await?;
+        return Ok(accepted);
+    };
+    // Claim the key last, in the same transaction. A concurrent request with the same key blocks
+    // on this insert until the first one commits, then sees the conflict: exactly one order.
+    let request = serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let claimed = sqlx::query(
+        "insert into idempotency_keys (key, request, job_id, order_id) values ($1, $2, $3, $4)
+         on conflict (key) do nothing",
+    )
+    .bind(key)
+    .bind(&request)
+    .bind(accepted.job_id)
+    .bind(accepted.order_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if claimed == 1 {
+        tx.commit().await?;
+        return Ok(accepted);
+    }
+    tx.rollback().await?;
+    // jsonb equality ignores key order and whitespace: the same request, however formatted.
+    let (same, job_id, order_id): (bool, Uuid, Uuid) =
+        sqlx::query_as("select request = $2, job_id, order_id from idempotency_keys where key = $1")
+            .bind(key)
+            .bind(&request)
+            .fetch_one(pool)
+            .await?;
+    if same { Ok(Accepted { job_id, order_id }) } else { Err(ApiError::IdempotencyMismatch) }
+}
+
+/// The inserts of an accepted order, in the caller's transaction.
+pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOrder) -> Result<(), sqlx::Error> {
+    sqlx::query("insert into orders (id, customer_id) values ($1, $2)")
+        .bind(ids.order_id)
+        .bind(&order.customer_id)
+        .execute(&mut *tx)
+        .await?;
+    let line_numbers: Vec<i32> = (1..).take(order.lines.len()).collect();
+    let skus: Vec<&str> = order.lines.iter().map(|l| l.sku.as_str()).collect();
+    let quantities: Vec<i32> = order.lines.iter().map(|l| l.quantity).collect();
+    sqlx::query(
+        "insert into order_lines (order_id, line_no, sku, quantity)
+         select $1, * from unnest($2::int[], $3::text[], $4::int[])",
+    )
+    .bind(ids.order_id)
+    .bind(&line_numbers)
+    .bind(&skus)
+    .bind(&quantities)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("insert into jobs (id, order_id) values ($1, $2)")
+        .bind(ids.job_id)
+        .bind(ids.order_id)
+        .execute(&mut *tx)
+        .await?;
+    let placed = OrderPlaced {
+        order_id: ids.order_id,
+        job_id: ids.job_id,
+        customer_id: order.customer_id.clone(),
+        lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
+    };
+    outbox::enqueue(tx, &placed, &Headers::new(Some(ids.job_id), 1)).await?;
+    Ok(())
+}
+
+/// `GET /jobs/{jobId}`.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct Job {
+    /// The job.
+    pub job_id: Uuid,
+    /// Its order.
+    pub order_id: Uuid,
+    /// queued, published, retry_wait, succeeded, rejected, quarantined.
+    pub state: String,
+    /// Highest attempt any step needed so far.
+    pub attempt: i32,
+    /// The invoice id once succeeded.
+    pub result_key: Option<String>,
+    /// The refusal or failure reason.
+    pub last_error: Option<String>,
+    /// When `order.placed` was confirmed by the broker.
+    pub published_at: Option<DateTime<Utc>>,
+    /// Accepted at.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Result<Json<Job>, ApiError> {
+    let job_id = parse_id("job", &job_id)?;
+    let job = sqlx::query_as(
+        "select id as job_id, order_id, state, attempt, result_key, last_error, published_at, created_at, updated_at
+           from jobs where id = $1",
+    )
+    .bind(job_id)
+    .fetch_optional(&pool)
+    .await?
+    .ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
+    Ok(Json(job))
+}
+
+/// `GET /orders/{orderId}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Order {
+    /// The order.
+    pub order_id: Uuid,
+    /// Its job.
+    pub job_id: Uuid,
+    /// Who ordered.
+    pub customer_id: String,
+    /// accepted, reserved, invoiced, rejected, failed.
+    pub status: String,
+    /// What.
+    pub lines: Vec<OrderLine>,
+    /// Accepted at.
+    pub created_at: DateTime<Utc>,
+    /// Last change.
+    pub updated_at: DateTime<Utc>,
+}
+
+async fn get_order(State(pool): State<PgPool>, Path(order_id): Path<String>) -> Result<Json<Order>, ApiError> {
+    let order_id = parse_id("order", &order_id)?;
+    let row: Option<(Uuid, String, String, DateTime<Utc>, DateTime<Utc>, sqlx::types::Json<Vec<OrderLine>>)> = sqlx::query_as(
+        "select j.id, o.customer_id, o.status, o.created_at, o.updated_at,
+                (select coalesce(json_agg(json_build_object('sku', l.sku, 'quantity', l.quantity) order by l.line_no), '[]')
+                   from order_lines l where l.order_id = o.id)
+           from orders o join jobs j on j.order_id = o.id
+          where o.id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(&pool)
+    .await?;
+    let (job_id, customer_id, status, created_at, updated_at, lines) =
+        row.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    Ok(Json(Order { order_id, job_id, customer_id, status, lines: lines.0, created_at, updated_at }))
+}
+
+fn parse_id(what: &str, raw: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(raw).map_err(|_| ApiError::BadRequest(format!("malformed {what} id `{raw}`: expected a UUID")))
+}
+
+/// Problem+json 404 for unknown routes.
+pub async fn no_route() -> ApiError {
+    ApiError::NotFound("no such resource".into())
+}

@@ -1,0 +1,104 @@
+//! The one error type at the HTTP edge: every failure becomes an RFC 9457 `application/problem+json`
+//! response with a precise status, and no database text ever reaches the client. Server-side
+//! failures are logged once, by the `log_failures` middleware, not here.
+
+use std::sync::Arc;
+
+use axum::{
+    Json,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::Serialize;
+
+/// Everything a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed or invalid input (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// Not `application/json` (415).
+    #[error("expected Content-Type: application/json")]
+    UnsupportedMediaType,
+    /// Body over the limit (413).
+    #[error("request body exceeds {0} bytes")]
+    PayloadTooLarge(usize),
+    /// No such resource (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// Idempotency key reused with a different request (422).
+    #[error("Idempotency-Key was already used with a different request body")]
+    IdempotencyMismatch,
+    /// The database is unreachable: try again later (503).
+    #[error("service temporarily unavailable, retry later")]
+    Unavailable(#[source] sqlx::Error),
+    /// Anything else (500): details are logged, never returned.
+    #[error("internal error")]
+    Internal(#[source] sqlx::Error),
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        if messaging::db::is_unreachable(&error) { Self::Unavailable(error) } else { Self::Internal(error) }
+    }
+}
+
+/// An RFC 9457 problem document.
+#[derive(Debug, Serialize)]
+struct Problem {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    title: &'static str,
+    status: u16,
+    detail: String,
+}
+
+/// Attached to 5xx responses so the logging middleware can log the cause once.
+#[derive(Debug, Clone)]
+pub struct FailureCause(pub Arc<String>);
+
+impl ApiError {
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let problem = Problem {
+            kind: "about:blank",
+            title: status.canonical_reason().unwrap_or("Error"),
+            status: status.as_u16(),
+            detail: self.to_string(),
+        };
+        let mut response = (status, Json(problem)).into_response();
+        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Self::Unavailable(cause) | Self::Internal(cause) = &self {
+            response.extensions_mut().insert(FailureCause(Arc::new(cause.to_string())));
+        }
+        if matches!(self, Self::Unavailable(_)) {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+/// Middleware: log the cause of every 5xx once.
+pub async fn log_failures(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    if let Some(FailureCause(cause)) = response.extensions().get::<FailureCause>() {
+        tracing::error!(%method, %path, status = response.status().as_u16(), cause = %cause, "request failed");
+    }
+    response
+}

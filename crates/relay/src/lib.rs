@@ -1,0 +1,283 @@
+//! The relay: publishes outbox rows to the broker and marks exactly the confirmed ones published.
+//!
+//! Per outbox database, one loop: claim a batch of due rows in id order (`FOR UPDATE SKIP LOCKED`,
+//! so several relays can share a database), publish them all with `mandatory` and publisher
+//! confirms pipelined, then in the same transaction mark the confirmed rows and record the
+//! returned or nacked ones with a backoff. It wakes on `NOTIFY outbox` and polls as a fallback.
+//!
+//! Crash anywhere and the worst case is a row published twice (confirmed, not yet marked): the
+//! message id is stable, so consumers' inboxes absorb it. A row is never marked without a confirm.
+
+use std::{net::SocketAddr, str::FromStr, time::Duration};
+
+use messaging::{
+    backoff::Backoff,
+    broker,
+    config::{BrokerArgs, SecretUrl, parse_duration},
+    health::{self, Health},
+    metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
+    outbox,
+    publisher::{PublishError, Publisher},
+    shutdown::Shutdown,
+    topology,
+};
+use sqlx::{
+    PgPool,
+    postgres::{PgConnectOptions, PgListener, PgPoolOptions},
+};
+
+/// `relay`: publishes every service's outbox.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(version, about)]
+pub struct Config {
+    /// Outbox databases, comma-separated: one relay loop each. Their services create and migrate
+    /// them; the relay waits until they exist.
+    #[arg(
+        long = "database-url",
+        env = "DATABASE_URL",
+        value_delimiter = ',',
+        default_value = "postgres://postgres@localhost:5432/orders,postgres://postgres@localhost:5432/inventory,postgres://postgres@localhost:5432/billing"
+    )]
+    pub database_urls: Vec<SecretUrl>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub broker: BrokerArgs,
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8083")]
+    pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub relay: RelaySettings,
+}
+
+/// How a relay loop claims, waits and retries.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RelaySettings {
+    /// Rows claimed and published per round trip.
+    #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = 256, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub batch_size: i64,
+    /// Fallback poll when no NOTIFY arrives (e.g. lost while reconnecting).
+    #[arg(long, env = "RELAY_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// First wait before republishing a returned or nacked row; doubles per attempt.
+    #[arg(long, env = "RELAY_RETRY_INITIAL", default_value = "1s", value_parser = parse_duration)]
+    pub retry_initial: Duration,
+    /// Longest wait before republishing a returned or nacked row.
+    #[arg(long, env = "RELAY_RETRY_MAX", default_value = "1m", value_parser = parse_duration)]
+    pub retry_max: Duration,
+    /// Published rows older than this are deleted.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "168h", value_parser = parse_duration)]
+    pub retention: Duration,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        Self {
+            batch_size: 256,
+            poll_interval: Duration::from_secs(1),
+            retry_initial: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// One outbox database.
+#[derive(Debug, Clone)]
+struct OutboxDb {
+    /// Its name, as labelled in metrics and logs.
+    label: String,
+    pool: PgPool,
+}
+
+/// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
+pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+    let mut databases = Vec::new();
+    for url in &config.database_urls {
+        let options = PgConnectOptions::from_str(url.expose())?;
+        let label = options.get_database().unwrap_or("postgres").to_owned();
+        // Lazy: the database may not exist yet; the loop retries until it does.
+        let pool =
+            PgPoolOptions::new().max_connections(4).acquire_timeout(Duration::from_secs(5)).connect_lazy_with(options);
+        databases.push(OutboxDb { label, pool });
+    }
+    let health = Health {
+        databases: databases.iter().map(|db| (db.label.clone(), db.pool.clone())).collect(),
+        ..Health::default()
+    };
+    let mut loops = tokio::task::JoinSet::new();
+    for db in databases {
+        let relay = Relay {
+            db,
+            amqp_url: config.broker.amqp_url.clone(),
+            settings: config.relay.clone(),
+            health: health.clone(),
+        };
+        loops.spawn(relay.run(shutdown.clone()));
+    }
+    let server = health::serve(listener, health::routes(health.clone()), shutdown.clone());
+    let (served, _) = tokio::join!(server, async { while loops.join_next().await.is_some() {} });
+    served?;
+    Ok(())
+}
+
+/// Why a relay session ended.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Broker(#[from] PublishError),
+}
+
+impl From<lapin::Error> for SessionError {
+    fn from(error: lapin::Error) -> Self {
+        Self::Broker(PublishError::Connection(error))
+    }
+}
+
+/// The loop for one outbox database.
+struct Relay {
+    db: OutboxDb,
+    amqp_url: SecretUrl,
+    settings: RelaySettings,
+    health: Health,
+}
+
+impl Relay {
+    async fn run(self, shutdown: Shutdown) {
+        let flag = format!("relay:{}", self.db.label);
+        self.health.readiness.set(&flag, false);
+        let retention = tokio::spawn(delete_published(self.db.clone(), self.settings.retention, shutdown.clone()));
+        let backoff = Backoff::default();
+        let mut failures = 0;
+        let name = format!("relay {}", self.db.label);
+        while let Some(connection) = broker::connect_with_backoff(&self.amqp_url, &name, backoff, &shutdown).await {
+            let result = self.session(&connection, &flag, &shutdown).await;
+            self.health.readiness.set(&flag, false);
+            let _ = connection.close(200, "bye".into()).await;
+            match result {
+                Ok(()) => break,
+                Err(error) => {
+                    let delay = backoff.delay(failures);
+                    tracing::warn!(database = %self.db.label, %error, ?delay, "relay session ended; restarting");
+                    failures += 1;
+                    if !shutdown.sleep(delay).await {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = retention.await;
+        tracing::info!(database = %self.db.label, "relay stopped");
+    }
+
+    /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`).
+    async fn session(
+        &self,
+        connection: &lapin::Connection,
+        flag: &str,
+        shutdown: &Shutdown,
+    ) -> Result<(), SessionError> {
+        let publisher = Publisher::open(connection).await?;
+        topology::declare_exchanges(publisher.channel()).await?;
+        // LISTEN before the first claim: a row committed in between still wakes us.
+        let mut listener = PgListener::connect_with(&self.db.pool).await?;
+        listener.listen(outbox::NOTIFY_CHANNEL).await?;
+        self.health.readiness.set(flag, true);
+        tracing::info!(database = %self.db.label, "relay publishing");
+        loop {
+            // Drain until a batch comes back short: then everything due has been handled.
+            let claimed = self.publish_batch(&publisher).await?;
+            if claimed as i64 >= self.settings.batch_size {
+                if shutdown.is_triggered() {
+                    break;
+                }
+                continue;
+            }
+            tokio::select! {
+                () = shutdown.triggered() => break,
+                notification = listener.recv() => { notification?; }
+                () = tokio::time::sleep(self.settings.poll_interval) => {}
+            }
+        }
+        publisher.close().await;
+        Ok(())
+    }
+
+    /// Claim, publish, confirm and mark one batch; returns how many rows were claimed.
+    async fn publish_batch(&self, publisher: &Publisher) -> Result<usize, SessionError> {
+        let mut tx = self.db.pool.begin().await?;
+        let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(0);
+        }
+        // Put the whole batch on the wire, then collect the confirms in order: one round trip for
+        // the batch instead of one per row.
+        let mut sent = Vec::with_capacity(rows.len());
+        for row in &rows {
+            sent.push(publisher.send(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await);
+        }
+        let mut confirmed = Vec::with_capacity(rows.len());
+        let mut broken = None;
+        let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
+        for (row, sent) in rows.iter().zip(sent) {
+            let outcome = match sent {
+                Ok(pending) => pending.confirmed().await,
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Ok(()) => confirmed.push(row.id),
+                // The channel is gone: the outcome of this and later rows is unknown. They stay
+                // unpublished and are republished by the next session.
+                Err(error) if error.is_connection() => {
+                    broken = Some(error);
+                    break;
+                }
+                Err(error) => {
+                    let attempts = u32::try_from(row.attempts).unwrap_or(0);
+                    let retry_after = backoff.delay(attempts);
+                    tracing::warn!(database = %self.db.label, id = row.id, message_id = %row.message_id, %error, ?retry_after, "publish refused; will retry");
+                    outbox::record_failure(&mut tx, row.id, &error.to_string(), retry_after).await?;
+                    self.health.metrics.increment(OUTBOX_PUBLISH_FAILURES, &[("database", &self.db.label)]);
+                }
+            }
+        }
+        // Rows confirmed before a broken channel are still marked: marking is what keeps a
+        // reconnect from republishing them.
+        outbox::mark_published(&mut tx, &confirmed).await?;
+        tx.commit().await?;
+        self.health.metrics.add(OUTBOX_PUBLISHED, &[("database", &self.db.label)], confirmed.len() as u64);
+        match broken {
+            Some(error) => Err(error.into()),
+            None => Ok(rows.len()),
+        }
+    }
+}
+
+/// Delete published rows past retention, in small batches so no long lock is held; hourly.
+async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown) {
+    const BATCH: i64 = 10_000;
+    loop {
+        loop {
+            match outbox::delete_published_before(&db.pool, retention, BATCH).await {
+                Ok(deleted) if deleted == BATCH as u64 => continue,
+                Ok(deleted) => {
+                    if deleted > 0 {
+                        tracing::info!(database = %db.label, deleted, "old published outbox rows deleted");
+                    }
+                    break;
+                }
+                // Table not there yet, database down: try again next round.
+                Err(error) => {
+                    tracing::debug!(database = %db.label, %error, "outbox retention skipped");
+                    break;
+                }
+            }
+        }
+        if !shutdown.sleep(Duration::from_secs(3600)).await {
+            return;
+        }
+    }
+}
