@@ -1,1 +1,275 @@
-//! stub
+//! The test kit: real Postgres and RabbitMQ for integration tests, never mocks.
+//!
+//! Servers are found in this order:
+//! 1. `TEST_DATABASE_URL` / `TEST_AMQP_URL`, else `DATABASE_URL` / `AMQP_URL` (CI, and machines
+//!    that run the services locally); the RabbitMQ management API is at `TEST_RABBITMQ_MANAGEMENT_URL`,
+//!    default `http://guest:guest@<amqp host>:15672`;
+//! 2. otherwise, containers started with `testcontainers` (needs a Docker engine);
+//! 3. otherwise the test fails with a message saying how to provide them.
+//!
+//! Each [`TestEnv`] gets its own databases (`t_<id>_<service>`) and its own vhost, so tests run in
+//! parallel without seeing each other's rows or queues. Both are removed when it is dropped.
+
+pub mod http;
+
+use std::{future::Future, time::Duration};
+
+use lapin::{
+    Connection, ConnectionProperties,
+    options::{BasicGetOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use sqlx::{PgPool, postgres::PgPoolOptions};
+use tokio::sync::OnceCell;
+use uuid::Uuid;
+
+/// Where the servers are.
+#[derive(Debug, Clone)]
+pub struct Servers {
+    /// `postgres://user@host:port` (no database).
+    postgres: String,
+    /// `amqp://user:pass@host:port` (no vhost).
+    amqp: String,
+    /// `http://user:pass@host:port` of the management API.
+    management: String,
+}
+
+static SERVERS: OnceCell<Servers> = OnceCell::const_new();
+
+fn env(names: &[&str]) -> Option<String> {
+    names.iter().find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+}
+
+/// `scheme://authority` of a URL, without path or query.
+fn origin(url: &str) -> &str {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    match url[start..].find(['/', '?']) {
+        Some(end) => &url[..start + end],
+        None => url,
+    }
+}
+
+async fn servers() -> &'static Servers {
+    SERVERS.get_or_init(locate_servers).await
+}
+
+async fn locate_servers() -> Servers {
+    let postgres = env(&["TEST_DATABASE_URL", "DATABASE_URL"]);
+    let amqp = env(&["TEST_AMQP_URL", "AMQP_URL"]);
+    if let (Some(postgres), Some(amqp)) = (postgres, amqp) {
+        let amqp = origin(&amqp).to_owned();
+        let host = amqp.rsplit('@').next().unwrap_or("localhost:5672");
+        let host = host.split(':').next().unwrap_or("localhost");
+        let user =
+            amqp.strip_prefix("amqp://").and_then(|rest| rest.split_once('@')).map_or("guest:guest", |(user, _)| user);
+        let management =
+            env(&["TEST_RABBITMQ_MANAGEMENT_URL"]).unwrap_or_else(|| format!("http://{user}@{host}:15672"));
+        return Servers { postgres: origin(&postgres).to_owned(), amqp, management };
+    }
+    containers::start().await.unwrap_or_else(|error| {
+        panic!(
+            "integration tests need Postgres and RabbitMQ. Either set DATABASE_URL and AMQP_URL (or \
+             TEST_DATABASE_URL and TEST_AMQP_URL) to running servers, e.g.\n  \
+             DATABASE_URL=postgres://postgres@127.0.0.1:5432 AMQP_URL=amqp://guest:guest@127.0.0.1:5672 cargo test\n\
+             with the RabbitMQ management plugin enabled (rabbitmq-plugins enable rabbitmq_management), \
+             or run a Docker engine so testcontainers can start them. Starting containers failed: {error}"
+        )
+    })
+}
+
+/// Containers for machines without local servers; kept for the life of the test process.
+mod containers {
+    use testcontainers_modules::{
+        postgres::Postgres,
+        rabbitmq::RabbitMq,
+        testcontainers::{ContainerAsync, runners::AsyncRunner},
+    };
+    use tokio::sync::OnceCell;
+
+    static RUNNING: OnceCell<(ContainerAsync<Postgres>, ContainerAsync<RabbitMq>)> = OnceCell::const_new();
+
+    pub(super) async fn start() -> Result<super::Servers, String> {
+        let (postgres, rabbitmq) = RUNNING
+            .get_or_try_init(|| async {
+                let postgres = Postgres::default().start().await.map_err(|e| e.to_string())?;
+                let rabbitmq = RabbitMq::default().start().await.map_err(|e| e.to_string())?;
+                Ok::<_, String>((postgres, rabbitmq))
+            })
+            .await?;
+        let pg_port = postgres.get_host_port_ipv4(5432).await.map_err(|e| e.to_string())?;
+        let amqp_port = rabbitmq.get_host_port_ipv4(5672).await.map_err(|e| e.to_string())?;
+        let http_port = rabbitmq.get_host_port_ipv4(15672).await.map_err(|e| e.to_string())?;
+        Ok(super::Servers {
+            postgres: format!("postgres://postgres:postgres@127.0.0.1:{pg_port}"),
+            amqp: format!("amqp://guest:guest@127.0.0.1:{amqp_port}"),
+            management: format!("http://guest:guest@127.0.0.1:{http_port}"),
+        })
+    }
+}
+
+/// One test's private world: databases and a vhost of its own.
+#[derive(Debug)]
+pub struct TestEnv {
+    id: String,
+    servers: &'static Servers,
+    vhost: String,
+}
+
+impl TestEnv {
+    /// A fresh vhost (databases are created on first use).
+    pub async fn new() -> Self {
+        let servers = servers().await;
+        let id = Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let vhost = format!("t-{id}");
+        create_vhost(servers, &vhost).await;
+        Self { id, servers, vhost }
+    }
+
+    /// The URL of this test's database for `service` (e.g. `orders`); created by whoever connects
+    /// first through [`messaging::db`], or by [`TestEnv::pool`].
+    pub fn database_url(&self, service: &str) -> String {
+        format!("{}/t_{}_{service}", self.servers.postgres, self.id)
+    }
+
+    /// This test's broker URL (its own vhost).
+    pub fn amqp_url(&self) -> String {
+        format!("{}/{}", self.servers.amqp, self.vhost)
+    }
+
+    /// A pool on this test's database for `service`, created if missing (not migrated).
+    pub async fn pool(&self, service: &str) -> PgPool {
+        let options: sqlx::postgres::PgConnectOptions = self.database_url(service).parse().expect("database url");
+        messaging::db::create_database_if_missing(&options).await.expect("create test database");
+        PgPoolOptions::new().max_connections(4).connect_with(options).await.expect("connect test database")
+    }
+
+    /// A pool on this test's database for `service`, migrated with `migrator`.
+    pub async fn migrated_pool(&self, service: &str, migrator: &sqlx::migrate::Migrator) -> PgPool {
+        let pool = self.pool(service).await;
+        migrator.run(&pool).await.expect("migrate test database");
+        pool
+    }
+
+    /// A broker connection on this test's vhost.
+    pub async fn amqp(&self) -> Connection {
+        Connection::connect(&self.amqp_url(), ConnectionProperties::default()).await.expect("connect to test vhost")
+    }
+
+    /// Messages ready in `queue` (`None` if it does not exist).
+    pub async fn queue_depth(&self, queue: &str) -> Option<u32> {
+        let connection = self.amqp().await;
+        let channel = connection.create_channel().await.expect("channel");
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions { passive: true, ..Default::default() },
+                FieldTable::default(),
+            )
+            .await;
+        let _ = connection.close(200, "bye".into()).await;
+        declared.ok().map(|queue| queue.message_count())
+    }
+
+    /// Take (and ack) every message in `queue`.
+    pub async fn drain(&self, queue: &str) -> Vec<lapin::message::Delivery> {
+        let connection = self.amqp().await;
+        let channel = connection.create_channel().await.expect("channel");
+        let mut taken = Vec::new();
+        while let Some(message) =
+            channel.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await.expect("basic.get")
+        {
+            taken.push(message.delivery);
+        }
+        let _ = connection.close(200, "bye".into()).await;
+        taken
+    }
+}
+
+impl Drop for TestEnv {
+    /// Remove the databases and the vhost. Runs on its own thread and runtime, since `drop`
+    /// cannot await; `WITH (FORCE)` disconnects services still winding down.
+    fn drop(&mut self) {
+        let servers = self.servers;
+        let prefix = format!("t_{}_", self.id);
+        let vhost = self.vhost.clone();
+        let cleanup = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                return;
+            };
+            runtime.block_on(async move {
+                delete_vhost(servers, &vhost).await;
+                let url = format!("{}/postgres", servers.postgres);
+                let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await else {
+                    return;
+                };
+                let names: Vec<String> =
+                    sqlx::query_scalar("select datname from pg_database where starts_with(datname, $1)")
+                        .bind(&prefix)
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap_or_default();
+                for name in names {
+                    let _ =
+                        sqlx::query(&format!("drop database if exists \"{name}\" with (force)")).execute(&pool).await;
+                }
+                pool.close().await;
+            });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+async fn create_vhost(servers: &Servers, vhost: &str) {
+    let api = &servers.management;
+    let created = http::request("PUT", &format!("{api}/api/vhosts/{vhost}"), &[], Some("{}")).await;
+    match created {
+        Ok(response) if response.status < 300 => {
+            let user = api.strip_prefix("http://").and_then(|r| r.split_once(':')).map_or("guest", |(u, _)| u);
+            let body = r#"{"configure":".*","write":".*","read":".*"}"#;
+            let granted = http::request("PUT", &format!("{api}/api/permissions/{vhost}/{user}"), &[], Some(body)).await;
+            assert!(
+                matches!(granted, Ok(ref r) if r.status < 300),
+                "cannot grant permissions on vhost {vhost}: {granted:?}"
+            );
+        }
+        // No management API: the local broker's own CLI can do it (slower, but CI has it).
+        _ => {
+            rabbitmqctl(&["add_vhost", vhost]).await;
+            rabbitmqctl(&["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]).await;
+        }
+    }
+}
+
+async fn delete_vhost(servers: &Servers, vhost: &str) {
+    let deleted = http::request("DELETE", &format!("{}/api/vhosts/{vhost}", servers.management), &[], None).await;
+    if !matches!(deleted, Ok(ref r) if r.status < 300) {
+        let _ = tokio::process::Command::new("rabbitmqctl").args(["delete_vhost", vhost]).output().await;
+    }
+}
+
+async fn rabbitmqctl(args: &[&str]) {
+    let output = tokio::process::Command::new("rabbitmqctl").args(args).output().await;
+    assert!(
+        matches!(output, Ok(ref o) if o.status.success()),
+        "creating a test vhost needs the RabbitMQ management API (rabbitmq-plugins enable rabbitmq_management) \
+         or rabbitmqctl on PATH; `rabbitmqctl {}` failed: {output:?}",
+        args.join(" ")
+    );
+}
+
+/// Poll `probe` every 20 ms until it returns `Some`, or panic after `timeout` naming `what`.
+/// Tests wait for observable states this way, never for a fixed time.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = probe().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,137 @@
+//! The whole order flow on real Postgres and RabbitMQ: API -> outbox -> relay -> inventory ->
+//! billing -> status consumer, and the duplicate deliveries each inbox must absorb.
+
+mod common;
+
+use chrono::Utc;
+use common::{Shop, WAIT, count};
+use messaging::{
+    contracts::{Contract, InventoryReserved, OrderLine, OrderPlaced},
+    envelope::Headers,
+    publisher::Publisher,
+};
+use testkit::eventually;
+use uuid::Uuid;
+
+async fn stock(shop: &Shop, sku: &str) -> (i32, i32) {
+    sqlx::query_as("select available, reserved from stock where sku = $1")
+        .bind(sku)
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("stock row")
+}
+
+#[tokio::test]
+async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
+    let shop = Shop::start().await;
+    let (sku1_before, _) = stock(&shop, "SKU-1").await;
+    let (sku3_before, _) = stock(&shop, "SKU-3").await;
+
+    let job_id = shop.place(&[("SKU-1", 2), ("SKU-3", 1), ("SKU-1", 1)]).await;
+    let job = shop.wait_for_state(&job_id, "succeeded").await;
+
+    let invoice_id: Uuid = job["resultKey"].as_str().expect("resultKey").parse().expect("invoice id is a UUID");
+    let total: i64 = sqlx::query_scalar("select total_cents from invoices where id = $1")
+        .bind(invoice_id)
+        .fetch_one(&shop.billing)
+        .await
+        .expect("the invoice named by resultKey exists");
+    assert_eq!(total, 3 * 1299 + 499, "sum of quantity x unit price");
+    assert_eq!(job["attempt"], 1);
+    assert!(job["publishedAt"].is_string(), "{job}");
+
+    assert_eq!(stock(&shop, "SKU-1").await, (sku1_before - 3, 3));
+    assert_eq!(stock(&shop, "SKU-3").await, (sku3_before - 1, 1));
+    let order = common::count(&shop.orders, "select count(*) from orders where status = 'invoiced'").await;
+    assert_eq!(order, 1);
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
+    let shop = Shop::start().await;
+    let before: Vec<(String, i32, i32)> = sqlx::query_as("select sku, available, reserved from stock order by sku")
+        .fetch_all(&shop.inventory)
+        .await
+        .expect("stock");
+
+    // SKU-5 has 10 in stock: the whole order is refused, including the line that would fit.
+    let too_many = shop.place(&[("SKU-1", 1), ("SKU-5", 11)]).await;
+    let unknown = shop.place(&[("SKU-2", 1), ("NOPE-9", 1)]).await;
+
+    let job = shop.wait_for_state(&too_many, "rejected").await;
+    assert!(job["lastError"].as_str().expect("reason").contains("insufficient stock for SKU-5"), "{job}");
+    let job = shop.wait_for_state(&unknown, "rejected").await;
+    assert!(job["lastError"].as_str().expect("reason").contains("unknown SKU NOPE-9"), "{job}");
+
+    let after: Vec<(String, i32, i32)> = sqlx::query_as("select sku, available, reserved from stock order by sku")
+        .fetch_all(&shop.inventory)
+        .await
+        .expect("stock");
+    assert_eq!(before, after, "no stock moves");
+    assert_eq!(count(&shop.inventory, "select count(*) from reservations").await, 0);
+    assert_eq!(count(&shop.billing, "select count(*) from invoices").await, 0);
+    shop.stop().await;
+}
+
+/// Publish `body` twice with the same message id, as a relay that crashed before marking would.
+async fn publish_twice<C: Contract>(shop: &Shop, body: &C, job_id: Uuid) {
+    let connection = shop.env.amqp().await;
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    let message_id = Uuid::now_v7();
+    let properties = Headers::new(Some(job_id), C::VERSION).properties(message_id, C::TYPE, Utc::now());
+    let payload = serde_json::to_vec(body).expect("json");
+    for _ in 0..2 {
+        publisher.publish(C::EXCHANGE, C::TYPE, &payload, properties.clone()).await.expect("confirmed");
+    }
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn duplicate_order_placed_reserves_once_and_invoices_once() {
+    let shop = Shop::start().await;
+    let (before, _) = stock(&shop, "SKU-2").await;
+    let placed = OrderPlaced {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        customer_id: "c-dup".into(),
+        lines: vec![OrderLine { sku: "SKU-2".into(), quantity: 4 }],
+    };
+    publish_twice(&shop, &placed, placed.job_id).await;
+
+    let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
+    eventually("inventory to skip the duplicate", WAIT, || async {
+        (shop.metric(&shop.inventory_http, series).await == 1).then_some(())
+    })
+    .await;
+    eventually("the order to be invoiced", WAIT, || async {
+        (count(&shop.billing, "select count(*) from invoices").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(count(&shop.inventory, "select count(*) from reservations").await, 1);
+    assert_eq!(stock(&shop, "SKU-2").await, (before - 4, 4), "reserved once");
+    assert_eq!(count(&shop.inventory, "select count(*) from inbox").await, 1);
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn duplicate_inventory_reserved_invoices_once() {
+    let shop = Shop::start().await;
+    let reserved = InventoryReserved {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        reservation_id: Uuid::now_v7(),
+        lines: vec![OrderLine { sku: "SKU-4".into(), quantity: 2 }],
+    };
+    publish_twice(&shop, &reserved, reserved.job_id).await;
+
+    let series = "inbox_duplicates_skipped_total{endpoint=\"billing.inventory-reserved\"}";
+    eventually("billing to skip the duplicate", WAIT, || async {
+        (shop.metric(&shop.billing_http, series).await == 1).then_some(())
+    })
+    .await;
+    let totals: Vec<i64> =
+        sqlx::query_scalar("select total_cents from invoices").fetch_all(&shop.billing).await.expect("invoices");
+    assert_eq!(totals, vec![2 * 10000], "one invoice, priced once");
+    shop.stop().await;
+}
