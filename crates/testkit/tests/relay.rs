@@ -1,0 +1,153 @@
+//! The relay against real servers: id order, only confirmed rows marked, two relays at once, and
+//! a broker with nowhere to route the messages yet.
+
+mod common;
+
+use std::collections::HashSet;
+
+use clap::Parser;
+use common::{WAIT, count, relay_args, wait_ready};
+use lapin::{
+    options::{QueueBindOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use messaging::{
+    contracts::{OrderLine, OrderPlaced, exchanges},
+    envelope::Headers,
+    outbox,
+    shutdown::{self, ShutdownTrigger},
+    topology,
+};
+use sqlx::PgPool;
+use testkit::{TestEnv, eventually};
+use uuid::Uuid;
+
+const PROBE: &str = "probe.order-placed";
+
+/// Insert `n` order.placed rows, `per_tx` per transaction; returns their message ids in id order.
+async fn fill_outbox(pool: &PgPool, n: usize, per_tx: usize) -> Vec<Uuid> {
+    let mut ids = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(per_tx) {
+        let mut tx = pool.begin().await.expect("begin");
+        for i in chunk {
+            let body = OrderPlaced {
+                order_id: Uuid::now_v7(),
+                job_id: Uuid::now_v7(),
+                customer_id: format!("c-{i}"),
+                lines: vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }],
+            };
+            ids.push(outbox::enqueue(&mut tx, &body, &Headers::new(Some(body.job_id), 1)).await.expect("enqueue"));
+        }
+        tx.commit().await.expect("commit");
+    }
+    ids
+}
+
+/// A queue that receives every order.placed, standing in for a consumer.
+async fn bind_probe(env: &TestEnv) {
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    topology::declare_exchanges(&channel).await.expect("exchanges");
+    channel.queue_declare(PROBE.into(), QueueDeclareOptions::durable(), FieldTable::default()).await.expect("queue");
+    channel
+        .queue_bind(
+            PROBE.into(),
+            exchanges::ORDERS.into(),
+            "order.placed".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+async fn start_relay(
+    env: &TestEnv,
+    trigger: &ShutdownTrigger,
+) -> (tokio::task::JoinHandle<anyhow::Result<()>>, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));
+    let task = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
+    wait_ready(&base).await;
+    (task, base)
+}
+
+async fn wait_all_published(pool: &PgPool) {
+    eventually("every outbox row to be published", WAIT, || async {
+        (count(pool, "select count(*) from outbox where published_at is null").await == 0).then_some(())
+    })
+    .await;
+}
+
+fn message_ids(deliveries: &[lapin::message::Delivery]) -> Vec<Uuid> {
+    deliveries
+        .iter()
+        .map(|d| d.properties.message_id().as_ref().expect("message_id").as_str().parse().expect("uuid"))
+        .collect()
+}
+
+#[tokio::test]
+async fn relay_publishes_in_id_order_and_marks_only_confirmed_rows() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    bind_probe(&env).await;
+    let expected = fill_outbox(&pool, 300, 300).await;
+    let (trigger, _) = shutdown::channel();
+    let (relay, _) = start_relay(&env, &trigger).await;
+
+    wait_all_published(&pool).await;
+    let delivered = message_ids(&env.drain(PROBE).await);
+    assert_eq!(delivered, expected, "every row delivered once, in id order");
+    assert_eq!(count(&pool, "select count(*) from outbox where attempts > 0").await, 0);
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
+
+#[tokio::test]
+async fn two_relays_together_publish_each_row_once() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    bind_probe(&env).await;
+    let (trigger, _) = shutdown::channel();
+    let (first, _) = start_relay(&env, &trigger).await;
+    let (second, _) = start_relay(&env, &trigger).await;
+
+    // Rows arrive while both relays are running, in many small transactions, so both get work.
+    let expected = fill_outbox(&pool, 1000, 10).await;
+    wait_all_published(&pool).await;
+    let delivered = message_ids(&env.drain(PROBE).await);
+    assert_eq!(delivered.len(), expected.len(), "no row published twice, none lost");
+    let unique: HashSet<_> = delivered.iter().collect();
+    assert_eq!(unique, expected.iter().collect::<HashSet<_>>());
+    trigger.trigger();
+    first.await.expect("relay task").expect("relay ran");
+    second.await.expect("relay task").expect("relay ran");
+}
+
+#[tokio::test]
+async fn relay_started_before_any_queue_marks_nothing_then_delivers_everything() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let expected = fill_outbox(&pool, 50, 50).await;
+    let (trigger, _) = shutdown::channel();
+    let (relay, base) = start_relay(&env, &trigger).await;
+
+    // Nothing is bound to the exchange yet: every publish is returned, nothing is marked.
+    eventually("every row to be returned at least once", WAIT, || async {
+        (count(&pool, "select count(*) from outbox where attempts > 0 and last_error like '%NO_ROUTE%'").await == 50)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(count(&pool, "select count(*) from outbox where published_at is not null").await, 0);
+    let metrics = testkit::http::request("GET", &format!("{base}/metrics"), &[], None).await.expect("metrics");
+    assert!(String::from_utf8_lossy(&metrics.body).contains("outbox_publish_failures_total{database="));
+
+    bind_probe(&env).await;
+    wait_all_published(&pool).await;
+    let delivered: HashSet<Uuid> = message_ids(&env.drain(PROBE).await).into_iter().collect();
+    assert_eq!(delivered, expected.into_iter().collect::<HashSet<_>>(), "all delivered once the queue exists");
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
