@@ -242,7 +242,7 @@ async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Resu
 }
 
 /// `GET /orders/{orderId}`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 #[serde(rename_all = "camelCase")]
 pub struct Order {
     /// The order.
@@ -254,6 +254,7 @@ pub struct Order {
     /// accepted, reserved, invoiced, rejected, failed.
     pub status: String,
     /// What.
+    #[sqlx(json)]
     pub lines: Vec<OrderLine>,
     /// Accepted at.
     pub created_at: DateTime<Utc>,
@@ -263,19 +264,18 @@ pub struct Order {
 
 async fn get_order(State(pool): State<PgPool>, Path(order_id): Path<String>) -> Result<Json<Order>, ApiError> {
     let order_id = parse_id("order", &order_id)?;
-    let row: Option<(Uuid, String, String, DateTime<Utc>, DateTime<Utc>, sqlx::types::Json<Vec<OrderLine>>)> = sqlx::query_as(
-        "select j.id, o.customer_id, o.status, o.created_at, o.updated_at,
+    let order = sqlx::query_as(
+        "select o.id as order_id, j.id as job_id, o.customer_id, o.status, o.created_at, o.updated_at,
                 (select coalesce(json_agg(json_build_object('sku', l.sku, 'quantity', l.quantity) order by l.line_no), '[]')
-                   from order_lines l where l.order_id = o.id)
+                   from order_lines l where l.order_id = o.id) as lines
            from orders o join jobs j on j.order_id = o.id
           where o.id = $1",
     )
     .bind(order_id)
     .fetch_optional(&pool)
-    .await?;
-    let (job_id, customer_id, status, created_at, updated_at, lines) =
-        row.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
-    Ok(Json(Order { order_id, job_id, customer_id, status, lines: lines.0, created_at, updated_at }))
+    .await?
+    .ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    Ok(Json(order))
 }
 
 fn parse_id(what: &str, raw: &str) -> Result<Uuid, ApiError> {

@@ -1,0 +1,39 @@
+# Everyday commands. `just --list` shows them.
+
+export DATABASE_URL := env_var_or_default("DATABASE_URL", "postgres://postgres@127.0.0.1:5432")
+export AMQP_URL := env_var_or_default("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672")
+
+# Run the whole suite against the servers named by DATABASE_URL and AMQP_URL.
+test:
+    cargo test --workspace
+
+# Formatting and lints, as CI runs them.
+lint:
+    cargo fmt --all --check
+    cargo clippy --workspace --all-targets -- -D warnings
+
+# What CI runs (starts the local servers if they are down).
+ci:
+    bash .ci/run
+
+# Every service locally against existing servers, with the demo faults on; Ctrl-C stops them all.
+dev:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --bins
+    base="${DATABASE_URL%/}"
+    trap 'kill 0' EXIT INT TERM
+    DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 cargo run -q --bin orders-api &
+    DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 cargo run -q --bin inventory-worker &
+    DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 cargo run -q --bin billing-worker &
+    DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 cargo run -q --bin relay &
+    wait
+
+# The live demo in containers: Postgres, RabbitMQ with its management UI, every service.
+demo:
+    docker compose up --build
+
+# Place a demo order against a running API (`just order SKU-1 2`).
+order sku="SKU-1" quantity="1":
+    curl -si -X POST localhost:8080/orders -H 'Content-Type: application/json' \
+        -d '{"customerId":"demo","lines":[{"sku":"{{sku}}","quantity":{{quantity}}}]}'
