@@ -42,8 +42,14 @@ async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
 
     assert_eq!(stock(&shop, "SKU-1").await, (sku1_before - 3, 3));
     assert_eq!(stock(&shop, "SKU-3").await, (sku3_before - 1, 1));
-    let order = common::count(&shop.orders, "select count(*) from orders where status = 'invoiced'").await;
-    assert_eq!(order, 1);
+    let order_url = format!("{}/orders/{}", shop.api, job["orderId"].as_str().expect("orderId"));
+    let order = testkit::http::request("GET", &order_url, &[], None).await.expect("GET order").json();
+    assert_eq!(order["status"], "invoiced", "{order}");
+    assert_eq!(order["jobId"].as_str(), Some(job_id.as_str()));
+    assert_eq!(
+        order["lines"],
+        serde_json::json!([{"sku": "SKU-1", "quantity": 2}, {"sku": "SKU-3", "quantity": 1}, {"sku": "SKU-1", "quantity": 1}])
+    );
     shop.stop().await;
 }
 

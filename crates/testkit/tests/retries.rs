@@ -1,0 +1,305 @@
+//! Failures without loss and without hot loops: stepped retries through wait queues, the attempt
+//! cap, parking with a reason, the broker's delivery limit as the crash net, and job states.
+
+mod common;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use chrono::Utc;
+use common::{Options, Shop, WAIT, count};
+use lapin::types::AMQPValue;
+use messaging::{
+    backoff::Backoff,
+    consumer::{self, ConsumerSettings, Handler, HandlerError},
+    envelope::{self, Headers, Incoming},
+    health::Health,
+    publisher::Publisher,
+    shutdown::{self, ShutdownTrigger},
+    topology::{self, Binding, Endpoint, RetryPolicy},
+};
+use sqlx::{PgConnection, PgPool};
+use testkit::{TestEnv, eventually};
+use uuid::Uuid;
+
+const ENDPOINT: &str = "test.scripted";
+
+/// A handler that records every call and fails as its script says; its effect is a row.
+#[derive(Clone)]
+struct Scripted {
+    calls: Arc<Mutex<Vec<(String, Instant)>>>,
+    script: fn(&str, u32) -> Result<(), HandlerError>,
+}
+
+impl Scripted {
+    fn new(script: fn(&str, u32) -> Result<(), HandlerError>) -> Self {
+        Self { calls: Arc::default(), script }
+    }
+    fn calls_for(&self, body: &str) -> Vec<Instant> {
+        let calls = self.calls.lock().expect("lock");
+        calls.iter().filter(|(b, _)| b == body).map(|(_, at)| *at).collect()
+    }
+}
+
+impl Handler for Scripted {
+    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let body = String::from_utf8_lossy(&message.body).into_owned();
+        self.calls.lock().expect("lock").push((body.clone(), Instant::now()));
+        (self.script)(&body, message.attempt())?;
+        sqlx::query("insert into effects (body) values ($1)").bind(&body).execute(&mut *tx).await?;
+        Ok(())
+    }
+}
+
+fn endpoint(delivery_limit: u32) -> Endpoint {
+    Endpoint {
+        name: ENDPOINT,
+        bindings: vec![Binding { exchange: "orders", routing_key: ENDPOINT }],
+        accepts: vec![(ENDPOINT, 1)],
+        delivery_limit,
+    }
+}
+
+/// A database with an inbox and an `effects` table, and the endpoint's queues declared.
+async fn prepare(env: &TestEnv, endpoint: &Endpoint, policy: &RetryPolicy) -> PgPool {
+    let pool = env.migrated_pool("scripted", &inventory_worker::MIGRATOR).await;
+    sqlx::query("create table effects (body text not null)").execute(&pool).await.expect("effects");
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    topology::declare_endpoint(&channel, endpoint, policy).await.expect("declare");
+    let _ = connection.close(200, "bye".into()).await;
+    pool
+}
+
+async fn publish(env: &TestEnv, bodies: &[&str], job_id: Option<Uuid>) {
+    let connection = env.amqp().await;
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    for body in bodies {
+        let properties = Headers::new(job_id, 1).properties(Uuid::now_v7(), ENDPOINT, Utc::now());
+        publisher.publish("orders", ENDPOINT, body.as_bytes(), properties).await.expect("confirmed");
+    }
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+fn start(
+    env: &TestEnv,
+    endpoint: Endpoint,
+    policy: RetryPolicy,
+    prefetch: u16,
+    handler: Scripted,
+    pool: PgPool,
+) -> (ShutdownTrigger, tokio::task::JoinHandle<()>) {
+    let (trigger, stop) = shutdown::channel();
+    let settings = ConsumerSettings {
+        endpoint,
+        policy,
+        prefetch,
+        amqp_url: messaging::config::SecretUrl::new(env.amqp_url()),
+        reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
+    };
+    let task = tokio::spawn(consumer::run(settings, Arc::new(handler), pool, Health::default(), stop));
+    (trigger, task)
+}
+
+fn header(delivery: &lapin::message::Delivery, name: &str) -> Option<AMQPValue> {
+    delivery.properties.headers().as_ref()?.inner().get(name).cloned()
+}
+
+fn header_text(delivery: &lapin::message::Delivery, name: &str) -> String {
+    match header(delivery, name) {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        other => panic!("header {name}: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn poison_at_the_head_is_tried_max_attempts_times_then_parked_while_good_messages_pass() {
+    let shop = Shop::start().await;
+    // A real job for the poison message, so the status consumer has something to quarantine.
+    let job_id = Uuid::now_v7();
+    let order_id = Uuid::now_v7();
+    sqlx::query("insert into orders (id, customer_id) values ($1, 'c')")
+        .bind(order_id)
+        .execute(&shop.orders)
+        .await
+        .expect("order");
+    sqlx::query("insert into jobs (id, order_id, state) values ($1, $2, 'published')")
+        .bind(job_id)
+        .bind(order_id)
+        .execute(&shop.orders)
+        .await
+        .expect("job");
+
+    let policy = RetryPolicy::new(vec![Duration::from_millis(30), Duration::from_millis(60)], 5);
+    let endpoint = endpoint(20);
+    let pool = prepare(&shop.env, &endpoint, &policy).await;
+    publish(&shop.env, &["poison"], Some(job_id)).await;
+    publish(&shop.env, &["good-1", "good-2", "good-3", "good-4", "good-5"], None).await;
+    let handler = Scripted::new(|body, _| match body {
+        "poison" => Err(HandlerError::Transient("boom: the database said no".into())),
+        _ => Ok(()),
+    });
+    let (trigger, task) = start(&shop.env, endpoint.clone(), policy, 1, handler.clone(), pool.clone());
+
+    eventually("the poison message to be parked", WAIT, || async {
+        (shop.env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
+    })
+    .await;
+    let mut good: Vec<String> = sqlx::query_scalar("select body from effects").fetch_all(&pool).await.expect("effects");
+    good.sort();
+    assert_eq!(good, ["good-1", "good-2", "good-3", "good-4", "good-5"], "every good message processed once");
+    assert_eq!(handler.calls_for("poison").len(), 5, "exactly MAX_ATTEMPTS handler calls");
+
+    let parked = shop.env.drain(&endpoint.parking_queue()).await;
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].data, b"poison", "parked with its body");
+    assert!(header_text(&parked[0], "last-error").contains("gave up after 5 attempts: boom"));
+    assert_eq!(header_text(&parked[0], "endpoint"), ENDPOINT);
+    assert_eq!(envelope::retry_count(&parked[0]), 4);
+
+    let job = shop.wait_for_state(&job_id.to_string(), "quarantined").await;
+    assert!(job["lastError"].as_str().expect("lastError").contains("boom"), "{job}");
+    assert_eq!(job["attempt"], 5);
+    trigger.trigger();
+    task.await.expect("consumer");
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn transient_failures_retry_after_each_tier_delay_and_apply_once() {
+    let env = TestEnv::new().await;
+    let delays = [Duration::from_millis(150), Duration::from_millis(300)];
+    let policy = RetryPolicy::new(delays.to_vec(), 5);
+    let endpoint = endpoint(20);
+    let pool = prepare(&env, &endpoint, &policy).await;
+    let handler = Scripted::new(|_, attempt| {
+        if attempt <= 2 { Err(HandlerError::Transient(format!("flaky attempt {attempt}"))) } else { Ok(()) }
+    });
+    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool.clone());
+    publish(&env, &["flaky"], None).await;
+
+    eventually("the effect", WAIT, || async {
+        (count(&pool, "select count(*) from effects").await == 1).then_some(())
+    })
+    .await;
+    let calls = handler.calls_for("flaky");
+    assert_eq!(calls.len(), 3);
+    for (i, delay) in delays.iter().enumerate() {
+        let waited = calls[i + 1] - calls[i];
+        assert!(waited >= *delay, "retry {} waited {waited:?}, tier says {delay:?}", i + 1);
+    }
+    trigger.trigger();
+    task.await.expect("consumer");
+    // Nothing is left behind, nothing applied twice.
+    assert_eq!(count(&pool, "select count(*) from effects").await, 1);
+    assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(0));
+    assert_eq!(env.queue_depth(ENDPOINT).await, Some(0));
+}
+
+#[tokio::test]
+async fn a_consumer_that_dies_on_a_message_ends_with_it_parked_by_the_delivery_limit() {
+    let env = TestEnv::new().await;
+    let policy = RetryPolicy::new(vec![Duration::from_millis(50)], 5);
+    let endpoint = endpoint(2);
+    let pool = prepare(&env, &endpoint, &policy).await;
+    // A handler bug that takes the delivery's task down: it is never acked nor nacked by us; the
+    // session ends, the channel closes, and the broker counts a delivery.
+    let handler = Scripted::new(|body, _| if body == "crash" { panic!("simulated crash") } else { Ok(()) });
+    let (trigger, task) = start(&env, endpoint.clone(), policy, 1, handler.clone(), pool.clone());
+    publish(&env, &["crash"], None).await;
+
+    eventually("the crashing message to be dead-lettered into parking", WAIT, || async {
+        (env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
+    })
+    .await;
+    assert!(handler.calls_for("crash").len() >= 2, "delivered up to the limit");
+    assert_eq!(env.queue_depth(ENDPOINT).await, Some(0), "not dropped, not stuck");
+    trigger.trigger();
+    task.await.expect("consumer");
+}
+
+/// Publish raw bytes and properties to the orders exchange as `order.placed`.
+async fn publish_raw(env: &TestEnv, body: &[u8], properties: lapin::BasicProperties) {
+    let connection = env.amqp().await;
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    publisher.publish("orders", "order.placed", body, properties).await.expect("confirmed");
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn unreadable_messages_are_parked_after_one_delivery_and_change_nothing() {
+    let shop = Shop::start().await;
+    let before: Vec<(String, i32)> = sqlx::query_as("select sku, available from stock order by sku")
+        .fetch_all(&shop.inventory)
+        .await
+        .expect("stock");
+    let readable = Headers::new(None, 1).properties(Uuid::now_v7(), "order.placed", Utc::now());
+    publish_raw(&shop.env, b"{ this is not json", readable).await;
+    let no_id = lapin::BasicProperties::default().with_type("order.placed".into());
+    publish_raw(&shop.env, br#"{"orderId":"x"}"#, no_id).await;
+
+    let parking = "inventory.order-placed.parking";
+    eventually("both to be parked", WAIT, || async { (shop.env.queue_depth(parking).await == Some(2)).then_some(()) })
+        .await;
+    let parked = shop.env.drain(parking).await;
+    let reasons: Vec<String> = parked.iter().map(|d| header_text(d, "last-error")).collect();
+    assert!(reasons.iter().any(|r| r.contains("unreadable body")), "{reasons:?}");
+    assert!(reasons.iter().any(|r| r.contains("message_id")), "{reasons:?}");
+    assert!(parked.iter().all(|d| envelope::retry_count(d) == 0), "parked on the first delivery");
+
+    let series =
+        |outcome: &str| format!("messages_handled_total{{endpoint=\"inventory.order-placed\",outcome=\"{outcome}\"}}");
+    assert_eq!(shop.metric(&shop.inventory_http, &series("parked")).await, 2);
+    assert_eq!(shop.metric(&shop.inventory_http, &series("retried")).await, 0);
+    let after: Vec<(String, i32)> = sqlx::query_as("select sku, available from stock order by sku")
+        .fetch_all(&shop.inventory)
+        .await
+        .expect("stock");
+    assert_eq!(before, after);
+    assert_eq!(
+        count(&shop.inventory, "select count(*) from inbox").await,
+        0,
+        "the failed transaction left no inbox row"
+    );
+    assert_eq!(count(&shop.inventory, "select count(*) from outbox").await, 0);
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_orders_succeed() {
+    let shop = Shop::start_with(Options { demo_faults: true, ..Options::default() }).await;
+    let flaky = shop.place(&[("FLAKY-1", 1)]).await;
+    let poison = shop.place(&[("POISON-1", 1)]).await;
+    let plain: Vec<String> = {
+        let mut jobs = Vec::new();
+        for quantity in 1..=3 {
+            jobs.push(shop.place(&[("SKU-1", quantity)]).await);
+        }
+        jobs
+    };
+
+    let job = shop.wait_for_state(&flaky, "succeeded").await;
+    assert_eq!(job["attempt"], 3, "{job}");
+    let job = shop.wait_for_state(&poison, "quarantined").await;
+    assert_eq!(job["attempt"], 5, "{job}");
+    assert!(job["lastError"].as_str().expect("lastError").contains("POISON-1"), "{job}");
+    for job_id in &plain {
+        let job = shop.wait_for_state(job_id, "succeeded").await;
+        assert_eq!(job["attempt"], 1);
+    }
+    assert_eq!(count(&shop.billing, "select count(*) from invoices").await, 4, "flaky + 3 plain, each once");
+    assert_eq!(shop.env.queue_depth("inventory.order-placed.parking").await, Some(1));
+
+    // Billing retried its copy of inventory.reserved twice; the copies went through billing's own
+    // wait queues, so the status consumer (also bound to inventory.reserved) never saw a duplicate.
+    let billing_retried = "messages_handled_total{endpoint=\"billing.inventory-reserved\",outcome=\"retried\"}";
+    assert_eq!(shop.metric(&shop.billing_http, billing_retried).await, 2);
+    let status_duplicates = "inbox_duplicates_skipped_total{endpoint=\"orders.status\"}";
+    assert_eq!(shop.metric(&shop.api, status_duplicates).await, 0);
+    let status_reserved: i64 =
+        count(&shop.orders, "select count(*) from inbox where message_type = 'inventory.reserved'").await;
+    assert_eq!(status_reserved, 4, "one inventory.reserved per reserved order, no fan-out of retries");
+    shop.stop().await;
+}
