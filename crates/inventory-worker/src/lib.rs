@@ -25,7 +25,12 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 #[command(version, about)]
 pub struct Config {
     /// Postgres URL of the inventory database (created and migrated at start-up).
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@localhost:5432/inventory")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@localhost:5432/inventory"
+    )]
     pub database_url: SecretUrl,
     #[command(flatten)]
     #[allow(missing_docs)]

@@ -55,7 +55,7 @@ impl fmt::Debug for SecretUrl {
 #[derive(Debug, Clone, clap::Args)]
 pub struct BrokerArgs {
     /// RabbitMQ URL (AMQP 0-9-1); the vhost is the path, `%2f` for `/`.
-    #[arg(long, env = "AMQP_URL", default_value = "amqp://guest:guest@localhost:5672/%2f")]
+    #[arg(long, env = "AMQP_URL", hide_env_values = true, default_value = "amqp://guest:guest@localhost:5672/%2f")]
     pub amqp_url: SecretUrl,
 }
 

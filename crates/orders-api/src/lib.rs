@@ -28,7 +28,12 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 #[command(version, about)]
 pub struct Config {
     /// Postgres URL of the orders database (created and migrated at start-up).
-    #[arg(long, env = "DATABASE_URL", default_value = "postgres://postgres@localhost:5432/orders")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@localhost:5432/orders"
+    )]
     pub database_url: SecretUrl,
     #[command(flatten)]
     #[allow(missing_docs)]

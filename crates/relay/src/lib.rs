@@ -35,6 +35,7 @@ pub struct Config {
     #[arg(
         long = "database-url",
         env = "DATABASE_URL",
+        hide_env_values = true,
         value_delimiter = ',',
         default_value = "postgres://postgres@localhost:5432/orders,postgres://postgres@localhost:5432/inventory,postgres://postgres@localhost:5432/billing"
     )]

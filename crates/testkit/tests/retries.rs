@@ -14,6 +14,7 @@ use lapin::types::AMQPValue;
 use messaging::{
     backoff::Backoff,
     consumer::{self, ConsumerSettings, Handler, HandlerError},
+    contracts::{Contract, JobRetryScheduled},
     envelope::{self, Headers, Incoming},
     health::Health,
     publisher::Publisher,
@@ -301,5 +302,37 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
     let status_reserved: i64 =
         count(&shop.orders, "select count(*) from inbox where message_type = 'inventory.reserved'").await;
     assert_eq!(status_reserved, 4, "one inventory.reserved per reserved order, no fan-out of retries");
+
+    // A retry event that arrives after success (reordered, or late) changes nothing.
+    let late = JobRetryScheduled {
+        job_id: flaky.parse().expect("job id"),
+        endpoint: "billing.inventory-reserved".into(),
+        message_id: Uuid::now_v7(),
+        message_type: "inventory.reserved".into(),
+        attempt: 8,
+        next_attempt: 9,
+        next_attempt_at: Utc::now(),
+        error: "late".into(),
+    };
+    let event_id = Uuid::now_v7();
+    let connection = shop.env.amqp().await;
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    let properties = Headers::new(Some(late.job_id), 1).properties(event_id, JobRetryScheduled::TYPE, Utc::now());
+    let body = serde_json::to_vec(&late).expect("json");
+    publisher
+        .publish(JobRetryScheduled::EXCHANGE, JobRetryScheduled::TYPE, &body, properties)
+        .await
+        .expect("confirmed");
+    eventually("the status consumer to process the late event", WAIT, || async {
+        let seen: i64 = sqlx::query_scalar("select count(*) from inbox where message_id = $1")
+            .bind(event_id)
+            .fetch_one(&shop.orders)
+            .await
+            .expect("inbox");
+        (seen == 1).then_some(())
+    })
+    .await;
+    let job = shop.job(&flaky).await;
+    assert_eq!((job["state"].as_str(), job["attempt"].as_i64()), (Some("succeeded"), Some(3)), "{job}");
     shop.stop().await;
 }
