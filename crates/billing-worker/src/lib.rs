@@ -5,9 +5,8 @@
 use std::{collections::HashMap, net::SocketAddr};
 
 use messaging::{
-    backoff::Backoff,
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{ConsumerSettings, Handler, HandlerError},
+    consumer::{Handler, HandlerError},
     contracts::{InventoryReserved, InvoiceCreated, exchanges},
     envelope::{Headers, Incoming},
     outbox,
@@ -64,13 +63,7 @@ pub async fn run(
         database_url: config.database_url,
         migrator: &MIGRATOR,
         database_label: "billing",
-        consumer: ConsumerSettings {
-            endpoint: endpoint(),
-            policy: config.consumer.retry_policy(),
-            prefetch: config.consumer.prefetch,
-            amqp_url: config.broker.amqp_url,
-            reconnect: Backoff::default(),
-        },
+        consumer: config.consumer.settings(endpoint(), &config.broker),
         handler: CreateInvoice { demo_faults: config.demo_faults },
     };
     worker.run(listener, shutdown).await?;

@@ -5,9 +5,8 @@
 use std::{collections::BTreeMap, net::SocketAddr};
 
 use messaging::{
-    backoff::Backoff,
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{ConsumerSettings, Handler, HandlerError},
+    consumer::{Handler, HandlerError},
     contracts::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, exchanges},
     envelope::{Headers, Incoming},
     outbox,
@@ -62,13 +61,7 @@ pub async fn run(
         database_url: config.database_url,
         migrator: &MIGRATOR,
         database_label: "inventory",
-        consumer: ConsumerSettings {
-            endpoint: endpoint(),
-            policy: config.consumer.retry_policy(),
-            prefetch: config.consumer.prefetch,
-            amqp_url: config.broker.amqp_url,
-            reconnect: Backoff::default(),
-        },
+        consumer: config.consumer.settings(endpoint(), &config.broker),
         handler: ReserveStock { demo_faults: config.demo_faults },
     };
     worker.run(listener, shutdown).await?;

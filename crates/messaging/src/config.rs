@@ -81,6 +81,22 @@ impl ConsumerArgs {
     pub fn retry_policy(&self) -> RetryPolicy {
         RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts)
     }
+
+    /// Consumer settings for `endpoint` on `broker`, with these flags and the default reconnect
+    /// backoff.
+    pub fn settings(
+        &self,
+        endpoint: crate::topology::Endpoint,
+        broker: &BrokerArgs,
+    ) -> crate::consumer::ConsumerSettings {
+        crate::consumer::ConsumerSettings {
+            endpoint,
+            policy: self.retry_policy(),
+            prefetch: self.prefetch,
+            amqp_url: broker.amqp_url.clone(),
+            reconnect: crate::backoff::Backoff::default(),
+        }
+    }
 }
 
 /// A comma-separated list of delays such as `1s,5s,30s,2m,10m`.

@@ -10,9 +10,8 @@ use std::{net::SocketAddr, sync::Arc};
 
 use axum::Router;
 use messaging::{
-    backoff::Backoff,
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{self, ConsumerSettings},
+    consumer,
     db::{self, PoolSettings},
     health::{self, Health},
     shutdown::Shutdown,
@@ -69,13 +68,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         return Ok(());
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
-    let status = ConsumerSettings {
-        endpoint: status::endpoint(),
-        policy: config.consumer.retry_policy(),
-        prefetch: config.consumer.prefetch,
-        amqp_url: config.broker.amqp_url,
-        reconnect: Backoff::default(),
-    };
+    let status = config.consumer.settings(status::endpoint(), &config.broker);
     let consumer = tokio::spawn(consumer::run(
         status,
         Arc::new(status::JobStatus),

@@ -56,37 +56,46 @@ impl Handler for JobStatus {
             }
             JobRetryScheduled::TYPE => {
                 let event: JobRetryScheduled = message.json()?;
-                sqlx::query(&format!(
-                    "update jobs set state = 'retry_wait', attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
-                      where id = $1 and state not in {TERMINAL}"
-                ))
-                .bind(event.job_id)
-                .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
-                .bind(&event.error)
-                .execute(&mut *tx)
-                .await?;
+                step_failed(tx, event.job_id, "retry_wait", event.next_attempt, &event.error).await?;
             }
             JobQuarantined::TYPE => {
                 let event: JobQuarantined = message.json()?;
-                sqlx::query(&format!(
-                    "update jobs set state = 'quarantined', attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
-                      where id = $1 and state not in {TERMINAL}"
-                ))
+                step_failed(tx, event.job_id, "quarantined", event.attempt, &event.error).await?;
+                sqlx::query(
+                    "update orders set status = 'failed', updated_at = now()
+                      where id = (select order_id from jobs where id = $1) and status in ('accepted', 'reserved')",
+                )
                 .bind(event.job_id)
-                .bind(i32::try_from(event.attempt).unwrap_or(i32::MAX))
-                .bind(&event.error)
                 .execute(&mut *tx)
                 .await?;
-                sqlx::query("update orders set status = 'failed', updated_at = now() where id = (select order_id from jobs where id = $1) and status in ('accepted', 'reserved')")
-                    .bind(event.job_id)
-                    .execute(&mut *tx)
-                    .await?;
             }
             // The runtime only hands over accepted types; this is a programming error.
             other => return Err(Unreadable::UnknownType(other.to_owned()).into()),
         }
         Ok(())
     }
+}
+
+/// A step failed: the job waits for a retry or is quarantined, unless it already ended; the
+/// attempt only grows.
+async fn step_failed(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    state: &str,
+    attempt: u32,
+    error: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "update jobs set state = $2, attempt = greatest(attempt, $3), last_error = $4, updated_at = now()
+          where id = $1 and state not in {TERMINAL}"
+    ))
+    .bind(job_id)
+    .bind(state)
+    .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+    .bind(error)
+    .execute(tx)
+    .await
+    .map(drop)
 }
 
 async fn progress(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
