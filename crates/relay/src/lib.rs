@@ -154,7 +154,7 @@ impl Relay {
         let mut failures = 0;
         let name = format!("relay {}", self.db.label);
         while let Some(connection) = broker::connect_with_backoff(&self.amqp_url, &name, backoff, &shutdown).await {
-            let result = self.session(&connection, &flag, &shutdown).await;
+            let result = self.session(&connection, &flag, &mut failures, &shutdown).await;
             self.health.readiness.set(&flag, false);
             let _ = connection.close(200, "bye".into()).await;
             match result {
@@ -173,11 +173,13 @@ impl Relay {
         tracing::info!(database = %self.db.label, "relay stopped");
     }
 
-    /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`).
+    /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`). `failures` is
+    /// reset once the session is up, so the next outage starts again with a short wait.
     async fn session(
         &self,
         connection: &lapin::Connection,
         flag: &str,
+        failures: &mut u32,
         shutdown: &Shutdown,
     ) -> Result<(), SessionError> {
         let publisher = Publisher::open(connection).await?;
@@ -186,6 +188,7 @@ impl Relay {
         let mut listener = PgListener::connect_with(&self.db.pool).await?;
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
         self.health.readiness.set(flag, true);
+        *failures = 0;
         tracing::info!(database = %self.db.label, "relay publishing");
         loop {
             // Drain until a batch comes back short: then everything due has been handled.

@@ -58,10 +58,9 @@ async fn locate_servers() -> Servers {
     let amqp = env(&["TEST_AMQP_URL", "AMQP_URL"]);
     if let (Some(postgres), Some(amqp)) = (postgres, amqp) {
         let amqp = origin(&amqp).to_owned();
-        let host = amqp.rsplit('@').next().unwrap_or("localhost:5672");
-        let host = host.split(':').next().unwrap_or("localhost");
-        let user =
-            amqp.strip_prefix("amqp://").and_then(|rest| rest.split_once('@')).map_or("guest:guest", |(user, _)| user);
+        let authority = amqp.split_once("://").map_or(amqp.as_str(), |(_, rest)| rest);
+        let (user, host_port) = authority.rsplit_once('@').unwrap_or(("guest:guest", authority));
+        let host = host_port.split(':').next().unwrap_or("localhost");
         let management =
             env(&["TEST_RABBITMQ_MANAGEMENT_URL"]).unwrap_or_else(|| format!("http://{user}@{host}:15672"));
         return Servers { postgres: origin(&postgres).to_owned(), amqp, management };
