@@ -38,3 +38,54 @@ pub async fn connect_with_backoff(
         }
     }
 }
+
+/// How one session (a connection's worth of work) ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionEnd {
+    /// Shutdown was asked for and the session finished its work: stop.
+    Shutdown,
+    /// The connection failed or became unusable. `was_up` says whether the session got as far as
+    /// working; if so, the next reconnect starts again from the shortest backoff.
+    Lost {
+        /// The session had declared its topology and started working.
+        was_up: bool,
+    },
+}
+
+/// One connection's worth of work: consume, or publish, until shutdown or the connection fails.
+pub trait Session {
+    /// Work on `connection`; set the readiness flag once up.
+    fn run(&mut self, connection: &Connection) -> impl std::future::Future<Output = SessionEnd> + Send;
+}
+
+/// The reconnect loop every long-running broker client uses: connect (with backoff), run
+/// `session` on the connection, close it, and start again after a backoff until a session ends
+/// with [`SessionEnd::Shutdown`] or shutdown is asked for. The readiness flag `flag` is cleared
+/// after every session (the session sets it once it is up).
+pub async fn run_sessions(
+    url: &SecretUrl,
+    name: &str,
+    backoff: Backoff,
+    readiness: &crate::health::Readiness,
+    flag: &str,
+    shutdown: &Shutdown,
+    session: &mut impl Session,
+) {
+    readiness.set(flag, false);
+    let mut failures = 0;
+    while let Some(connection) = connect_with_backoff(url, name, backoff, shutdown).await {
+        let end = session.run(&connection).await;
+        readiness.set(flag, false);
+        let _ = connection.close(200, "bye".into()).await;
+        match end {
+            SessionEnd::Shutdown => return,
+            SessionEnd::Lost { was_up: true } => failures = 0,
+            SessionEnd::Lost { was_up: false } => {}
+        }
+        let delay = backoff.delay(failures);
+        failures += 1;
+        if !shutdown.sleep(delay).await {
+            return;
+        }
+    }
+}

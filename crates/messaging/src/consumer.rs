@@ -32,7 +32,7 @@ use uuid::Uuid;
 
 use crate::{
     backoff::Backoff,
-    broker,
+    broker::{self, Session, SessionEnd},
     config::SecretUrl,
     contracts::{Contract, JobQuarantined, JobRetryScheduled},
     envelope::{self, Headers, Incoming, Unreadable},
@@ -123,39 +123,32 @@ pub async fn run<H: Handler>(
     let runtime = Arc::new(Runtime { settings, handler, pool, health });
     let name = runtime.settings.endpoint.name;
     let flag = format!("consumer:{name}");
-    runtime.health.readiness.set(&flag, false);
-    let mut failures = 0;
-    loop {
-        let Some(connection) =
-            broker::connect_with_backoff(&runtime.settings.amqp_url, name, runtime.settings.reconnect, &shutdown).await
-        else {
-            break;
-        };
-        let result = runtime.session(&connection, &flag, &shutdown).await;
-        runtime.health.readiness.set(&flag, false);
-        let _ = connection.close(200, "bye".into()).await;
-        match result {
-            Ok(()) => break,
-            Err(SessionError::Lost(true)) => failures = 0,
-            Err(_) => failures += 1,
-        }
-        if shutdown.is_triggered() {
-            break;
-        }
-        let delay = runtime.settings.reconnect.delay(failures);
-        if !shutdown.sleep(delay).await {
-            break;
-        }
-    }
+    let settings = &runtime.settings;
+    let mut session = ConsumerSession { runtime: &runtime, flag: &flag, shutdown: &shutdown };
+    broker::run_sessions(
+        &settings.amqp_url,
+        name,
+        settings.reconnect,
+        &runtime.health.readiness,
+        &flag,
+        &shutdown,
+        &mut session,
+    )
+    .await;
     tracing::info!(endpoint = name, "consumer stopped");
 }
 
-/// Why a session ended early.
-#[derive(Debug)]
-enum SessionError {
-    /// The session ended after it had been consuming (`true`) or before (`false`); either way the
-    /// connection is gone or unusable and a new session starts.
-    Lost(bool),
+/// A consumer's sessions, as the reconnect loop runs them.
+struct ConsumerSession<'a, H> {
+    runtime: &'a Arc<Runtime<H>>,
+    flag: &'a str,
+    shutdown: &'a Shutdown,
+}
+
+impl<H: Handler> Session for ConsumerSession<'_, H> {
+    fn run(&mut self, connection: &Connection) -> impl std::future::Future<Output = SessionEnd> + Send {
+        self.runtime.session(connection, self.flag, self.shutdown)
+    }
 }
 
 struct Runtime<H> {
@@ -172,13 +165,8 @@ enum Applied {
 }
 
 impl<H: Handler> Runtime<H> {
-    /// One connection's worth of consuming. `Ok` only after a requested shutdown.
-    async fn session(
-        self: &Arc<Self>,
-        connection: &Connection,
-        flag: &str,
-        shutdown: &Shutdown,
-    ) -> Result<(), SessionError> {
+    /// One connection's worth of consuming, until shutdown or until the connection fails.
+    async fn session(self: &Arc<Self>, connection: &Connection, flag: &str, shutdown: &Shutdown) -> SessionEnd {
         let endpoint = &self.settings.endpoint;
         let setup = async {
             let channel = connection.create_channel().await?;
@@ -196,21 +184,24 @@ impl<H: Handler> Runtime<H> {
                 .await?;
             Ok::<_, lapin::Error>((channel, publisher, tag, deliveries))
         };
-        let (channel, publisher, tag, mut deliveries) = setup.await.map_err(|error| {
-            tracing::warn!(endpoint = endpoint.name, %error, "cannot start consuming; will reconnect");
-            SessionError::Lost(false)
-        })?;
+        let (channel, publisher, tag, mut deliveries) = match setup.await {
+            Ok(started) => started,
+            Err(error) => {
+                tracing::warn!(endpoint = endpoint.name, %error, "cannot start consuming; will reconnect");
+                return SessionEnd::Lost { was_up: false };
+            }
+        };
         self.health.readiness.set(flag, true);
         tracing::info!(endpoint = endpoint.name, prefetch = self.settings.prefetch, "consuming");
 
         let mut in_flight = JoinSet::new();
         let ended = loop {
             tokio::select! {
-                () = shutdown.triggered() => break Ok(()),
+                () = shutdown.triggered() => break SessionEnd::Shutdown,
                 Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
                     if let Err(error) = flatten(joined) {
                         tracing::warn!(endpoint = endpoint.name, %error, "delivery could not be settled; reconnecting");
-                        break Err(SessionError::Lost(true));
+                        break SessionEnd::Lost { was_up: true };
                     }
                 }
                 next = deliveries.next() => match next {
@@ -219,11 +210,11 @@ impl<H: Handler> Runtime<H> {
                     }
                     Some(Err(error)) => {
                         tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
-                        break Err(SessionError::Lost(true));
+                        break SessionEnd::Lost { was_up: true };
                     }
                     None => {
                         tracing::warn!(endpoint = endpoint.name, "consumer cancelled by the broker; reconnecting");
-                        break Err(SessionError::Lost(true));
+                        break SessionEnd::Lost { was_up: true };
                     }
                 },
             }

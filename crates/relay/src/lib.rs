@@ -12,7 +12,7 @@ use std::{net::SocketAddr, str::FromStr, time::Duration};
 
 use messaging::{
     backoff::Backoff,
-    broker,
+    broker::{self, Session, SessionEnd},
     config::{BrokerArgs, SecretUrl, parse_duration},
     health::{self, Health},
     metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
@@ -137,6 +137,26 @@ impl From<lapin::Error> for SessionError {
     }
 }
 
+/// A relay loop's sessions, as the reconnect loop runs them.
+struct RelaySession<'a> {
+    relay: &'a Relay,
+    flag: &'a str,
+    shutdown: &'a Shutdown,
+}
+
+impl Session for RelaySession<'_> {
+    async fn run(&mut self, connection: &lapin::Connection) -> SessionEnd {
+        let mut was_up = false;
+        match self.relay.session(connection, self.flag, &mut was_up, self.shutdown).await {
+            Ok(()) => SessionEnd::Shutdown,
+            Err(error) => {
+                tracing::warn!(database = %self.relay.db.label, %error, "relay session ended; restarting");
+                SessionEnd::Lost { was_up }
+            }
+        }
+    }
+}
+
 /// The loop for one outbox database.
 struct Relay {
     db: OutboxDb,
@@ -148,38 +168,30 @@ struct Relay {
 impl Relay {
     async fn run(self, shutdown: Shutdown) {
         let flag = format!("relay:{}", self.db.label);
-        self.health.readiness.set(&flag, false);
         let retention = tokio::spawn(delete_published(self.db.clone(), self.settings.retention, shutdown.clone()));
-        let backoff = Backoff::default();
-        let mut failures = 0;
         let name = format!("relay {}", self.db.label);
-        while let Some(connection) = broker::connect_with_backoff(&self.amqp_url, &name, backoff, &shutdown).await {
-            let result = self.session(&connection, &flag, &mut failures, &shutdown).await;
-            self.health.readiness.set(&flag, false);
-            let _ = connection.close(200, "bye".into()).await;
-            match result {
-                Ok(()) => break,
-                Err(error) => {
-                    let delay = backoff.delay(failures);
-                    tracing::warn!(database = %self.db.label, %error, ?delay, "relay session ended; restarting");
-                    failures += 1;
-                    if !shutdown.sleep(delay).await {
-                        break;
-                    }
-                }
-            }
-        }
+        let mut session = RelaySession { relay: &self, flag: &flag, shutdown: &shutdown };
+        broker::run_sessions(
+            &self.amqp_url,
+            &name,
+            Backoff::default(),
+            &self.health.readiness,
+            &flag,
+            &shutdown,
+            &mut session,
+        )
+        .await;
         let _ = retention.await;
         tracing::info!(database = %self.db.label, "relay stopped");
     }
 
-    /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`). `failures` is
-    /// reset once the session is up, so the next outage starts again with a short wait.
+    /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`); `was_up` is
+    /// set once publishing has started.
     async fn session(
         &self,
         connection: &lapin::Connection,
         flag: &str,
-        failures: &mut u32,
+        was_up: &mut bool,
         shutdown: &Shutdown,
     ) -> Result<(), SessionError> {
         let publisher = Publisher::open(connection).await?;
@@ -188,7 +200,7 @@ impl Relay {
         let mut listener = PgListener::connect_with(&self.db.pool).await?;
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
         self.health.readiness.set(flag, true);
-        *failures = 0;
+        *was_up = true;
         tracing::info!(database = %self.db.label, "relay publishing");
         loop {
             // Drain until a batch comes back short: then everything due has been handled.
