@@ -34,7 +34,7 @@ use crate::{
     backoff::Backoff,
     broker::{self, Session, SessionEnd},
     config::SecretUrl,
-    contracts::{Contract, JobQuarantined, JobRetryScheduled},
+    contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
     envelope::{self, Headers, Incoming, Unreadable},
     health::Health,
     inbox,
@@ -342,10 +342,10 @@ impl<H: Handler> Runtime<H> {
             ],
         );
         let parked = publisher.send("", &endpoint.parking_queue(), &delivery.0.data, parked_properties).await?;
-        let event = correlation_id(properties).map(|job_id| JobQuarantined {
+        let event = envelope::correlation_id(properties).map(|job_id| JobQuarantined {
             job_id,
             endpoint: endpoint.name.to_owned(),
-            message_id: properties.message_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok()),
+            message_id: envelope::message_id(properties),
             message_type: properties.kind().as_ref().map(|kind| kind.to_string()),
             attempt: retry_count + 1,
             error: reason.to_owned(),
@@ -361,7 +361,7 @@ impl<H: Handler> Runtime<H> {
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).
-    async fn send_event<C: Contract>(
+    async fn send_event<C: JobEvent>(
         &self,
         publisher: &Publisher,
         event: Option<C>,
@@ -369,7 +369,7 @@ impl<H: Handler> Runtime<H> {
         let event = event?;
         let body = serde_json::to_vec(&event).ok()?;
         let properties: BasicProperties =
-            Headers::new(job_id_of(&body), C::VERSION).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+            Headers::new(Some(event.job_id()), C::VERSION).properties(Uuid::now_v7(), C::TYPE, Utc::now());
         match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
             Ok(pending) => Some(pending),
             Err(error) => {
@@ -415,18 +415,4 @@ fn flatten(joined: Result<Result<(), PublishError>, tokio::task::JoinError>) -> 
         // a message that keeps doing it.
         Err(join_error) => Err(format!("handler task failed: {join_error}")),
     }
-}
-
-fn correlation_id(properties: &BasicProperties) -> Option<Uuid> {
-    properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok())
-}
-
-/// The `jobId` field of a serialized job event: the event's correlation id.
-fn job_id_of(body: &[u8]) -> Option<Uuid> {
-    #[derive(serde::Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct JobRef {
-        job_id: Uuid,
-    }
-    serde_json::from_slice::<JobRef>(body).ok().map(|r| r.job_id)
 }

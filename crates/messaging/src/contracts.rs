@@ -108,6 +108,12 @@ pub struct InvoiceCreated {
 }
 contract!(InvoiceCreated, "invoice.created", exchanges::BILLING);
 
+/// An event about a job, published by the consumer runtime with the job id as its correlation id.
+pub trait JobEvent: Contract {
+    /// The job it is about.
+    fn job_id(&self) -> Uuid;
+}
+
 /// A step of a job failed transiently and will be tried again.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -131,6 +137,12 @@ pub struct JobRetryScheduled {
 }
 contract!(JobRetryScheduled, "job.retry_scheduled", exchanges::JOBS);
 
+impl JobEvent for JobRetryScheduled {
+    fn job_id(&self) -> Uuid {
+        self.job_id
+    }
+}
+
 /// A step of a job was parked: it will not be retried without an operator.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -149,3 +161,9 @@ pub struct JobQuarantined {
     pub error: String,
 }
 contract!(JobQuarantined, "job.quarantined", exchanges::JOBS);
+
+impl JobEvent for JobQuarantined {
+    fn job_id(&self) -> Uuid {
+        self.job_id
+    }
+}

@@ -123,11 +123,7 @@ impl Incoming {
     /// Decode the envelope of a delivery. Body parsing is left to [`Incoming::json`].
     pub fn decode(delivery: &Delivery) -> Result<Self, Unreadable> {
         let properties = &delivery.properties;
-        let message_id = properties
-            .message_id()
-            .as_ref()
-            .and_then(|id| Uuid::parse_str(id.as_str()).ok())
-            .ok_or(Unreadable::MessageId)?;
+        let message_id = message_id(properties).ok_or(Unreadable::MessageId)?;
         let message_type =
             properties.kind().as_ref().map(|kind| kind.as_str().to_owned()).ok_or(Unreadable::MissingType)?;
         let headers = properties.headers().as_ref();
@@ -136,7 +132,7 @@ impl Incoming {
             message_id,
             message_type,
             version,
-            correlation_id: properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok()),
+            correlation_id: correlation_id(properties),
             retry_count: retry_count(delivery),
             body: delivery.data.clone(),
         })
@@ -151,6 +147,16 @@ impl Incoming {
     pub fn json<'a, T: Deserialize<'a>>(&'a self) -> Result<T, Unreadable> {
         serde_json::from_slice(&self.body).map_err(|e| Unreadable::Body(e.to_string()))
     }
+}
+
+/// The `message_id` property as a UUID, if present and well-formed.
+pub fn message_id(properties: &BasicProperties) -> Option<Uuid> {
+    properties.message_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok())
+}
+
+/// The `correlation_id` property (the job id) as a UUID, if present and well-formed.
+pub fn correlation_id(properties: &BasicProperties) -> Option<Uuid> {
+    properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok())
 }
 
 /// Our `retry-count` header of a delivery (0 when absent).
