@@ -36,6 +36,7 @@ use crate::{
     config::SecretUrl,
     contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
     envelope::{self, Headers, Incoming, Unreadable},
+    failpoint,
     health::Health,
     inbox,
     metrics::{INBOX_DUPLICATES, MESSAGES_HANDLED},
@@ -47,6 +48,10 @@ use crate::{
 /// How a handler failed. Business refusals are not errors: they commit an outcome like any result.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HandlerError {
+    /// The database cannot be reached: not the message's fault, so no attempt is spent. The
+    /// runtime keeps the delivery and applies it again once the database answers.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
     /// Might work later (database unreachable, deadlock, a flaky dependency): retry after a wait.
     #[error("{0}")]
     Transient(String),
@@ -59,6 +64,9 @@ impl From<sqlx::Error> for HandlerError {
     /// Connection trouble and transaction conflicts are transient; anything the database rejects
     /// on its merits (a constraint, a type) would fail the same way again, so it is permanent.
     fn from(error: sqlx::Error) -> Self {
+        if crate::db::is_unreachable(&error) {
+            return Self::Unavailable(error.to_string());
+        }
         let transient = match &error {
             sqlx::Error::Database(e) => {
                 // 08 connection, 40 rollback (serialization, deadlock), 53 resources, 57 operator.
@@ -120,7 +128,7 @@ pub async fn run<H: Handler>(
     health: Health,
     shutdown: Shutdown,
 ) {
-    let runtime = Arc::new(Runtime { settings, handler, pool, health });
+    let runtime = Arc::new(Runtime { settings, handler, pool, health, shutdown: shutdown.clone() });
     let name = runtime.settings.endpoint.name;
     let flag = format!("consumer:{name}");
     let settings = &runtime.settings;
@@ -156,6 +164,7 @@ struct Runtime<H> {
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
+    shutdown: Shutdown,
 }
 
 /// The outcome of the transaction for one message.
@@ -251,27 +260,59 @@ impl<H: Handler> Runtime<H> {
             }
         };
 
-        match self.apply(&message).await {
-            Ok(Applied::Done) => {
+        match self.apply_when_reachable(&message).await {
+            None => {
+                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "shutting down during a database outage; the broker will redeliver");
+                return Ok(());
+            }
+            Some(Ok(Applied::Done)) => {
                 delivery.ack().await?;
                 self.count("succeeded");
             }
-            Ok(Applied::Duplicate) => {
+            Some(Ok(Applied::Duplicate)) => {
                 delivery.ack().await?;
                 self.count("duplicate");
                 self.health.metrics.increment(INBOX_DUPLICATES, &[("endpoint", endpoint.name)]);
                 tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "duplicate skipped by the inbox");
             }
-            Err(HandlerError::Transient(error)) => match self.settings.policy.next_delay(message.retry_count) {
-                Some(delay) => self.retry(delivery, &publisher, &message, delay, &error).await?,
-                None => {
-                    let reason = format!("gave up after {} attempts: {error}", message.attempt());
-                    self.park(delivery, &publisher, message.retry_count, &reason).await?;
+            // `Unavailable` is waited out above; were one to get here, it would be retried.
+            Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
+                match self.settings.policy.next_delay(message.retry_count) {
+                    Some(delay) => self.retry(delivery, &publisher, &message, delay, &error).await?,
+                    None => {
+                        let reason = format!("gave up after {} attempts: {error}", message.attempt());
+                        self.park(delivery, &publisher, message.retry_count, &reason).await?;
+                    }
                 }
-            },
-            Err(HandlerError::Permanent(error)) => self.park(delivery, &publisher, message.retry_count, &error).await?,
+            }
+            Some(Err(HandlerError::Permanent(error))) => {
+                self.park(delivery, &publisher, message.retry_count, &error).await?
+            }
         }
         Ok(())
+    }
+
+    /// [`Self::apply`], repeated with backoff for as long as the database is unreachable: an outage
+    /// spends none of the message's attempts and parks nothing. If the commit's outcome was lost
+    /// with the connection, the inbox tells on the next try. `None` if shutdown came first (the
+    /// delivery stays unacked and the broker redelivers it).
+    async fn apply_when_reachable(&self, message: &Incoming) -> Option<Result<Applied, HandlerError>> {
+        let endpoint = self.settings.endpoint.name;
+        let mut waits = 0;
+        loop {
+            match self.apply(message).await {
+                Err(HandlerError::Unavailable(error)) => {
+                    let delay = self.settings.reconnect.delay(waits);
+                    waits += 1;
+                    tracing::warn!(endpoint, message_id = %message.message_id, %error, ?delay, "database unreachable; will apply again");
+                    tokio::select! {
+                        () = self.shutdown.triggered() => return None,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+                outcome => return Some(outcome),
+            }
+        }
     }
 
     /// Inbox row, handler, commit: all or nothing.
@@ -282,7 +323,9 @@ impl<H: Handler> Runtime<H> {
             return Ok(Applied::Duplicate);
         }
         self.handler.handle(message, &mut tx).await?;
+        failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
         tx.commit().await?;
+        failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
         Ok(Applied::Done)
     }
 

@@ -97,9 +97,12 @@ pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()
 /// Whether an error means "the server is not there (yet)", worth waiting for.
 pub fn is_unreachable(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
-        // 57P03 cannot_connect_now: the server is starting up or shutting down.
-        sqlx::Error::Database(e) => e.code().as_deref() == Some("57P03"),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down, crashing or
+        // starting up.
+        sqlx::Error::Database(e) => {
+            e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
+        }
         _ => false,
     }
 }
