@@ -13,6 +13,7 @@ pub mod consumer;
 pub mod contracts;
 pub mod db;
 pub mod envelope;
+pub mod failpoint;
 pub mod health;
 pub mod inbox;
 pub mod metrics;

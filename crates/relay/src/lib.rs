@@ -14,6 +14,7 @@ use messaging::{
     backoff::Backoff,
     broker::{self, Session, SessionEnd},
     config::{BrokerArgs, SecretUrl, parse_duration},
+    failpoint,
     health::{self, Health},
     metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
     outbox,
@@ -260,6 +261,7 @@ impl Relay {
                 }
             }
         }
+        failpoint::hit(failpoint::RELAY_AFTER_CONFIRM).await;
         // Rows confirmed before a broken channel are still marked: marking is what keeps a
         // reconnect from republishing them.
         outbox::mark_published(&mut tx, &confirmed).await?;
