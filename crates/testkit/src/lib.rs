@@ -10,7 +10,12 @@
 //! Each [`TestEnv`] gets its own databases (`t_<id>_<service>`) and its own vhost, so tests run in
 //! parallel without seeing each other's rows or queues. Both are removed when it is dropped.
 
+pub mod cli;
 pub mod http;
+pub mod ledger;
+pub mod process;
+pub mod proxy;
+pub mod shop;
 
 use std::{future::Future, time::Duration};
 

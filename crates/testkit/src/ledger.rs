@@ -1,0 +1,156 @@
+//! The shop's books, read straight from its three databases: what the crash tests and the soak
+//! check at the end. Every number is a query, so a failure says which guarantee broke.
+
+use std::{collections::BTreeMap, fmt};
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// `available + reserved` per SKU, taken before the load starts.
+pub async fn stock_totals(inventory: &PgPool) -> BTreeMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>("select sku, (available + reserved)::bigint from stock")
+        .fetch_all(inventory)
+        .await
+        .expect("read stock")
+        .into_iter()
+        .collect()
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ledger {
+    /// Orders the API answered 202 for.
+    pub accepted: usize,
+    /// Accepted orders with no job row: lost by the API.
+    pub lost: usize,
+    /// Jobs by terminal state.
+    pub succeeded: i64,
+    /// Refused for stock or SKU.
+    pub rejected: i64,
+    /// Parked after retries or as poison.
+    pub quarantined: i64,
+    /// Accepted but not in a terminal state.
+    pub stuck: i64,
+    /// Reservations and invoices beyond one per order, reserved quantities beyond the
+    /// reservations' lines, and effects on orders that were rejected.
+    pub duplicated_effects: i64,
+    /// SKUs where `available + reserved` differs from the start.
+    pub stock_not_conserved: Vec<String>,
+    /// Invoices written.
+    pub invoices: i64,
+    /// Succeeded orders without an invoice, plus invoices for orders that did not succeed.
+    pub invoice_mismatches: i64,
+}
+
+impl Ledger {
+    /// Read the books. `accepted` are the job ids the API returned; `initial` is
+    /// [`stock_totals`] from before the run.
+    pub async fn read(
+        orders: &PgPool,
+        inventory: &PgPool,
+        billing: &PgPool,
+        accepted: &[Uuid],
+        initial: &BTreeMap<String, i64>,
+    ) -> Self {
+        let found: i64 = sqlx::query_scalar("select count(*) from jobs where id = any($1)")
+            .bind(accepted)
+            .fetch_one(orders)
+            .await
+            .expect("count accepted jobs");
+        let states: BTreeMap<String, i64> = sqlx::query_as("select state, count(*) from jobs group by state")
+            .fetch_all(orders)
+            .await
+            .expect("jobs by state")
+            .into_iter()
+            .collect();
+        let state = |name: &str| states.get(name).copied().unwrap_or(0);
+        let stuck = state("queued") + state("published") + state("retry_wait");
+
+        let succeeded_orders = order_ids(orders, "select order_id from jobs where state = 'succeeded'").await;
+        let rejected_orders = order_ids(orders, "select order_id from jobs where state = 'rejected'").await;
+        let invoiced = order_ids(billing, "select order_id from invoices").await;
+        let reserved = order_ids(inventory, "select order_id from reservations").await;
+
+        let mut duplicated_effects =
+            extra_rows(inventory, "reservations").await + extra_rows(billing, "invoices").await;
+        // Stock reserved must be exactly what the reservations list: a reservation applied twice
+        // shows here even if its row was written once.
+        let over_reserved: i64 = sqlx::query_scalar(
+            "select coalesce(sum(abs(s.reserved - coalesce(r.quantity, 0))), 0)::bigint
+             from stock s
+             left join (select line->>'sku' as sku, sum((line->>'quantity')::bigint) as quantity
+                        from reservations, jsonb_array_elements(lines) as line group by 1) r on r.sku = s.sku",
+        )
+        .fetch_one(inventory)
+        .await
+        .expect("compare reserved stock with reservations");
+        duplicated_effects += over_reserved;
+        duplicated_effects +=
+            rejected_orders.iter().filter(|id| reserved.contains(id) || invoiced.contains(id)).count() as i64;
+
+        let now = stock_totals(inventory).await;
+        let stock_not_conserved = initial
+            .iter()
+            .filter(|(sku, total)| now.get(*sku) != Some(total))
+            .map(|(sku, total)| format!("{sku}: {total} -> {:?}", now.get(sku)))
+            .collect();
+
+        let invoice_mismatches = succeeded_orders.iter().filter(|id| !invoiced.contains(id)).count()
+            + invoiced.iter().filter(|id| !succeeded_orders.contains(id)).count();
+
+        Self {
+            accepted: accepted.len(),
+            lost: accepted.len().saturating_sub(usize::try_from(found).unwrap_or(0)),
+            succeeded: state("succeeded"),
+            rejected: state("rejected"),
+            quarantined: state("quarantined"),
+            stuck,
+            duplicated_effects,
+            stock_not_conserved,
+            invoices: invoiced.len() as i64,
+            invoice_mismatches: invoice_mismatches as i64,
+        }
+    }
+
+    /// Nothing lost, stuck or applied twice; stock conserved; one invoice per succeeded order.
+    pub fn is_clean(&self) -> bool {
+        self.lost == 0
+            && self.stuck == 0
+            && self.duplicated_effects == 0
+            && self.stock_not_conserved.is_empty()
+            && self.invoice_mismatches == 0
+    }
+}
+
+async fn order_ids(pool: &PgPool, sql: &str) -> std::collections::HashSet<Uuid> {
+    sqlx::query_scalar(sql).fetch_all(pool).await.expect(sql).into_iter().collect()
+}
+
+/// Rows beyond one per order (the unique constraint should make this 0; the ledger checks anyway).
+async fn extra_rows(pool: &PgPool, table: &str) -> i64 {
+    let sql = format!("select count(*) - count(distinct order_id) from {table}");
+    sqlx::query_scalar(&sql).fetch_one(pool).await.expect("count extra rows")
+}
+
+impl fmt::Display for Ledger {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let conserved = if self.stock_not_conserved.is_empty() {
+            "yes".to_owned()
+        } else {
+            format!("NO ({})", self.stock_not_conserved.join(", "))
+        };
+        writeln!(f, "accepted            {:>8}", self.accepted)?;
+        writeln!(f, "  succeeded         {:>8}", self.succeeded)?;
+        writeln!(f, "  rejected          {:>8}", self.rejected)?;
+        writeln!(f, "  quarantined       {:>8}", self.quarantined)?;
+        writeln!(f, "  stuck             {:>8}", self.stuck)?;
+        writeln!(f, "lost                {:>8}", self.lost)?;
+        writeln!(f, "duplicated effects  {:>8}", self.duplicated_effects)?;
+        writeln!(
+            f,
+            "invoices            {:>8}  (mismatched with succeeded: {})",
+            self.invoices, self.invoice_mismatches
+        )?;
+        write!(f, "stock conserved     {conserved:>8}")
+    }
+}

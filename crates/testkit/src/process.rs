@@ -1,0 +1,145 @@
+//! The shop's real binaries as child processes: start, `kill -9`, SIGTERM, restart, and read
+//! their logs. Crash tests need real processes: an in-process task cannot die mid-instruction.
+//!
+//! The binaries are looked up next to the running test (or `chaos`) executable, in the same
+//! cargo target directory, or in `SHOP_BIN_DIR`. `cargo test --workspace` builds them (every
+//! service crate has an integration test, which makes cargo build its binary); otherwise run
+//! `cargo build --bins` first.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{ExitStatus, Stdio},
+    time::Duration,
+};
+
+use tokio::process::{Child, Command};
+
+/// Where a service binary is.
+pub fn binary(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("SHOP_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let exe = std::env::current_exe().expect("current executable");
+            let dir = exe.parent().expect("executable directory").to_owned();
+            // Test executables live in `<target>/<profile>/deps`, binaries one level up.
+            if dir.ends_with("deps") { dir.parent().expect("profile directory").to_owned() } else { dir }
+        }
+    };
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the services first (`cargo build --bins`; `cargo test --workspace` does it), \
+         or point SHOP_BIN_DIR at their directory",
+        path.display()
+    );
+    path
+}
+
+/// A free local port (bound, then released for the child to take).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// One running (or stopped) service process. Its stdout and stderr go to `<log_dir>/<name>.log`,
+/// appended across restarts. Dropping it kills the process.
+#[derive(Debug)]
+pub struct Process {
+    name: String,
+    binary: PathBuf,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+    /// How many times it was started.
+    pub starts: u32,
+}
+
+impl Process {
+    /// Start `binary` (a name from [`binary`]) with `env` on top of this process's environment.
+    pub fn spawn(name: &str, binary: PathBuf, env: Vec<(String, String)>, log_dir: &Path) -> Self {
+        let mut process = Self {
+            name: name.to_owned(),
+            binary,
+            env,
+            log: log_dir.join(format!("{name}.log")),
+            child: None,
+            starts: 0,
+        };
+        process.start();
+        process
+    }
+
+    /// The service's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// Start it again (after a kill or an exit), with extra variables for this run only.
+    pub fn start_with(&mut self, extra: &[(&str, &str)]) {
+        assert!(self.child.is_none(), "{} is already running", self.name);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
+        let mut command = Command::new(&self.binary);
+        command
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(extra.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .kill_on_drop(true);
+        self.child = Some(command.spawn().unwrap_or_else(|e| panic!("start {}: {e}", self.binary.display())));
+        self.starts += 1;
+    }
+
+    /// Start it again with its own environment.
+    pub fn start(&mut self) {
+        self.start_with(&[]);
+    }
+
+    /// `kill -9` and reap it.
+    pub async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    /// Send SIGTERM and wait up to `timeout` for it to exit; `None` if it did not (it is then
+    /// killed).
+    pub async fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let pid = child.id()?;
+        let sent = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+        assert!(matches!(sent, Ok(status) if status.success()), "kill -TERM {pid}: {sent:?}");
+        match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(status) => status.ok(),
+            Err(_) => {
+                let _ = child.kill().await;
+                None
+            }
+        }
+    }
+
+    /// Whether it is running; an exit it made by itself is returned as `Err`.
+    pub fn check_running(&mut self) -> Result<bool, ExitStatus> {
+        let Some(child) = self.child.as_mut() else { return Ok(false) };
+        match child.try_wait() {
+            Ok(None) => Ok(true),
+            Ok(Some(status)) => Err(status),
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// Its log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Times `needle` occurs in its log.
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.log_text().matches(needle).count()
+    }
+}

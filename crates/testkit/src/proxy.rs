@@ -1,0 +1,195 @@
+//! A TCP fault proxy: services connect to Postgres or RabbitMQ through it, and a test cuts, stalls
+//! and restores their connections on command.
+//!
+//! - [`Proxy::cut`] closes every open connection and closes new ones at once, as a server that
+//!   went away would;
+//! - [`Proxy::stall`] keeps connections open but forwards nothing, as a network black hole would
+//!   (new connections are accepted and then hang);
+//! - [`Proxy::restore`] forwards again; stalled connections resume where they were.
+
+use std::net::SocketAddr;
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{
+        TcpListener, TcpStream,
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+    },
+    sync::watch,
+    task::JoinSet,
+};
+
+/// What the proxy does with traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward bytes both ways.
+    Pass,
+    /// Close every connection, existing and new.
+    Cut,
+    /// Forward nothing; keep connections open.
+    Stall,
+}
+
+/// A proxy to one upstream server, listening on an ephemeral local port. Dropping it closes
+/// everything it carries.
+#[derive(Debug)]
+pub struct Proxy {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listen on `127.0.0.1:0` and forward to `upstream` (`host:port`).
+    pub async fn start(upstream: &str) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (mode, watcher) = watch::channel(Mode::Pass);
+        let accept = tokio::spawn(accept_loop(listener, upstream.to_owned(), watcher));
+        Ok(Self { addr, mode, accept })
+    }
+
+    /// A proxy for the server a `scheme://[user[:pass]@]host:port/...` URL names, and that URL
+    /// rewritten to go through it.
+    pub async fn for_url(url: &str) -> std::io::Result<(Self, String)> {
+        let (_, authority, _) = split_authority(url);
+        let host_port = authority.rsplit_once('@').map_or(authority, |(_, host_port)| host_port);
+        let proxy = Self::start(host_port).await?;
+        let rewritten = proxy.rewrite(url);
+        Ok((proxy, rewritten))
+    }
+
+    /// `urls` (one URL, or several separated by commas) with host and port replaced by this
+    /// proxy's address; user, path and query are kept.
+    pub fn rewrite(&self, urls: &str) -> String {
+        let rewrite_one = |url: &str| {
+            let (scheme, authority, rest) = split_authority(url);
+            let userinfo = authority.rsplit_once('@').map_or(String::new(), |(userinfo, _)| format!("{userinfo}@"));
+            format!("{scheme}{userinfo}{}{rest}", self.addr)
+        };
+        urls.split(',').map(rewrite_one).collect::<Vec<_>>().join(",")
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Close every connection and refuse service until [`Proxy::restore`].
+    pub fn cut(&self) {
+        self.mode.send_replace(Mode::Cut);
+    }
+
+    /// Stop forwarding, keeping connections open, until [`Proxy::restore`].
+    pub fn stall(&self) {
+        self.mode.send_replace(Mode::Stall);
+    }
+
+    /// Forward again.
+    pub fn restore(&self) {
+        self.mode.send_replace(Mode::Pass);
+    }
+
+    /// The current mode.
+    pub fn mode(&self) -> Mode {
+        *self.mode.borrow()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// `("scheme://", "authority", "/rest")` of a URL.
+fn split_authority(url: &str) -> (&str, &str, &str) {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..].find(['/', '?']).map_or(url.len(), |i| start + i);
+    (&url[..start], &url[start..end], &url[end..])
+}
+
+/// Accept until dropped; each connection's tasks live in the set, so aborting this task closes
+/// them all.
+async fn accept_loop(listener: TcpListener, upstream: String, mode: watch::Receiver<Mode>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                if let Ok((client, _)) = accepted {
+                    connections.spawn(carry(client, upstream.clone(), mode.clone()));
+                }
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+/// Wait while stalled; `false` once the mode is (or becomes) `Cut`.
+async fn passing(mode: &mut watch::Receiver<Mode>) -> bool {
+    loop {
+        match *mode.borrow_and_update() {
+            Mode::Pass => return true,
+            Mode::Cut => return false,
+            Mode::Stall => {}
+        }
+        if mode.changed().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// One client connection: connect upstream once traffic may pass, then pump both ways.
+async fn carry(client: TcpStream, upstream: String, mut mode: watch::Receiver<Mode>) {
+    if !passing(&mut mode).await {
+        return;
+    }
+    let Ok(server) = TcpStream::connect(&upstream).await else { return };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::join!(pump(client_read, server_write, mode.clone()), pump(server_read, client_write, mode));
+}
+
+/// Copy one direction until end of stream, an error, or a cut.
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::Receiver<Mode>) {
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        if !passing(&mut mode).await {
+            return;
+        }
+        tokio::select! {
+            read = from.read(&mut buffer) => match read {
+                Ok(0) | Err(_) => {
+                    let _ = to.shutdown().await;
+                    return;
+                }
+                Ok(n) => {
+                    if to.write_all(&buffer[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            // Re-check the mode (a read in progress is safe to drop).
+            changed = mode.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_authority;
+
+    #[test]
+    fn splits_urls_with_and_without_paths() {
+        assert_eq!(
+            split_authority("amqp://guest:guest@127.0.0.1:5672/t-1"),
+            ("amqp://", "guest:guest@127.0.0.1:5672", "/t-1")
+        );
+        assert_eq!(
+            split_authority("postgres://postgres@localhost:5432"),
+            ("postgres://", "postgres@localhost:5432", "")
+        );
+    }
+}

@@ -1,0 +1,176 @@
+//! Fault injection with the real binaries: `kill -9` at the dangerous moments, broker and database
+//! connections cut mid-burst, SIGTERM under load. Each test runs its own shop of four processes,
+//! each service behind its own pair of fault proxies, and ends by checking the books.
+
+use std::time::Duration;
+
+use messaging::{failpoint, metrics::INBOX_DUPLICATES};
+use testkit::{
+    eventually, http,
+    shop::{Options, ProcessShop, Service, WAIT},
+};
+
+const OUTAGE: Duration = Duration::from_secs(5);
+
+async fn shop() -> ProcessShop {
+    ProcessShop::start(Options::default()).await
+}
+
+/// Duplicates skipped by the inboxes of every consumer, as their `/metrics` report them.
+async fn duplicates_skipped(shop: &ProcessShop) -> u64 {
+    let mut total = 0;
+    for service in [Service::Api, Service::Inventory, Service::Billing] {
+        total += shop.metric(service, INBOX_DUPLICATES).await;
+    }
+    total
+}
+
+/// Settle, check the books, and check that no service died by itself.
+async fn assert_books_balance(shop: &mut ProcessShop) {
+    let ledger = shop.settle(WAIT).await;
+    assert!(ledger.is_clean(), "{ledger}\nlogs in {}", shop.log_dir().display());
+    assert_eq!(ledger.succeeded + ledger.rejected, ledger.accepted as i64, "{ledger}");
+    shop.assert_all_running();
+}
+
+/// Arm `point` in `service`, place a burst, `kill -9` the service when it gets there, start it
+/// again unarmed. Returns the burst's size.
+async fn crash_at(shop: &mut ProcessShop, service: Service, point: &str) -> usize {
+    shop.kill(service).await;
+    shop.restart_with(service, &[("FAILPOINTS", point)]).await;
+    let placed = shop.place_burst(20).await.len();
+    shop.wait_for_log(service, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.kill(service).await;
+    shop.restart(service).await;
+    placed
+}
+
+#[tokio::test]
+async fn relay_killed_after_confirm_before_mark_republishes_and_the_inboxes_skip_the_copies() {
+    let mut shop = shop().await;
+    crash_at(&mut shop, Service::Relay, failpoint::RELAY_AFTER_CONFIRM).await;
+    assert_books_balance(&mut shop).await;
+    // The batch confirmed but never marked went out again; a consumer's inbox skipped each copy.
+    let skipped = duplicates_skipped(&shop).await;
+    assert!(skipped >= 1, "the republished batch shows as skipped duplicates, got {skipped}");
+    shop.wait_for_log(Service::Relay, "relay publishing", 2).await;
+}
+
+#[tokio::test]
+async fn inventory_killed_after_commit_before_ack_skips_the_redelivery() {
+    let mut shop = shop().await;
+    crash_at(&mut shop, Service::Inventory, failpoint::WORKER_AFTER_COMMIT).await;
+    assert_books_balance(&mut shop).await;
+    // The committed delivery was never acked: the broker redelivered it to the new process.
+    assert!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await >= 1);
+    assert!(shop.process(Service::Inventory).log_count("duplicate skipped by the inbox") >= 1);
+}
+
+#[tokio::test]
+async fn billing_killed_after_commit_before_ack_skips_the_redelivery() {
+    let mut shop = shop().await;
+    crash_at(&mut shop, Service::Billing, failpoint::WORKER_AFTER_COMMIT).await;
+    assert_books_balance(&mut shop).await;
+    assert!(shop.metric(Service::Billing, INBOX_DUPLICATES).await >= 1);
+}
+
+#[tokio::test]
+async fn inventory_killed_before_commit_applies_the_redelivery_once() {
+    let mut shop = shop().await;
+    crash_at(&mut shop, Service::Inventory, failpoint::WORKER_BEFORE_COMMIT).await;
+    // The transaction died with the process: the redelivery is new work, not a duplicate.
+    assert_books_balance(&mut shop).await;
+}
+
+/// Cut one service's broker connection for five seconds in the middle of a burst.
+async fn broker_cut_mid_burst(service: Service) {
+    let mut shop = shop().await;
+    shop.place_burst(15).await;
+    shop.broker_proxy(service).cut();
+    let readyz = format!("{}/readyz", shop.http(service));
+    eventually(&format!("{service:?} to report not ready"), WAIT, || async {
+        let response = http::request("GET", &readyz, &[], None).await.ok()?;
+        (response.status == 503).then_some(())
+    })
+    .await;
+    shop.place_burst(15).await;
+    tokio::time::sleep(OUTAGE).await;
+    shop.broker_proxy(service).restore();
+    shop.place_burst(10).await;
+    shop.wait_ready(service).await;
+    assert_books_balance(&mut shop).await;
+}
+
+#[tokio::test]
+async fn api_rides_out_a_cut_broker_connection() {
+    broker_cut_mid_burst(Service::Api).await;
+}
+
+#[tokio::test]
+async fn inventory_rides_out_a_cut_broker_connection() {
+    broker_cut_mid_burst(Service::Inventory).await;
+}
+
+#[tokio::test]
+async fn billing_rides_out_a_cut_broker_connection() {
+    broker_cut_mid_burst(Service::Billing).await;
+}
+
+#[tokio::test]
+async fn relay_rides_out_a_cut_broker_connection() {
+    broker_cut_mid_burst(Service::Relay).await;
+}
+
+#[tokio::test]
+async fn database_down_for_five_seconds_means_503_then_recovery_with_nothing_lost() {
+    let mut shop = shop().await;
+    shop.place_burst(20).await;
+    for service in Service::ALL {
+        shop.database_proxy(service).cut();
+    }
+    let outage = tokio::time::Instant::now();
+    let mut refused = 0;
+    while outage.elapsed() < OUTAGE {
+        let response = shop.post_order(&[("SKU-1", 1)]).await.expect("the API answers during the outage");
+        assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
+        assert!(response.header("retry-after").is_some(), "503 says when to retry");
+        assert_eq!(response.header("content-type"), Some("application/problem+json"));
+        refused += 1;
+    }
+    assert!(refused >= 1);
+    for service in Service::ALL {
+        shop.database_proxy(service).restore();
+    }
+    let recovered = tokio::time::Instant::now();
+    while shop.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
+        assert!(recovered.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shop.place_burst(10).await;
+    assert_books_balance(&mut shop).await;
+}
+
+#[tokio::test]
+async fn sigterm_mid_burst_exits_0_within_10s_leaving_nothing_committed_unacked() {
+    let mut shop = shop().await;
+    // Each worker pauses 300 ms between commit and ack, so the signal lands while deliveries
+    // are committed but not acked: exactly what shutdown must finish before exiting.
+    let pause = format!("{}=300ms", failpoint::WORKER_AFTER_COMMIT);
+    for worker in [Service::Inventory, Service::Billing] {
+        shop.kill(worker).await;
+        shop.restart_with(worker, &[("FAILPOINTS", &pause)]).await;
+    }
+    shop.place_burst(40).await;
+    eventually("a first order to succeed", WAIT, || async { (shop.ledger().await.succeeded > 0).then_some(()) }).await;
+    for service in Service::ALL {
+        let status = shop.process(service).terminate(Duration::from_secs(10)).await;
+        let status = status.unwrap_or_else(|| panic!("{service:?} did not exit within 10 s of SIGTERM"));
+        assert!(status.success(), "{service:?} exited with {status}");
+    }
+    for service in Service::ALL {
+        shop.restart(service).await;
+    }
+    assert_books_balance(&mut shop).await;
+    // Anything committed but unacked at shutdown would come back now as a skipped duplicate.
+    assert_eq!(duplicates_skipped(&shop).await, 0, "a committed delivery was left unacked");
+}
