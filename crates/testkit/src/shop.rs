@@ -94,6 +94,8 @@ pub struct ProcessShop {
     pub initial_stock: BTreeMap<String, i64>,
     /// Job ids the API accepted (202), in order.
     pub accepted: Vec<Uuid>,
+    /// Keep the logs when dropped (they are kept anyway if a test panics).
+    pub keep_logs: bool,
     env: TestEnv,
 }
 
@@ -155,7 +157,29 @@ impl ProcessShop {
         let inventory = env.pool("inventory").await;
         let billing = env.pool("billing").await;
         let initial_stock = ledger::stock_totals(&inventory).await;
-        Self { services, log_dir, orders, inventory, billing, initial_stock, accepted: Vec::new(), env }
+        Self {
+            services,
+            log_dir,
+            orders,
+            inventory,
+            billing,
+            initial_stock,
+            accepted: Vec::new(),
+            keep_logs: false,
+            env,
+        }
+    }
+
+    /// Set `available` for the SKUs matching the SQL pattern `skus` (before any order), and take
+    /// the stock totals again.
+    pub async fn restock(&mut self, skus: &str, available: i32) {
+        sqlx::query("update stock set available = $2 where sku like $1")
+            .bind(skus)
+            .bind(available)
+            .execute(&self.inventory)
+            .await
+            .expect("restock");
+        self.initial_stock = ledger::stock_totals(&self.inventory).await;
     }
 
     /// The test's broker and databases.
@@ -274,25 +298,38 @@ impl ProcessShop {
             .sum()
     }
 
-    /// Wait until every accepted order is in a terminal state, then read the books.
+    /// Wait until every accepted order is in a terminal state, then read the books; panics with
+    /// the books after `timeout`.
     pub async fn settle(&self, timeout: Duration) -> Ledger {
-        let settled = tokio::time::timeout(timeout, async {
-            loop {
-                let ledger = self.ledger().await;
-                if ledger.stuck == 0 && ledger.lost == 0 {
-                    return ledger;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        self.try_settle(timeout).await.unwrap_or_else(|ledger| {
+            panic!("orders did not settle within {timeout:?}:\n{ledger}\nlogs in {}", self.log_dir.display())
         })
-        .await;
-        match settled {
-            Ok(ledger) => ledger,
-            Err(_) => {
-                let ledger = self.ledger().await;
-                panic!("orders did not settle within {timeout:?}:\n{ledger}\nlogs in {}", self.log_dir.display());
+    }
+
+    /// [`ProcessShop::settle`], with the unsettled books as the error.
+    pub async fn try_settle(&self, timeout: Duration) -> Result<Ledger, Ledger> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let ledger = self.ledger().await;
+            if ledger.stuck == 0 && ledger.lost == 0 {
+                return Ok(ledger);
             }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ledger);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// For a shop without demo faults: every accepted order settles as succeeded or rejected,
+    /// the books are clean, and no service died by itself.
+    pub async fn assert_books_balance(&mut self) -> Ledger {
+        let ledger = self.settle(WAIT).await;
+        let logs = self.log_dir.display();
+        assert!(ledger.is_clean(), "{ledger}\nlogs in {logs}");
+        assert_eq!(ledger.succeeded + ledger.rejected, ledger.accepted as i64, "{ledger}\nlogs in {logs}");
+        self.assert_all_running();
+        ledger
     }
 
     /// The books now.
@@ -303,7 +340,7 @@ impl ProcessShop {
 
 impl Drop for ProcessShop {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if self.keep_logs || std::thread::panicking() {
             eprintln!("service logs kept in {}", self.log_dir.display());
         } else {
             let _ = std::fs::remove_dir_all(&self.log_dir);

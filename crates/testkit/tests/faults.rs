@@ -25,14 +25,6 @@ async fn duplicates_skipped(shop: &ProcessShop) -> u64 {
     total
 }
 
-/// Settle, check the books, and check that no service died by itself.
-async fn assert_books_balance(shop: &mut ProcessShop) {
-    let ledger = shop.settle(WAIT).await;
-    assert!(ledger.is_clean(), "{ledger}\nlogs in {}", shop.log_dir().display());
-    assert_eq!(ledger.succeeded + ledger.rejected, ledger.accepted as i64, "{ledger}");
-    shop.assert_all_running();
-}
-
 /// Arm `point` in `service`, place a burst, `kill -9` the service when it gets there, start it
 /// again unarmed. Returns the burst's size.
 async fn crash_at(shop: &mut ProcessShop, service: Service, point: &str) -> usize {
@@ -49,7 +41,7 @@ async fn crash_at(shop: &mut ProcessShop, service: Service, point: &str) -> usiz
 async fn relay_killed_after_confirm_before_mark_republishes_and_the_inboxes_skip_the_copies() {
     let mut shop = shop().await;
     crash_at(&mut shop, Service::Relay, failpoint::RELAY_AFTER_CONFIRM).await;
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
     // The batch confirmed but never marked went out again; a consumer's inbox skipped each copy.
     let skipped = duplicates_skipped(&shop).await;
     assert!(skipped >= 1, "the republished batch shows as skipped duplicates, got {skipped}");
@@ -60,7 +52,7 @@ async fn relay_killed_after_confirm_before_mark_republishes_and_the_inboxes_skip
 async fn inventory_killed_after_commit_before_ack_skips_the_redelivery() {
     let mut shop = shop().await;
     crash_at(&mut shop, Service::Inventory, failpoint::WORKER_AFTER_COMMIT).await;
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
     // The committed delivery was never acked: the broker redelivered it to the new process.
     assert!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await >= 1);
     assert!(shop.process(Service::Inventory).log_count("duplicate skipped by the inbox") >= 1);
@@ -70,7 +62,7 @@ async fn inventory_killed_after_commit_before_ack_skips_the_redelivery() {
 async fn billing_killed_after_commit_before_ack_skips_the_redelivery() {
     let mut shop = shop().await;
     crash_at(&mut shop, Service::Billing, failpoint::WORKER_AFTER_COMMIT).await;
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
     assert!(shop.metric(Service::Billing, INBOX_DUPLICATES).await >= 1);
 }
 
@@ -79,7 +71,7 @@ async fn inventory_killed_before_commit_applies_the_redelivery_once() {
     let mut shop = shop().await;
     crash_at(&mut shop, Service::Inventory, failpoint::WORKER_BEFORE_COMMIT).await;
     // The transaction died with the process: the redelivery is new work, not a duplicate.
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
 }
 
 /// Cut one service's broker connection for five seconds in the middle of a burst.
@@ -98,7 +90,7 @@ async fn broker_cut_mid_burst(service: Service) {
     shop.broker_proxy(service).restore();
     shop.place_burst(10).await;
     shop.wait_ready(service).await;
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
 }
 
 #[tokio::test]
@@ -147,7 +139,7 @@ async fn database_down_for_five_seconds_means_503_then_recovery_with_nothing_los
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     shop.place_burst(10).await;
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
 }
 
 #[tokio::test]
@@ -170,7 +162,7 @@ async fn sigterm_mid_burst_exits_0_within_10s_leaving_nothing_committed_unacked(
     for service in Service::ALL {
         shop.restart(service).await;
     }
-    assert_books_balance(&mut shop).await;
+    shop.assert_books_balance().await;
     // Anything committed but unacked at shutdown would come back now as a skipped duplicate.
     assert_eq!(duplicates_skipped(&shop).await, 0, "a committed delivery was left unacked");
 }
