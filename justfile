@@ -12,6 +12,16 @@ lint:
     cargo fmt --all --check
     cargo clippy --workspace --all-targets -- -D warnings
 
+# The soak: 5,000 orders while services are killed and connections cut; prints the ledger.
+chaos orders="5000" kills="24" cuts="12":
+    cargo build --bins
+    cargo run -p testkit --bin chaos -- --orders {{orders}} --kills {{kills}} --cuts {{cuts}}
+
+# Restart the local RabbitMQ mid-burst (disturbs anything else using it).
+broker-restart:
+    cargo build --bins
+    cargo test -p testkit --test broker_restart -- --ignored
+
 # What CI runs (starts the local servers if they are down).
 ci:
     bash .ci/run
