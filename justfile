@@ -17,6 +17,11 @@ chaos orders="5000" kills="24" cuts="12":
     cargo build --bins
     cargo run -p testkit --bin chaos -- --orders {{orders}} --kills {{kills}} --cuts {{cuts}}
 
+# The benchmark: the servers' limits and every stage, in one run, on release builds.
+bench *args:
+    cargo build --release --bins
+    cargo run --release -p bench -- {{args}}
+
 # Restart the local RabbitMQ mid-burst (disturbs anything else using it).
 broker-restart:
     cargo build --bins

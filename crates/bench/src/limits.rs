@@ -1,0 +1,155 @@
+//! What Postgres and RabbitMQ on this machine can do with our exact work and no service code
+//! around it: the bounds each stage is measured against.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Instant,
+};
+
+use futures_util::StreamExt;
+use lapin::{
+    Connection,
+    options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions},
+    types::FieldTable,
+};
+use messaging::{consumer::Handler, envelope::Incoming, inbox, outbox, publisher::Publisher};
+use orders_api::api::{Accepted, OrderLineRequest, PlaceOrder, insert_order};
+use sqlx::{PgPool, postgres::PgPoolOptions};
+use uuid::Uuid;
+
+/// The order every load uses: two lines of the everyday SKUs.
+pub fn sample_order(i: usize) -> PlaceOrder {
+    let line = |n: usize| OrderLineRequest { sku: format!("SKU-{}", n % 4 + 1), quantity: 1 };
+    PlaceOrder { customer_id: "bench".into(), lines: vec![line(i), line(i + 1)] }
+}
+
+/// Run `count` jobs on `concurrency` tasks; returns jobs per second.
+async fn run_concurrently<F, Fut>(concurrency: usize, count: usize, job: F) -> f64
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let job = Arc::new(job);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (job, next) = (Arc::clone(&job), Arc::clone(&next));
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    break;
+                }
+                job(i).await;
+            }
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.expect("load task");
+    }
+    count as f64 / started.elapsed().as_secs_f64()
+}
+
+/// A pool of `size` connections on `url`.
+pub async fn pool(url: &str, size: u32) -> PgPool {
+    PgPoolOptions::new().max_connections(size).connect(url).await.expect("connect")
+}
+
+/// (a) The API's order transaction (order, lines, job, outbox row), by a plain loop.
+pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f64 {
+    let pool = pool(url, concurrency as u32).await;
+    run_concurrently(concurrency, count, move |i| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.expect("begin");
+            let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
+            insert_order(&mut tx, &ids, &sample_order(i)).await.expect("insert order");
+            tx.commit().await.expect("commit");
+        }
+    })
+    .await
+}
+
+/// The first `count` outbox rows, exactly as the relay would read them.
+pub async fn outbox_rows(pool: &PgPool, count: usize) -> Vec<outbox::OutboxRow> {
+    let mut tx = pool.begin().await.expect("begin");
+    let rows = outbox::claim_unpublished(&mut tx, count as i64).await.expect("read outbox");
+    tx.rollback().await.expect("rollback");
+    rows
+}
+
+/// (b) Publish `rows` with confirms, `window` outstanding at most; returns messages per second.
+pub async fn publish(connection: &Connection, rows: &[outbox::OutboxRow], window: usize) -> f64 {
+    let publisher = Publisher::open(connection).await.expect("publisher");
+    let started = Instant::now();
+    let mut pending = VecDeque::with_capacity(window);
+    for row in rows {
+        if pending.len() >= window {
+            let oldest: messaging::publisher::Pending = pending.pop_front().expect("pending");
+            oldest.confirmed().await.expect("confirmed");
+        }
+        let sent = publisher.send(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await;
+        pending.push_back(sent.expect("publish"));
+    }
+    for sent in pending {
+        sent.confirmed().await.expect("confirmed");
+    }
+    let rate = rows.len() as f64 / started.elapsed().as_secs_f64();
+    publisher.close().await;
+    rate
+}
+
+/// (c) Consume and ack `count` messages from `queue` with `prefetch`; messages per second.
+pub async fn consume(connection: &Connection, queue: &str, count: usize, prefetch: u16) -> f64 {
+    let channel = connection.create_channel().await.expect("channel");
+    channel.basic_qos(prefetch, BasicQosOptions::default()).await.expect("qos");
+    let mut deliveries = channel
+        .basic_consume(queue.into(), "bench".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("consume");
+    let started = Instant::now();
+    for _ in 0..count {
+        let delivery = deliveries.next().await.expect("delivery").expect("delivery");
+        delivery.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    let rate = count as f64 / started.elapsed().as_secs_f64();
+    let _ = channel.close(200, "bye".into()).await;
+    rate
+}
+
+/// (d) The inventory worker's transaction (inbox row, stock, reservation, outbox row) by a plain
+/// loop at the worker's concurrency and pool size, on fresh orders.
+pub async fn worker_transaction(url: &str, concurrency: usize, pool_size: u32, count: usize) -> f64 {
+    let pool = pool(url, pool_size).await;
+    let handler = Arc::new(inventory_worker::ReserveStock::default());
+    run_concurrently(concurrency, count, move |i| {
+        let (pool, handler) = (pool.clone(), Arc::clone(&handler));
+        async move {
+            let order = sample_order(i);
+            let body = serde_json::json!({
+                "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
+                "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
+            });
+            let message = Incoming {
+                message_id: Uuid::now_v7(),
+                message_type: "order.placed".into(),
+                version: 1,
+                correlation_id: None,
+                retry_count: 0,
+                body: body.to_string().into_bytes(),
+            };
+            let mut tx = pool.begin().await.expect("begin");
+            let recorded =
+                inbox::record(&mut tx, message.message_id, &message.message_type, "inventory.order-placed").await;
+            assert!(recorded.expect("inbox"), "fresh message id");
+            handler.handle(&message, &mut tx).await.expect("reserve");
+            tx.commit().await.expect("commit");
+        }
+    })
+    .await
+}

@@ -1,0 +1,89 @@
+//! The table and the JSON summary.
+
+use serde_json::{Value, json};
+
+/// One measured figure.
+struct Figure {
+    section: &'static str,
+    name: String,
+    value: f64,
+    unit: &'static str,
+    note: String,
+}
+
+/// One target: a figure against its bound.
+struct Target {
+    name: &'static str,
+    actual: f64,
+    bound: f64,
+    at_least: bool,
+}
+
+impl Target {
+    fn met(&self) -> bool {
+        if self.at_least { self.actual >= self.bound } else { self.actual < self.bound }
+    }
+}
+
+/// Everything a run measured.
+#[derive(Default)]
+pub struct Report {
+    figures: Vec<Figure>,
+    targets: Vec<Target>,
+}
+
+impl Report {
+    /// Record a figure and print it at once (a long run shows progress).
+    pub fn figure(&mut self, section: &'static str, name: &str, value: f64, unit: &'static str, note: &str) {
+        println!("  {section:<8} {name:<52} {value:>12.1} {unit:<6} {note}");
+        self.figures.push(Figure { section, name: name.to_owned(), value, unit, note: note.to_owned() });
+    }
+
+    /// `actual >= bound`.
+    pub fn at_least(&mut self, name: &'static str, actual: f64, bound: f64) {
+        self.targets.push(Target { name, actual, bound, at_least: true });
+    }
+
+    /// `actual < bound`.
+    pub fn below(&mut self, name: &'static str, actual: f64, bound: f64) {
+        self.targets.push(Target { name, actual, bound, at_least: false });
+    }
+
+    /// The whole table, then the targets.
+    pub fn print(&self) {
+        println!("\n{:<8} {:<52} {:>12} {:<6} note", "section", "figure", "value", "unit");
+        for f in &self.figures {
+            println!("{:<8} {:<52} {:>12.1} {:<6} {}", f.section, f.name, f.value, f.unit, f.note);
+        }
+        println!("\ntargets");
+        for t in &self.targets {
+            let op = if t.at_least { ">=" } else { "<" };
+            let verdict = if t.met() { "met" } else { "NOT MET" };
+            println!("  {:<58} {:>10.2} {op} {:<8.2} {verdict}", t.name, t.actual, t.bound);
+        }
+    }
+
+    /// The same as JSON.
+    pub fn json(&self) -> Value {
+        let figures: Vec<Value> = self
+            .figures
+            .iter()
+            .map(|f| json!({"section": f.section, "name": f.name, "value": f.value, "unit": f.unit, "note": f.note}))
+            .collect();
+        let targets: Vec<Value> = self
+            .targets
+            .iter()
+            .map(|t| json!({"name": t.name, "actual": t.actual, "bound": t.bound, "atLeast": t.at_least, "met": t.met()}))
+            .collect();
+        json!({"figures": figures, "targets": targets})
+    }
+}
+
+/// The `q` quantile (0..=1) of sorted samples.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let index = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[index]
+}

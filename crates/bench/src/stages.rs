@@ -1,0 +1,293 @@
+//! Our stages, as the real (release) binaries run them, plus the naive relay baseline.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use futures_util::StreamExt;
+use lapin::{
+    Connection,
+    options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use messaging::{contracts::exchanges, outbox, publisher::Publisher};
+use sqlx::PgPool;
+use testkit::process::{self, Process};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::{http1, limits::sample_order, report::quantile};
+
+/// A service process on a free port; `vars` on top of `RUST_LOG=info`.
+pub async fn start(name: &str, vars: &[(&str, String)], log_dir: &Path) -> (Process, String) {
+    let port = process::free_port();
+    let mut env: Vec<(String, String)> =
+        vec![("HTTP_ADDR".into(), format!("127.0.0.1:{port}")), ("RUST_LOG".into(), "info".into())];
+    env.extend(vars.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    let process = Process::spawn(name, process::binary(name), env, log_dir);
+    let base = format!("127.0.0.1:{port}");
+    let ready = format!("http://{base}/readyz");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(response) = testkit::http::request("GET", &ready, &[], None).await
+            && response.status == 200
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{name} not ready; see {}", process.log_path().display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (process, base)
+}
+
+/// SIGTERM and wait.
+pub async fn stop(mut process: Process) {
+    let status = process.terminate(Duration::from_secs(30)).await;
+    assert!(matches!(status, Some(s) if s.success()), "{} did not stop cleanly: {status:?}", process.name());
+}
+
+/// Poll `sql` (a count) on `pool` until it returns `want`.
+pub async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let n: i64 = sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql);
+        if n == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out: {sql} = {n}, want {want}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Wait until every job in `ids` has succeeded.
+pub async fn wait_succeeded(orders: &PgPool, ids: &[Uuid]) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let done: i64 = sqlx::query_scalar("select count(*) from jobs where id = any($1) and state = 'succeeded'")
+            .bind(ids)
+            .fetch_one(orders)
+            .await
+            .expect("count succeeded");
+        if done == ids.len() as i64 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{} of {} orders succeeded", done, ids.len());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Rows per second between the first and the last `timestamp` of `table` matching `filter`,
+/// excluding the first instant's own rows (a batch's rows share its timestamp): the rate a
+/// stage achieved, from the database's own clock, whatever its start-up took.
+pub async fn rate_from_timestamps(pool: &PgPool, table: &str, timestamp: &str, filter: &str) -> f64 {
+    let sql = format!(
+        "with t as (select {timestamp} as at from {table} where {filter})
+         select count(*) filter (where at > (select min(at) from t)),
+                extract(epoch from max(at) - min(at))::float8
+         from t"
+    );
+    let (after_first, seconds): (i64, Option<f64>) = sqlx::query_as(&sql).fetch_one(pool).await.expect(&sql);
+    after_first as f64 / seconds.unwrap_or(f64::NAN)
+}
+
+/// POST `count` orders over `concurrency` keep-alive connections as fast as they are answered.
+/// Returns orders per second and the accepted job ids.
+pub async fn post_orders(api: &str, concurrency: usize, count: usize) -> (f64, Vec<Uuid>) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (api, next) = (api.to_owned(), Arc::clone(&next));
+        tasks.spawn(async move {
+            let mut connection = http1::Connection::open(&api).await.expect("connect to the API");
+            let mut jobs = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= count {
+                    return jobs;
+                }
+                let body = serde_json::to_string(&sample_order(i)).expect("json");
+                let response = connection.post_json("/orders", &body).await.expect("POST /orders");
+                assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
+                jobs.push(job_id(&response.body));
+            }
+        });
+    }
+    let mut jobs = Vec::with_capacity(count);
+    while let Some(joined) = tasks.join_next().await {
+        jobs.extend(joined.expect("client task"));
+    }
+    (count as f64 / started.elapsed().as_secs_f64(), jobs)
+}
+
+fn job_id(body: &[u8]) -> Uuid {
+    let json: serde_json::Value = serde_json::from_slice(body).expect("202 body");
+    json["jobId"].as_str().and_then(|id| id.parse().ok()).expect("jobId")
+}
+
+/// POST `count` orders at `rate` per second in all, spread over `concurrency` paced connections;
+/// returns each job id with the wall-clock time its request was sent.
+pub async fn post_orders_at(api: &str, concurrency: usize, count: usize, rate: f64) -> Vec<(Uuid, SystemTime)> {
+    let per_lane = count.div_ceil(concurrency);
+    let mut tasks = tokio::task::JoinSet::new();
+    for lane in 0..concurrency {
+        let api = api.to_owned();
+        let interval = Duration::from_secs_f64(concurrency as f64 / rate);
+        tasks.spawn(async move {
+            // Lanes start staggered so the offered load is even.
+            tokio::time::sleep(interval.mul_f64(lane as f64 / concurrency as f64)).await;
+            let mut connection = http1::Connection::open(&api).await.expect("connect to the API");
+            let mut ticks = tokio::time::interval(interval);
+            let mut sent = Vec::with_capacity(per_lane);
+            for i in 0..per_lane {
+                ticks.tick().await;
+                let body = serde_json::to_string(&sample_order(lane * per_lane + i)).expect("json");
+                let at = SystemTime::now();
+                let response = connection.post_json("/orders", &body).await.expect("POST /orders");
+                assert_eq!(response.status, 202);
+                sent.push((job_id(&response.body), at));
+            }
+            sent
+        });
+    }
+    let mut sent = Vec::with_capacity(count);
+    while let Some(joined) = tasks.join_next().await {
+        sent.extend(joined.expect("client task"));
+    }
+    sent
+}
+
+/// Milliseconds from each send to its job's `succeeded` (the status consumer's commit), sorted.
+pub async fn latencies_to_succeeded(orders: &PgPool, sent: &[(Uuid, SystemTime)]) -> Vec<f64> {
+    let ids: Vec<Uuid> = sent.iter().map(|(id, _)| *id).collect();
+    let done: HashMap<Uuid, chrono::DateTime<chrono::Utc>> =
+        sqlx::query_as("select id, updated_at from jobs where id = any($1) and state = 'succeeded'")
+            .bind(&ids)
+            .fetch_all(orders)
+            .await
+            .expect("job times")
+            .into_iter()
+            .collect();
+    let mut latencies: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, at)| {
+            let done = SystemTime::from(*done.get(id)?);
+            Some(done.duration_since(*at).unwrap_or_default().as_secs_f64() * 1000.0)
+        })
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    latencies
+}
+
+/// The seeds' relay: one row at a time (claim, publish, await its confirm, mark, commit). Runs
+/// until `count` rows are published or `limit` has passed; rows per second.
+pub async fn naive_relay(pool: &PgPool, connection: &Connection, count: usize, limit: Duration) -> f64 {
+    let publisher = Publisher::open(connection).await.expect("publisher");
+    let started = Instant::now();
+    let mut published = 0;
+    while published < count && started.elapsed() < limit {
+        let mut tx = pool.begin().await.expect("begin");
+        let rows = outbox::claim_unpublished(&mut tx, 1).await.expect("claim");
+        let Some(row) = rows.first() else { break };
+        publisher
+            .publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties())
+            .await
+            .expect("publish and confirm");
+        outbox::mark_published(&mut tx, &[row.id]).await.expect("mark");
+        tx.commit().await.expect("commit");
+        published += 1;
+    }
+    let rate = published as f64 / started.elapsed().as_secs_f64();
+    publisher.close().await;
+    rate
+}
+
+/// Commit -> publish latency with the relay idle on NOTIFY: commit one row at a time into the
+/// outbox, `gap` apart, and time each until a consumer of its own queue receives it. Sorted ms.
+pub async fn commit_to_publish(pool: &PgPool, connection: &Connection, samples: usize, gap: Duration) -> Vec<f64> {
+    let channel = connection.create_channel().await.expect("channel");
+    let queue = channel
+        .queue_declare("".into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .await
+        .expect("declare");
+    let queue = queue.name().as_str().to_owned();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchanges::ORDERS.into(),
+            "bench.ping".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    let committed: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+    let mut deliveries = channel
+        .basic_consume(queue.as_str().into(), "ping".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("consume");
+    let receiver = {
+        let committed = Arc::clone(&committed);
+        tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(samples);
+            while latencies.len() < samples {
+                let delivery = deliveries.next().await.expect("delivery").expect("delivery");
+                let received = Instant::now();
+                let id = messaging::envelope::message_id(&delivery.properties).expect("message id");
+                delivery.ack(BasicAckOptions::default()).await.expect("ack");
+                // The sender records the commit before the relay can have published it.
+                let at = committed.lock().await.remove(&id).expect("committed row");
+                latencies.push(received.duration_since(at).as_secs_f64() * 1000.0);
+            }
+            latencies
+        })
+    };
+    for _ in 0..samples {
+        let id = Uuid::now_v7();
+        let mut tx = pool.begin().await.expect("begin");
+        sqlx::query(
+            "insert into outbox (message_id, message_type, exchange, routing_key, payload)
+             values ($1, 'bench.ping', $2, 'bench.ping', '{}')",
+        )
+        .bind(id)
+        .bind(exchanges::ORDERS)
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+        let mut guard = committed.lock().await;
+        tx.commit().await.expect("commit");
+        guard.insert(id, Instant::now());
+        drop(guard);
+        tokio::time::sleep(gap).await;
+    }
+    let mut latencies = receiver.await.expect("receiver");
+    latencies.sort_by(f64::total_cmp);
+    let _ = channel.close(200, "bye".into()).await;
+    latencies
+}
+
+/// Copy one outbox row `count` times, unpublished (or published, for the scale test's history),
+/// each with a fresh message id: a backlog in one statement.
+pub async fn fill_outbox(pool: &PgPool, template: i64, count: i64, published: bool) {
+    sqlx::query(
+        "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers, published_at)
+         select gen_random_uuid(), message_type, exchange, routing_key, payload, headers,
+                case when $3 then now() - interval '1 day' end
+         from outbox, generate_series(1, $2)
+         where id = $1",
+    )
+    .bind(template)
+    .bind(count)
+    .bind(published)
+    .execute(pool)
+    .await
+    .expect("fill outbox");
+}
+
+/// Quantiles of sorted samples: (p50, p95, p99).
+pub fn percentiles(sorted: &[f64]) -> (f64, f64, f64) {
+    (quantile(sorted, 0.50), quantile(sorted, 0.95), quantile(sorted, 0.99))
+}
