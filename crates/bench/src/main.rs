@@ -85,8 +85,24 @@ async fn main() {
     let a = limits::order_transaction(&orders_url, c, n).await;
     report.figure("limit", "(a) order transaction commits", a, "/s", &format!("concurrency {c}"));
     let rows = limits::outbox_rows(&orders, n).await;
-    let b = limits::publish(&amqp, &rows, 256).await;
-    report.figure("limit", "(b) publish with pipelined confirms", b, "/s", "window 256, quorum queue");
+    // The broker's rate swings most from run to run on this shared machine: the median of three.
+    let mut b_runs = Vec::new();
+    for _ in 0..3 {
+        b_runs.push(limits::publish(&amqp, &rows, 256).await);
+        if b_runs.len() < 3 {
+            purge().await;
+        }
+    }
+    b_runs.sort_by(f64::total_cmp);
+    let b = b_runs[1];
+    let runs = b_runs.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(", ");
+    report.figure(
+        "limit",
+        "(b) publish with pipelined confirms",
+        b,
+        "/s",
+        &format!("window 256, quorum queue; median of {runs}"),
+    );
     let c_rate = limits::consume(&amqp, worker.name, n, prefetch).await;
     report.figure("limit", "(c) consume + ack", c_rate, "/s", &format!("prefetch {prefetch}"));
     let d = limits::worker_transaction(&inventory_url, prefetch.into(), u32::from(prefetch) + 1, n).await;
