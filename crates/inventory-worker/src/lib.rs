@@ -77,7 +77,8 @@ pub struct ReserveStock {
 
 /// What reserving an order came to.
 enum Reservation {
-    Made(Uuid),
+    /// Stock taken, reservation written, `inventory.reserved` in the outbox.
+    Made,
     Refused(String),
     /// The order was reserved before under another message id: nothing to do or announce.
     AlreadyMade,
@@ -90,29 +91,24 @@ impl Handler for ReserveStock {
             demo_fault(order.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
         }
         let headers = Headers::new(message.correlation_id.or(Some(order.job_id)), 1);
-        match reserve(tx, &order).await? {
-            Reservation::Made(reservation_id) => {
-                let reserved = InventoryReserved {
-                    order_id: order.order_id,
-                    job_id: order.job_id,
-                    reservation_id,
-                    lines: order.lines,
-                };
-                outbox::enqueue(tx, &reserved, &headers).await?;
-            }
+        match reserve(tx, &order, &headers).await? {
+            Reservation::Made | Reservation::AlreadyMade => {}
             Reservation::Refused(reason) => {
                 let rejected = InventoryRejected { order_id: order.order_id, job_id: order.job_id, reason };
                 outbox::enqueue(tx, &rejected, &headers).await?;
             }
-            Reservation::AlreadyMade => {}
         }
         Ok(())
     }
 }
 
-/// Reserve all lines or none, inside a savepoint so a refusal undoes the lines already taken
-/// while the caller's inbox row stays.
-async fn reserve(tx: &mut PgConnection, order: &OrderPlaced) -> Result<Reservation, sqlx::Error> {
+/// Reserve all lines or none, inside a savepoint so a refusal undoes everything it wrote while
+/// the caller's inbox row stays.
+///
+/// Every order touches a few hot stock rows, so their locks are taken last: the reservation and
+/// the `inventory.reserved` outbox row are written first (a refusal rolls them back with the
+/// savepoint), and a row lock is held only for the remaining updates and the commit.
+async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, headers: &Headers) -> Result<Reservation, sqlx::Error> {
     // Lines of the same SKU are merged, and rows are locked in SKU order, so two orders that share
     // SKUs always lock them in the same order and cannot deadlock.
     let mut wanted: BTreeMap<&str, i32> = BTreeMap::new();
@@ -120,29 +116,6 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced) -> Result<Reservati
         *wanted.entry(line.sku.as_str()).or_default() += line.quantity;
     }
     let mut savepoint = tx.begin().await?;
-    for (sku, quantity) in &wanted {
-        let taken = sqlx::query(
-            "update stock set available = available - $2, reserved = reserved + $2
-              where sku = $1 and available >= $2",
-        )
-        .bind(sku)
-        .bind(quantity)
-        .execute(&mut *savepoint)
-        .await?
-        .rows_affected();
-        if taken == 0 {
-            let available: Option<i32> = sqlx::query_scalar("select available from stock where sku = $1")
-                .bind(sku)
-                .fetch_optional(&mut *savepoint)
-                .await?;
-            savepoint.rollback().await?;
-            let reason = match available {
-                None => format!("unknown SKU {sku}"),
-                Some(available) => format!("insufficient stock for {sku}: {quantity} requested, {available} available"),
-            };
-            return Ok(Reservation::Refused(reason));
-        }
-    }
     let reservation_id = Uuid::now_v7();
     let lines: Vec<OrderLine> =
         wanted.iter().map(|(sku, quantity)| OrderLine { sku: (*sku).to_owned(), quantity: *quantity }).collect();
@@ -161,6 +134,38 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced) -> Result<Reservati
         savepoint.rollback().await?;
         return Ok(Reservation::AlreadyMade);
     }
+    let reserved = InventoryReserved {
+        order_id: order.order_id,
+        job_id: order.job_id,
+        reservation_id,
+        lines: order.lines.clone(),
+    };
+    outbox::enqueue(&mut savepoint, &reserved, headers).await?;
+    for (sku, quantity) in &wanted {
+        let taken = sqlx::query(
+            "update stock set available = available - $2, reserved = reserved + $2
+              where sku = $1 and available >= $2",
+        )
+        .bind(sku)
+        .bind(quantity)
+        .execute(&mut *savepoint)
+        .await?
+        .rows_affected();
+        if taken == 0 {
+            let available: Option<i32> = sqlx::query_scalar("select available from stock where sku = $1")
+                .bind(sku)
+                .fetch_optional(&mut *savepoint)
+                .await?;
+            // Undoes the reservation, the outbox row and the lines already taken, and releases
+            // their row locks.
+            savepoint.rollback().await?;
+            let reason = match available {
+                None => format!("unknown SKU {sku}"),
+                Some(available) => format!("insufficient stock for {sku}: {quantity} requested, {available} available"),
+            };
+            return Ok(Reservation::Refused(reason));
+        }
+    }
     savepoint.commit().await?;
-    Ok(Reservation::Made(reservation_id))
+    Ok(Reservation::Made)
 }
