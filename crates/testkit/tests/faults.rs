@@ -130,6 +130,11 @@ async fn database_down_for_five_seconds_means_503_then_recovery_with_nothing_los
         refused += 1;
     }
     assert!(refused >= 1);
+    // Every service's readiness says so while the outage lasts.
+    for service in Service::ALL {
+        let readyz = http::request("GET", &format!("{}/readyz", shop.http(service)), &[], None).await;
+        assert_eq!(readyz.expect("GET /readyz").status, 503, "{service:?} reports the database");
+    }
     for service in Service::ALL {
         shop.database_proxy(service).restore();
     }
