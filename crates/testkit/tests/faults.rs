@@ -171,3 +171,27 @@ async fn sigterm_mid_burst_exits_0_within_10s_leaving_nothing_committed_unacked(
     // Anything committed but unacked at shutdown would come back now as a skipped duplicate.
     assert_eq!(duplicates_skipped(&shop).await, 0, "a committed delivery was left unacked");
 }
+
+#[tokio::test]
+async fn stalled_database_connections_mean_503_not_a_hang_then_recovery() {
+    let mut shop = shop().await;
+    shop.place_burst(10).await;
+    // A black hole rather than a refusal: connections stay open and nothing comes back.
+    for service in Service::ALL {
+        shop.database_proxy(service).stall();
+    }
+    for _ in 0..2 {
+        let response = shop.post_order(&[("SKU-1", 1)]).await.expect("the API answers within 10 s during a stall");
+        assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
+    }
+    for service in Service::ALL {
+        shop.database_proxy(service).restore();
+    }
+    let recovered = tokio::time::Instant::now();
+    while shop.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
+        assert!(recovered.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shop.place_burst(10).await;
+    shop.assert_books_balance().await;
+}
