@@ -9,7 +9,9 @@
 //!    only then is the delivery acked. A message the inbox has seen is acked without effect;
 //! 4. a transient error re-publishes a copy to the next wait tier with `retry-count + 1`
 //!    (confirmed), then acks the original; the last allowed attempt, or a permanent error, parks
-//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event;
+//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event. An
+//!    unreachable database is not the message's fault: the delivery is held and applied again
+//!    with backoff until the database answers, spending no attempt (decision 0003);
 //! 5. there is no `nack(requeue = true)` for a failure: a message that fails never spins. Only
 //!    shutdown and lost connections leave deliveries unacked, and the broker redelivers those.
 //!
@@ -52,7 +54,8 @@ pub enum HandlerError {
     /// runtime keeps the delivery and applies it again once the database answers.
     #[error("database unavailable: {0}")]
     Unavailable(String),
-    /// Might work later (database unreachable, deadlock, a flaky dependency): retry after a wait.
+    /// Might work later (a deadlock, a serialization failure, a flaky dependency): retry after a
+    /// wait, spending an attempt.
     #[error("{0}")]
     Transient(String),
     /// Will never work (a bug, a message we cannot make sense of): park now.
@@ -61,24 +64,21 @@ pub enum HandlerError {
 }
 
 impl From<sqlx::Error> for HandlerError {
-    /// Connection trouble and transaction conflicts are transient; anything the database rejects
-    /// on its merits (a constraint, a type) would fail the same way again, so it is permanent.
+    /// An unreachable database is `Unavailable`; transaction conflicts, resource limits and a
+    /// garbled connection are transient; anything the database rejects on its merits (a
+    /// constraint, a type) would fail the same way again, so it is permanent.
     fn from(error: sqlx::Error) -> Self {
         if crate::db::is_unreachable(&error) {
             return Self::Unavailable(error.to_string());
         }
         let transient = match &error {
             sqlx::Error::Database(e) => {
-                // 08 connection, 40 rollback (serialization, deadlock), 53 resources, 57 operator.
+                // 40 rollback (serialization, deadlock), 53 resources, 57 operator (e.g. a
+                // cancelled statement; the shutdown codes are `Unavailable`).
                 let class = e.code().map(|code| code.chars().take(2).collect::<String>());
-                matches!(class.as_deref(), Some("08" | "40" | "53" | "57"))
+                matches!(class.as_deref(), Some("40" | "53" | "57"))
             }
-            sqlx::Error::Io(_)
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::Protocol(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::WorkerCrashed => true,
+            sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
             _ => false,
         };
         if transient { Self::Transient(error.to_string()) } else { Self::Permanent(error.to_string()) }
@@ -457,5 +457,19 @@ fn flatten(joined: Result<Result<(), PublishError>, tokio::task::JoinError>) -> 
         // A handler that panics leaves its delivery unacked; the broker's delivery limit parks
         // a message that keeps doing it.
         Err(join_error) => Err(format!("handler task failed: {join_error}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HandlerError;
+
+    #[test]
+    fn database_errors_are_classified_by_whose_fault_they_are() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(matches!(HandlerError::from(sqlx::Error::Io(refused)), HandlerError::Unavailable(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::PoolTimedOut), HandlerError::Unavailable(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::Protocol("garbled".into())), HandlerError::Transient(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::RowNotFound), HandlerError::Permanent(_)));
     }
 }
