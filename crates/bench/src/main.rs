@@ -28,7 +28,9 @@ struct Args {
     /// Concurrency of the API load and of limit (a).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// Messages per limit and per drain.
+    /// Messages per limit and per drain. Drain rates are timed between the first and the last
+    /// batch, so this must span several relay batches (2048 rows by default), or the relay's rate
+    /// reads NaN.
     #[arg(long, default_value_t = 20_000)]
     messages: usize,
     /// Orders per end-to-end phase.
@@ -132,19 +134,13 @@ async fn main() {
         "/s",
         &format!("{n} messages, prefetch {prefetch}"),
     );
-    sqlx::query("update outbox set published_at = now() where published_at is null")
-        .execute(&inventory)
-        .await
-        .expect("retire the drain's rows");
+    stages::retire_unpublished(&inventory).await;
 
     // Baseline: the naive relay on the same pre-filled outbox.
     sqlx::query("update outbox set published_at = null").execute(&orders).await.expect("reset outbox");
     let naive = stages::naive_relay(&orders, &amqp, n, Duration::from_secs(20)).await;
     report.figure("baseline", "naive relay (one row: publish, confirm, mark, commit)", naive, "/s", "same outbox");
-    sqlx::query("update outbox set published_at = now() where published_at is null")
-        .execute(&orders)
-        .await
-        .expect("retire the rest");
+    stages::retire_unpublished(&orders).await;
     purge().await;
 
     // API accept rate.
@@ -153,10 +149,7 @@ async fn main() {
     let (accept_rate, _) = stages::post_orders(&api_addr, c, n).await;
     report.figure("stage", "API accept (POST -> 202)", accept_rate, "/s", &format!("concurrency {c}, keep-alive"));
     stop(api).await;
-    sqlx::query("update outbox set published_at = now() where published_at is null")
-        .execute(&orders)
-        .await
-        .expect("retire the API's rows");
+    stages::retire_unpublished(&orders).await;
 
     if !args.skip_scale {
         println!("\n== scale: the relay with history and with a backlog ==");

@@ -29,17 +29,8 @@ pub async fn start(name: &str, vars: &[(&str, String)], log_dir: &Path) -> (Proc
     env.extend(vars.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     let process = Process::spawn(name, process::binary(name), env, log_dir);
     let base = format!("127.0.0.1:{port}");
-    let ready = format!("http://{base}/readyz");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(response) = testkit::http::request("GET", &ready, &[], None).await
-            && response.status == 200
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{name} not ready; see {}", process.log_path().display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let note = format!("({name}; see {})", process.log_path().display());
+    testkit::wait_ready(&format!("http://{base}"), Duration::from_secs(60), &note).await;
     (process, base)
 }
 
@@ -51,32 +42,33 @@ pub async fn stop(mut process: Process) {
 
 /// Poll `sql` (a count) on `pool` until it returns `want`.
 pub async fn wait_count(pool: &PgPool, sql: &str, want: i64, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
+    testkit::eventually(&format!("{sql} = {want}"), timeout, || async {
         let n: i64 = sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql);
-        if n == want {
-            return;
-        }
-        assert!(Instant::now() < deadline, "timed out: {sql} = {n}, want {want}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        (n == want).then_some(())
+    })
+    .await;
 }
 
 /// Wait until every job in `ids` has succeeded.
 pub async fn wait_succeeded(orders: &PgPool, ids: &[Uuid]) {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
+    let what = format!("{} orders to succeed", ids.len());
+    testkit::eventually(&what, Duration::from_secs(600), || async {
         let done: i64 = sqlx::query_scalar("select count(*) from jobs where id = any($1) and state = 'succeeded'")
             .bind(ids)
             .fetch_one(orders)
             .await
             .expect("count succeeded");
-        if done == ids.len() as i64 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{} of {} orders succeeded", done, ids.len());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        (done == ids.len() as i64).then_some(())
+    })
+    .await;
+}
+
+/// Mark every unpublished outbox row published: rows a stage left that no later stage wants.
+pub async fn retire_unpublished(pool: &PgPool) {
+    sqlx::query("update outbox set published_at = now() where published_at is null")
+        .execute(pool)
+        .await
+        .expect("retire unpublished rows");
 }
 
 /// Rows per second between the first and the last `timestamp` of `table` matching `filter`,

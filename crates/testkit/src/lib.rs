@@ -261,6 +261,17 @@ async fn rabbitmqctl(args: &[&str]) {
     );
 }
 
+/// Wait until `base` (`http://host:port`) answers `GET /readyz` with 200, or panic after
+/// `timeout`; `note` (say, where the logs are) is added to the panic message.
+pub async fn wait_ready(base: &str, timeout: Duration, note: &str) {
+    let url = format!("{base}/readyz");
+    eventually(&format!("{url} {note}"), timeout, || async {
+        let response = http::request("GET", &url, &[], None).await.ok()?;
+        (response.status == 200).then_some(())
+    })
+    .await;
+}
+
 /// Poll `probe` every 20 ms until it returns `Some`, or panic after `timeout` naming `what`.
 /// Tests wait for observable states this way, never for a fixed time.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T

@@ -258,6 +258,15 @@ impl ProcessShop {
         Ok(response)
     }
 
+    /// Wait until the API accepts an order again (after an outage), placing it.
+    pub async fn wait_until_accepting(&mut self) {
+        let since = tokio::time::Instant::now();
+        while self.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
+            assert!(since.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Place an order that must be accepted; returns its job id.
     pub async fn place(&mut self, lines: &[(&str, i32)]) -> Uuid {
         let response = self.post_order(lines).await.expect("POST /orders");
@@ -349,10 +358,5 @@ impl Drop for ProcessShop {
 }
 
 async fn wait_ready_at(base: &str, log_dir: &std::path::Path) {
-    let what = format!("{base}/readyz (logs in {})", log_dir.display());
-    eventually(&what, WAIT, || async {
-        let response = http::request("GET", &format!("{base}/readyz"), &[], None).await.ok()?;
-        (response.status == 200).then_some(())
-    })
-    .await;
+    crate::wait_ready(base, WAIT, &format!("(logs in {})", log_dir.display())).await;
 }

@@ -138,11 +138,7 @@ async fn database_down_for_five_seconds_means_503_then_recovery_with_nothing_los
     for service in Service::ALL {
         shop.database_proxy(service).restore();
     }
-    let recovered = tokio::time::Instant::now();
-    while shop.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
-        assert!(recovered.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    shop.wait_until_accepting().await;
     shop.place_burst(10).await;
     shop.assert_books_balance().await;
 }
@@ -187,11 +183,7 @@ async fn stalled_database_connections_mean_503_not_a_hang_then_recovery() {
     for service in Service::ALL {
         shop.database_proxy(service).restore();
     }
-    let recovered = tokio::time::Instant::now();
-    while shop.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
-        assert!(recovered.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    shop.wait_until_accepting().await;
     shop.place_burst(10).await;
     shop.assert_books_balance().await;
 }

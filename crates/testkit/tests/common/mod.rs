@@ -185,11 +185,7 @@ pub fn relay_args(databases: &str, amqp: &str) -> Vec<String> {
 }
 
 pub async fn wait_ready(base: &str) {
-    eventually(&format!("{base}/readyz"), WAIT, || async {
-        let response = http::request("GET", &format!("{base}/readyz"), &[], None).await.ok()?;
-        (response.status == 200).then_some(())
-    })
-    .await;
+    testkit::wait_ready(base, WAIT, "").await;
 }
 
 pub async fn count(pool: &PgPool, sql: &str) -> i64 {
