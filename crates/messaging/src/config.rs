@@ -76,6 +76,16 @@ pub struct ConsumerArgs {
     /// same few stock rows; a workload without hot rows may gain from more.
     #[arg(long, env = "PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
+
+    /// Times a redelivered message may crash its consumer (start alone and never finish: the
+    /// process killed, panicked or hung) before it is parked instead of handled again.
+    #[arg(long, env = "MAX_CRASHES", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_crashes: u32,
+
+    /// How long one message's transaction (inbox, handler, commit) may take before it is abandoned
+    /// and rolled back: a transient failure if the database still answers, an outage if not.
+    #[arg(long, env = "HANDLER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub handler_timeout: Duration,
 }
 
 impl ConsumerArgs {
@@ -97,6 +107,8 @@ impl ConsumerArgs {
             prefetch: self.prefetch,
             amqp_url: broker.amqp_url.clone(),
             reconnect: crate::backoff::Backoff::default(),
+            max_crashes: self.max_crashes,
+            handler_timeout: self.handler_timeout,
         }
     }
 }
@@ -116,7 +128,8 @@ impl FromStr for RetryDelays {
     }
 }
 
-/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop.
+/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
+/// zero timeout fails everything.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
@@ -129,7 +142,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("`{s}` has no unit: use ms, s, m or h")),
     };
     if duration.is_zero() {
-        return Err(format!("`{s}`: a retry delay must be greater than zero"));
+        return Err(format!("`{s}`: must be greater than zero"));
     }
     Ok(duration)
 }

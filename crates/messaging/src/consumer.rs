@@ -13,12 +13,20 @@
 //!    unreachable database is not the message's fault: the delivery is held and applied again
 //!    with backoff until the database answers, spending no attempt (decision 0003);
 //! 5. there is no `nack(requeue = true)` for a failure: a message that fails never spins. Only
-//!    shutdown and lost connections leave deliveries unacked, and the broker redelivers those.
+//!    shutdown and lost connections leave deliveries unacked, and the broker redelivers those;
+//! 6. a redelivery (the broker's `redelivered` flag) may be the message that crashed the last
+//!    process, so it runs alone, with its start committed first to the crash ledger
+//!    ([`crate::crashes`]). A message that keeps killing its consumer is parked once it has
+//!    started `max_crashes` times alone without finishing; the messages prefetched beside it lose
+//!    nothing (decision 0005). A handler that hangs is abandoned after `handler_timeout`;
+//! 7. what the broker itself dead-letters (its delivery limit, a last resort) arrives in the
+//!    endpoint's intake queue and is parked with the broker's reason and a job event, like any
+//!    other parked message.
 //!
 //! Acking happens in exactly one place, [`InFlight`], whose methods consume it: a delivery cannot
 //! be acked twice, and cannot be acked before its outcome is durable.
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use chrono::Utc;
 use futures_util::StreamExt;
@@ -35,8 +43,9 @@ use uuid::Uuid;
 use crate::{
     backoff::Backoff,
     broker::{self, Session, SessionEnd},
-    config::SecretUrl,
+    config::{SecretUrl, format_duration},
     contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
+    crashes, db,
     envelope::{self, Headers, Incoming, Unreadable},
     failpoint,
     health::Health,
@@ -114,8 +123,16 @@ pub struct ConsumerSettings {
     pub prefetch: u16,
     /// The broker.
     pub amqp_url: SecretUrl,
-    /// Between reconnects.
+    /// Between reconnects (and between tries while the database is unreachable).
     pub reconnect: Backoff,
+    /// Starts of a redelivered message, alone and never finished, before it is parked as the one
+    /// crashing its consumer. Each is a process that died: a message is parked after at most
+    /// `max_crashes + 1` crashes (the first may have been concurrent with others).
+    pub max_crashes: u32,
+    /// How long one handler transaction may run. A handler still running then is abandoned (its
+    /// transaction rolls back): a database that answers a ping makes it a transient failure of the
+    /// message, one that does not an outage (no attempt spent).
+    pub handler_timeout: Duration,
 }
 
 /// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
@@ -191,9 +208,17 @@ impl<H: Handler> Runtime<H> {
                     FieldTable::default(),
                 )
                 .await?;
-            Ok::<_, lapin::Error>((channel, publisher, tag, deliveries))
+            let dead_letters = channel
+                .basic_consume(
+                    endpoint.dead_lettered_queue().as_str().into(),
+                    format!("{tag}-dead-lettered").as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            Ok::<_, lapin::Error>((channel, publisher, tag, deliveries, dead_letters))
         };
-        let (channel, publisher, tag, mut deliveries) = match setup.await {
+        let (channel, publisher, tag, mut deliveries, mut dead_letters) = match setup.await {
             Ok(started) => started,
             Err(error) => {
                 tracing::warn!(endpoint = endpoint.name, %error, "cannot start consuming; will reconnect");
@@ -204,7 +229,20 @@ impl<H: Handler> Runtime<H> {
         tracing::info!(endpoint = endpoint.name, prefetch = self.settings.prefetch, "consuming");
 
         let mut in_flight = JoinSet::new();
+        // A redelivery may be the message that crashed the last process, so it runs alone: it waits
+        // here until nothing else is in flight, and nothing new starts until it has settled. Were it
+        // to crash again, no other message's handler was running beside it (decision 0005).
+        let mut waiting: Option<Delivery> = None;
+        let mut alone = false;
         let ended = loop {
+            if in_flight.is_empty() {
+                alone = false;
+                if let Some(delivery) = waiting.take() {
+                    in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone()));
+                    alone = true;
+                }
+            }
+            let accepting = waiting.is_none() && !alone;
             tokio::select! {
                 () = shutdown.triggered() => break SessionEnd::Shutdown,
                 Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
@@ -213,7 +251,8 @@ impl<H: Handler> Runtime<H> {
                         break SessionEnd::Lost { was_up: true };
                     }
                 }
-                next = deliveries.next() => match next {
+                next = deliveries.next(), if accepting => match next {
+                    Some(Ok(delivery)) if delivery.redelivered => waiting = Some(delivery),
                     Some(Ok(delivery)) => {
                         in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone()));
                     }
@@ -226,6 +265,19 @@ impl<H: Handler> Runtime<H> {
                         break SessionEnd::Lost { was_up: true };
                     }
                 },
+                next = dead_letters.next() => match next {
+                    Some(Ok(delivery)) => {
+                        in_flight.spawn(Arc::clone(self).park_dead_lettered(delivery, publisher.clone()));
+                    }
+                    Some(Err(error)) => {
+                        tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
+                        break SessionEnd::Lost { was_up: true };
+                    }
+                    None => {
+                        tracing::warn!(endpoint = endpoint.name, "dead-letter consumer cancelled by the broker; reconnecting");
+                        break SessionEnd::Lost { was_up: true };
+                    }
+                },
             }
         };
 
@@ -233,6 +285,8 @@ impl<H: Handler> Runtime<H> {
         // before the channel closes; whatever was prefetched but not started goes back to the queue
         // when the channel closes. This is the only requeue the runtime ever causes.
         let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+        let _ =
+            channel.basic_cancel(format!("{tag}-dead-lettered").as_str().into(), BasicCancelOptions::default()).await;
         while let Some(joined) = in_flight.join_next().await {
             if let Err(error) = flatten(joined) {
                 tracing::warn!(endpoint = endpoint.name, %error, "delivery left unacked; the broker will redeliver it");
@@ -246,6 +300,7 @@ impl<H: Handler> Runtime<H> {
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
     /// (the broker connection failed): it stays unacked and comes back on the next session.
     async fn process(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+        let redelivered = delivery.redelivered;
         let delivery = InFlight(delivery);
         let endpoint = &self.settings.endpoint;
         let decoded = Incoming::decode(&delivery.0).and_then(|message| {
@@ -259,8 +314,56 @@ impl<H: Handler> Runtime<H> {
                 return self.park(delivery, &publisher, retry_count, &unreadable.to_string()).await;
             }
         };
+        if !redelivered {
+            return self.settle(delivery, &publisher, &message).await;
+        }
 
-        match self.apply_when_reachable(&message).await {
+        // A redelivery, running alone. Commit its start before the handler runs: if this process
+        // dies now, the count stays, and the next process sees how often it has done so.
+        let endpoint = endpoint.name;
+        let starts = self
+            .when_reachable(&message, || async {
+                Ok(crashes::record_start(&self.pool, endpoint, message.message_id).await?)
+            })
+            .await;
+        let settled = match starts {
+            None => return Ok(()),
+            Some(Ok(starts)) if starts > self.settings.max_crashes => {
+                let crashes = starts - 1;
+                let reason = format!(
+                    "crashed its consumer {crashes} times: handled alone, it never finished (process killed, \
+                     panicked or hung); not handled again"
+                );
+                self.park(delivery, &publisher, message.retry_count, &reason).await
+            }
+            Some(Ok(_)) => self.settle(delivery, &publisher, &message).await,
+            // The ledger itself fails (not an outage): handle the message; the broker's delivery
+            // limit remains the crash net.
+            Some(Err(error)) => {
+                tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger unavailable");
+                self.settle(delivery, &publisher, &message).await
+            }
+        };
+        // Settled, or handed back on a lost connection: either way this process lives, so this
+        // start was no crash. (If this fails, the start stays counted: the bound errs towards
+        // parking a redelivered message early, never towards losing one.)
+        match self.pool.acquire().await {
+            Ok(mut conn) => {
+                if let Err(error) = crashes::forget(&mut conn, endpoint, message.message_id).await {
+                    tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared")
+            }
+        }
+        settled
+    }
+
+    /// Apply a readable message and settle its delivery by the outcome: ack, retry or park.
+    async fn settle(&self, delivery: InFlight, publisher: &Publisher, message: &Incoming) -> Result<(), PublishError> {
+        let endpoint = &self.settings.endpoint;
+        match self.when_reachable(message, || self.apply(message)).await {
             None => {
                 tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "shutting down during a database outage; the broker will redeliver");
                 return Ok(());
@@ -278,29 +381,33 @@ impl<H: Handler> Runtime<H> {
             // `Unavailable` is waited out above; were one to get here, it would be retried.
             Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
                 match self.settings.policy.next_delay(message.retry_count) {
-                    Some(delay) => self.retry(delivery, &publisher, &message, delay, &error).await?,
+                    Some(delay) => self.retry(delivery, publisher, message, delay, &error).await?,
                     None => {
                         let reason = format!("gave up after {} attempts: {error}", message.attempt());
-                        self.park(delivery, &publisher, message.retry_count, &reason).await?;
+                        self.park(delivery, publisher, message.retry_count, &reason).await?;
                     }
                 }
             }
             Some(Err(HandlerError::Permanent(error))) => {
-                self.park(delivery, &publisher, message.retry_count, &error).await?
+                self.park(delivery, publisher, message.retry_count, &error).await?
             }
         }
         Ok(())
     }
 
-    /// [`Self::apply`], repeated with backoff for as long as the database is unreachable: an outage
-    /// spends none of the message's attempts and parks nothing. If the commit's outcome was lost
-    /// with the connection, the inbox tells on the next try. `None` if shutdown came first (the
+    /// `work` on the database, repeated with backoff for as long as the database is unreachable: an
+    /// outage spends none of the message's attempts and parks nothing. If a commit's outcome was
+    /// lost with the connection, the inbox tells on the next try. `None` if shutdown came first (the
     /// delivery stays unacked and the broker redelivers it).
-    async fn apply_when_reachable(&self, message: &Incoming) -> Option<Result<Applied, HandlerError>> {
+    async fn when_reachable<T, F, Fut>(&self, message: &Incoming, mut work: F) -> Option<Result<T, HandlerError>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, HandlerError>>,
+    {
         let endpoint = self.settings.endpoint.name;
         let mut waits = 0;
         loop {
-            match self.apply(message).await {
+            match work().await {
                 Err(HandlerError::Unavailable(error)) => {
                     let delay = self.settings.reconnect.delay(waits);
                     waits += 1;
@@ -315,8 +422,23 @@ impl<H: Handler> Runtime<H> {
         }
     }
 
-    /// Inbox row, handler, commit: all or nothing.
+    /// [`Self::apply_unbounded`] within `handler_timeout`. An abandoned transaction rolls back with
+    /// its connection; whose fault the wait was decides what it costs.
     async fn apply(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let limit = self.settings.handler_timeout;
+        match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
+            Ok(outcome) => outcome,
+            Err(_) if db::answers(&self.pool).await => {
+                Err(HandlerError::Transient(format!("the handler did not finish within {}", format_duration(limit))))
+            }
+            Err(_) => {
+                Err(HandlerError::Unavailable(format!("the database did not answer within {}", format_duration(limit))))
+            }
+        }
+    }
+
+    /// Inbox row, handler, commit: all or nothing.
+    async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = self.pool.begin().await?;
         let endpoint = self.settings.endpoint.name;
         if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint).await? {
@@ -401,6 +523,15 @@ impl<H: Handler> Runtime<H> {
         self.count("parked");
         tracing::error!(endpoint = endpoint.name, ?message_id, reason, "message parked");
         Ok(())
+    }
+
+    /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
+    /// broker's reason, our headers only, and a `job.quarantined` event, so that its job ends too.
+    async fn park_dead_lettered(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+        let reason =
+            envelope::broker_death(&delivery.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
+        let retry_count = envelope::retry_count(&delivery);
+        self.park(InFlight(delivery), &publisher, retry_count, &reason).await
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).

@@ -1,8 +1,13 @@
 //! Database start-up: create the service's database if it is missing, connect a pool, migrate.
 //! Safe when several instances start together: `CREATE DATABASE` races are tolerated and sqlx's
 //! migrator holds an advisory lock while it migrates.
+//!
+//! Every query is bounded twice (docs/guarantees.md, "stalled database"): the server cancels a
+//! statement after [`STATEMENT_TIMEOUT`], and the client gives up after [`QUERY_DEADLINE`] on work
+//! wrapped in [`within`], which also covers a connection that has gone silent (a black hole, where
+//! the server's cancel never arrives and the kernel would wait about 15 minutes).
 
-use std::{str::FromStr, time::Duration};
+use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
     Connection, PgConnection, PgPool,
@@ -11,6 +16,40 @@ use sqlx::{
 };
 
 use crate::{backoff::Backoff, config::SecretUrl, shutdown::Shutdown};
+
+/// Set on every pooled connection: the server cancels a statement running longer (SQLSTATE 57014,
+/// a transient error). Migrations run on a connection of their own, without it.
+pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the client waits for one unit of database work (a transaction, a batch) wrapped in
+/// [`within`] before it gives up and treats the database as unreachable.
+pub const QUERY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// `work` on the database, abandoned after `limit` with an I/O `TimedOut` error, which
+/// [`is_unreachable`] counts as an outage. Dropping the work drops its connection's transaction,
+/// which the server rolls back.
+pub async fn within<T, E: From<sqlx::Error>>(
+    limit: Duration,
+    work: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    match tokio::time::timeout(limit, work).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(E::from(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer from the database within {}", crate::config::format_duration(limit)),
+        )))),
+    }
+}
+
+/// Whether the database answers a trivial query within two seconds.
+pub async fn answers(pool: &PgPool) -> bool {
+    within(Duration::from_secs(2), sqlx::query("select 1").execute(pool)).await.is_ok()
+}
+
+/// `options` with the [`STATEMENT_TIMEOUT`] every pooled connection gets.
+pub fn bounded(options: PgConnectOptions) -> PgConnectOptions {
+    options.options([("statement_timeout", STATEMENT_TIMEOUT.as_millis())])
+}
 
 /// Pool settings.
 #[derive(Debug, Clone, Copy)]
@@ -62,13 +101,15 @@ async fn try_open(
     settings: PoolSettings,
 ) -> Result<PgPool, sqlx::Error> {
     create_database_if_missing(options).await?;
-    let pool = PgPoolOptions::new()
+    // A migration may rightly run longer than any statement of ours: its connection is unbounded.
+    let migrating = PgPoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
+    migrator.run(&migrating).await?;
+    migrating.close().await;
+    PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)
-        .connect_with(options.clone())
-        .await?;
-    migrator.run(&pool).await?;
-    Ok(pool)
+        .connect_with(bounded(options.clone()))
+        .await
 }
 
 /// `CREATE DATABASE` if the database named in `options` does not exist, through the `postgres`

@@ -182,14 +182,51 @@ pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
     u32::try_from(wide).ok()
 }
 
-/// A copy of `properties` with extra headers set (replacing any of the same name). Used for
-/// retries and parking, which must keep `message_id`, type and correlation id intact.
+/// A copy of `properties` for a message the runtime publishes again (a retry or a parked copy):
+/// the original AMQP properties (`message_id`, type, correlation id, ...) and our own headers, with
+/// `extra` set on top (replacing any of the same name).
+///
+/// Headers starting with `x-` belong to the broker (`x-death`, `x-delivery-count`,
+/// `x-first-death-*`...) and are never copied: on 3.x a republished `x-death` can make a replayed
+/// message look like a dead-letter cycle, and 4.0.0-4.0.4 fail to upgrade queues holding such
+/// messages. What they said is carried in our own headers instead (`last-error`).
 pub fn with_headers(properties: &BasicProperties, extra: &[(&str, AMQPValue)]) -> BasicProperties {
-    let mut table = properties.headers().clone().unwrap_or_default();
+    let mut table = FieldTable::default();
+    if let Some(original) = properties.headers() {
+        for (key, value) in original.inner() {
+            if !key.as_str().starts_with("x-") {
+                table.insert(key.clone(), value.clone());
+            }
+        }
+    }
     for (key, value) in extra {
         table.insert(ShortString::from(*key), value.clone());
     }
     properties.clone().with_headers(table)
+}
+
+/// Why the broker dead-lettered a message, from the headers it adds (`x-first-death-reason`,
+/// `x-first-death-queue`, and the `count` of the first `x-death` entry), pinned on 3.10 and 4.0 by
+/// `tests/broker_semantics.rs`. `None` if the message carries no such headers.
+pub fn broker_death(properties: &BasicProperties) -> Option<String> {
+    let headers = properties.headers().as_ref()?;
+    let text = |key: &str| match headers.inner().get(key) {
+        Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        _ => None,
+    };
+    let reason = text("x-first-death-reason")?;
+    let queue = text("x-first-death-queue").unwrap_or_else(|| "?".into());
+    let count = match headers.inner().get("x-death") {
+        Some(AMQPValue::FieldArray(deaths)) => deaths.as_slice().first().and_then(|first| match first {
+            AMQPValue::FieldTable(death) => header_u32(death, "count"),
+            _ => None,
+        }),
+        _ => None,
+    };
+    Some(match count {
+        Some(count) if count > 1 => format!("dead-lettered by the broker from `{queue}` ({reason}, {count} times)"),
+        _ => format!("dead-lettered by the broker from `{queue}` ({reason})"),
+    })
 }
 
 /// A string header value.
@@ -217,6 +254,39 @@ mod tests {
         let table = retried.headers().clone().expect("headers");
         assert_eq!(header_u32(&table, HEADER_RETRY_COUNT), Some(3));
         assert_eq!(header_u32(&table, HEADER_VERSION), Some(2), "existing headers are kept");
+    }
+
+    #[test]
+    fn copies_keep_our_headers_and_drop_the_brokers() {
+        let mut table = FieldTable::default();
+        table.insert(HEADER_VERSION.into(), AMQPValue::LongLongInt(1));
+        table.insert("x-delivery-count".into(), AMQPValue::LongLongInt(7));
+        table.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        table.insert("x-first-death-reason".into(), string_value("delivery_limit"));
+        let properties = BasicProperties::default().with_message_id("m-1".into()).with_headers(table);
+        let copy = with_headers(&properties, &[(HEADER_RETRY_COUNT, AMQPValue::LongLongInt(1))]);
+        let headers = copy.headers().clone().expect("headers");
+        let mut keys: Vec<_> = headers.inner().keys().map(|key| key.as_str().to_owned()).collect();
+        keys.sort();
+        assert_eq!(keys, [HEADER_RETRY_COUNT, HEADER_VERSION]);
+        assert_eq!(copy.message_id(), properties.message_id(), "AMQP properties are kept");
+    }
+
+    #[test]
+    fn broker_death_reads_the_first_death() {
+        let mut death = FieldTable::default();
+        death.insert("count".into(), AMQPValue::LongLongInt(1));
+        death.insert("reason".into(), string_value("delivery_limit"));
+        let mut table = FieldTable::default();
+        table.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()));
+        table.insert("x-first-death-reason".into(), string_value("delivery_limit"));
+        table.insert("x-first-death-queue".into(), string_value("inventory.order-placed"));
+        let properties = BasicProperties::default().with_headers(table);
+        assert_eq!(
+            broker_death(&properties).as_deref(),
+            Some("dead-lettered by the broker from `inventory.order-placed` (delivery_limit)")
+        );
+        assert_eq!(broker_death(&BasicProperties::default()), None);
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! `FAILPOINTS` is a comma-separated list of armed points:
 //! - `name`: the first time the point is reached, print `FAILPOINT <name> reached` on stderr and
 //!   freeze the task that reached it, for the test to `kill -9` the process;
-//! - `name=<duration>` (e.g. `worker.after-commit=300ms`): pause there every time, which widens a
-//!   window (say, committed but not yet acked) so a signal lands in it.
+//! - `name=<duration>` (e.g. `worker.after-commit=300ms`): print `FAILPOINT <name> pausing` and
+//!   pause there every time, which widens a window (say, committed but not yet acked) so a signal
+//!   or a fault lands in it.
 //!
 //! Nothing is armed unless the variable is set; an unarmed point costs one lookup in an empty list.
 
@@ -17,6 +18,8 @@ use std::{
     time::Duration,
 };
 
+/// The API has written an order in its transaction but not committed it.
+pub const API_BEFORE_COMMIT: &str = "api.before-commit";
 /// The relay has its batch's confirms but has not marked the rows published.
 pub const RELAY_AFTER_CONFIRM: &str = "relay.after-confirm";
 /// A consumer has committed its transaction but not acked the delivery.
@@ -59,7 +62,10 @@ pub async fn hit(name: &str) {
             eprintln!("FAILPOINT {name} reached");
             std::future::pending::<()>().await;
         }
-        Some(Action::Pause(pause)) => tokio::time::sleep(pause).await,
+        Some(Action::Pause(pause)) => {
+            eprintln!("FAILPOINT {name} pausing");
+            tokio::time::sleep(pause).await;
+        }
         _ => {}
     }
 }

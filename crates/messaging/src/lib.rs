@@ -11,6 +11,7 @@ pub mod broker;
 pub mod config;
 pub mod consumer;
 pub mod contracts;
+pub mod crashes;
 pub mod db;
 pub mod envelope;
 pub mod failpoint;

@@ -53,13 +53,20 @@ impl<H: Handler> Worker<H> {
 
 /// Demo fault injection (`DEMO_FAULTS=1`, DESIGN §8): a line whose SKU starts with `FLAKY` fails
 /// transiently on the first two attempts; one starting with `POISON` fails on every attempt (a
-/// simulated handler bug), so its message is parked after `MAX_ATTEMPTS`.
+/// simulated handler bug), so its message is parked after `MAX_ATTEMPTS`; one starting with
+/// `CRASH` makes the process exit at once, every time (a handler that crashes), so its message is
+/// parked by the crash bound (`MAX_CRASHES`). Never call it in a test process: it would exit.
 pub fn demo_fault<'a>(
     skus: impl IntoIterator<Item = &'a str>,
     attempt: u32,
 ) -> Result<(), crate::consumer::HandlerError> {
     use crate::consumer::HandlerError;
     for sku in skus {
+        if sku.starts_with("CRASH") {
+            // Like a segfault or an OOM kill: no unwinding, no ack, nothing flushed but this line.
+            eprintln!("demo fault: {sku} crashes the worker (attempt {attempt})");
+            std::process::exit(101);
+        }
         if sku.starts_with("POISON") {
             return Err(HandlerError::Transient(format!("demo fault: {sku} always fails (attempt {attempt})")));
         }

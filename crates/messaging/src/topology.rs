@@ -1,6 +1,7 @@
 //! Broker topology (DESIGN §5): the shop's exchanges and, per consuming endpoint, its work queue,
-//! retry wait queues and parking queue. Declarations are idempotent and work on RabbitMQ 3.10 and
-//! 4.x; every queue is a quorum queue, so messages survive a broker node restart.
+//! retry wait queues, parking queue, and the intake of the broker's own dead letters. Declarations
+//! are idempotent and take the same arguments on RabbitMQ 3.10 and 4.x (decision 0005); every queue
+//! is a quorum queue, so messages survive a broker node restart.
 
 use std::time::Duration;
 
@@ -12,10 +13,21 @@ use lapin::{
 
 use crate::{config::format_duration, contracts::exchanges};
 
-/// Deliveries of one message before the broker itself dead-letters it to parking. Only consumers
-/// that crash mid-message (never ack, never nack) reach it: our runtime acks every delivery it
-/// handled, so this is the safety net for handlers that kill the process.
-pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+/// Returns of one message to the work queue before the broker itself dead-letters it. Every
+/// return of an unacked delivery counts, handled or not (a crash, a reconnect, a shutdown, on 3.10
+/// and 4.x alike), so a message prefetched beside a crashing one is returned with it: the runtime
+/// bounds crash loops itself, after at most `max_crashes + 1` crashes (decision 0005). This is the
+/// last resort far above that bound, high enough for a long database outage with a flapping
+/// broker connection; what it dead-letters is still parked with a reason and its job quarantined.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 1000;
+
+/// The delivery limit of queues that must keep every message however often it is fetched and
+/// returned (parking, and the intake of dead letters). Explicit, because RabbitMQ 4.x gives every
+/// quorum queue a default limit of 20 and parking has nowhere to dead-letter to: a parked message
+/// peeked 21 times would be dropped. Not `-1`: 4.x reads it as "unlimited" but 3.10 as "dead-letter
+/// on the first return". The largest value both accept works the same on both, so a broker upgrade
+/// needs no queue migration. Pinned by `tests/broker_semantics.rs`.
+pub const KEEP_DELIVERY_LIMIT: u32 = i32::MAX as u32;
 
 /// How a consuming endpoint retries: the wait tiers and the attempt cap.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +122,13 @@ impl Endpoint {
         format!("{}.parking", self.name)
     }
 
+    /// `<endpoint>.dead-lettered`: where the broker dead-letters the work queue's messages (its
+    /// delivery limit). The runtime moves each one on to parking with a reason and a job event, so
+    /// a broker-side dead letter still ends its job (decision 0005).
+    pub fn dead_lettered_queue(&self) -> String {
+        format!("{}.dead-lettered", self.name)
+    }
+
     /// `<endpoint>.wait.<delay>`, e.g. `inventory.order-placed.wait.5s`. The delay is part of the
     /// name, so a changed tier list declares new queues instead of clashing with old arguments.
     pub fn wait_queue(&self, delay: Duration) -> String {
@@ -133,17 +152,22 @@ pub async fn declare_exchanges(channel: &Channel) -> lapin::Result<()> {
     Ok(())
 }
 
-/// Declare an endpoint's queues and bindings: parking, the work queue, and one wait queue per
-/// retry tier.
+/// Declare an endpoint's queues and bindings: parking, the intake of dead letters, the work queue,
+/// and one wait queue per retry tier.
+///
+/// A queue that already exists with other arguments (declared by a release before decision 0005)
+/// makes this fail with `PRECONDITION_FAILED`; the decision record says how to move it.
 pub async fn declare_endpoint(channel: &Channel, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
     declare_exchanges(channel).await?;
-    let parking = endpoint.parking_queue();
-    declare_queue(channel, &parking, quorum()).await?;
+    // Neither parking nor the intake has a dead-letter target, so neither may ever reach a limit.
+    declare_queue(channel, &endpoint.parking_queue(), keeping()).await?;
+    let dead_lettered = endpoint.dead_lettered_queue();
+    declare_queue(channel, &dead_lettered, keeping()).await?;
 
-    // Dead letters of the work queue (delivery limit exceeded) go to parking through the default
+    // Dead letters of the work queue (delivery limit exceeded) go to the intake through the default
     // exchange, by queue name. At-least-once dead-lettering needs `reject-publish` overflow: with the
     // default overflow the broker silently falls back to at-most-once.
-    let mut work = dead_lettering_to(&parking);
+    let mut work = dead_lettering_to(&dead_lettered);
     work.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(i64::from(endpoint.delivery_limit)));
     declare_queue(channel, endpoint.name, work).await?;
     for binding in &endpoint.bindings {
@@ -179,6 +203,13 @@ fn quorum() -> FieldTable {
     arguments
 }
 
+/// A quorum queue that keeps every message however often it is returned.
+fn keeping() -> FieldTable {
+    let mut arguments = quorum();
+    arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(i64::from(KEEP_DELIVERY_LIMIT)));
+    arguments
+}
+
 /// Quorum queue arguments that dead-letter, at least once, into `target` by name.
 fn dead_lettering_to(target: &str) -> FieldTable {
     let mut arguments = quorum();
@@ -211,6 +242,7 @@ mod tests {
     fn endpoint_names_its_queues_and_checks_versions() {
         let endpoint = Endpoint::new("inventory.order-placed").accept::<crate::contracts::OrderPlaced>();
         assert_eq!(endpoint.parking_queue(), "inventory.order-placed.parking");
+        assert_eq!(endpoint.dead_lettered_queue(), "inventory.order-placed.dead-lettered");
         assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "inventory.order-placed.wait.5s");
         assert!(endpoint.check("order.placed", 1).is_ok());
         assert!(endpoint.check("order.placed", 2).is_err());

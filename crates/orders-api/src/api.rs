@@ -11,8 +11,9 @@ use axum::{
 use chrono::{DateTime, Utc};
 use messaging::{
     contracts::{OrderLine, OrderPlaced},
+    db::{self, QUERY_DEADLINE},
     envelope::Headers,
-    outbox,
+    failpoint, outbox,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -101,7 +102,9 @@ async fn place_order(State(pool): State<PgPool>, headers: HeaderMap, body: Body)
     let order = read_json::<PlaceOrder>(&headers, body).await?;
     order.validate()?;
     let key = idempotency_key(&headers)?;
-    let accepted = accept(&pool, &order, key.as_deref()).await?;
+    // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
+    // the request for the kernel's TCP timeout.
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref())).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }
@@ -136,6 +139,7 @@ async fn accept(pool: &PgPool, order: &PlaceOrder, key: Option<&str>) -> Result<
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
     let mut tx = pool.begin().await?;
     insert_order(&mut tx, &accepted, order).await?;
+    failpoint::hit(failpoint::API_BEFORE_COMMIT).await;
     let Some(key) = key else {
         tx.commit().await?;
         return Ok(accepted);
@@ -235,9 +239,8 @@ async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Resu
            from jobs where id = $1",
     )
     .bind(job_id)
-    .fetch_optional(&pool)
-    .await?
-    .ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
+    .fetch_optional(&pool);
+    let job = db::within(QUERY_DEADLINE, job).await?.ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
     Ok(Json(job))
 }
 
@@ -272,9 +275,9 @@ async fn get_order(State(pool): State<PgPool>, Path(order_id): Path<String>) -> 
           where o.id = $1",
     )
     .bind(order_id)
-    .fetch_optional(&pool)
-    .await?
-    .ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    .fetch_optional(&pool);
+    let order =
+        db::within(QUERY_DEADLINE, order).await?.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
     Ok(Json(order))
 }
 

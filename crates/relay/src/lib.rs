@@ -16,7 +16,7 @@ use messaging::{
     backoff::Backoff,
     broker::{self, Session, SessionEnd},
     config::{BrokerArgs, SecretUrl, parse_duration},
-    failpoint,
+    db, failpoint,
     health::{self, Health},
     metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
     outbox,
@@ -103,8 +103,10 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let options = PgConnectOptions::from_str(url.expose())?;
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
-        let pool =
-            PgPoolOptions::new().max_connections(4).acquire_timeout(Duration::from_secs(5)).connect_lazy_with(options);
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(db::bounded(options));
         databases.push(OutboxDb { label, pool });
     }
     let health = Health {
@@ -243,8 +245,12 @@ impl Relay {
     /// Claim a batch of due rows and publish them all without waiting for confirms. `None` if
     /// nothing is due. The batch's transaction keeps its rows locked until [`Relay::settle`].
     async fn send_batch(&self, publisher: &Publisher) -> Result<Option<SentBatch>, SessionError> {
-        let mut tx = self.db.pool.begin().await?;
-        let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+        let (tx, rows) = db::within(db::QUERY_DEADLINE, async {
+            let mut tx = self.db.pool.begin().await?;
+            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+            Ok::<_, sqlx::Error>((tx, rows))
+        })
+        .await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(None);
@@ -280,7 +286,9 @@ impl Relay {
                     let attempts = u32::try_from(row.attempts).unwrap_or(0);
                     let retry_after = backoff.delay(attempts);
                     tracing::warn!(database = %self.db.label, id = row.id, message_id = %row.message_id, %error, ?retry_after, "publish refused; will retry");
-                    outbox::record_failure(&mut tx, row.id, &error.to_string(), retry_after).await?;
+                    let reason = error.to_string();
+                    let failed = outbox::record_failure(&mut tx, row.id, &reason, retry_after);
+                    db::within(db::QUERY_DEADLINE, failed).await?;
                     self.health.metrics.increment(OUTBOX_PUBLISH_FAILURES, &[("database", &self.db.label)]);
                 }
             }
@@ -288,8 +296,11 @@ impl Relay {
         failpoint::hit(failpoint::RELAY_AFTER_CONFIRM).await;
         // Rows confirmed before a broken channel are still marked: marking is what keeps a
         // reconnect from republishing them.
-        outbox::mark_published(&mut tx, &confirmed).await?;
-        tx.commit().await?;
+        db::within(db::QUERY_DEADLINE, async {
+            outbox::mark_published(&mut tx, &confirmed).await?;
+            tx.commit().await
+        })
+        .await?;
         self.health.metrics.add(OUTBOX_PUBLISHED, &[("database", &self.db.label)], confirmed.len() as u64);
         match broken {
             Some(error) => Err(error.into()),

@@ -99,6 +99,8 @@ fn start(
         prefetch,
         amqp_url: messaging::config::SecretUrl::new(env.amqp_url()),
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
+        max_crashes: 3,
+        handler_timeout: Duration::from_secs(10),
     };
     let task = tokio::spawn(consumer::run(settings, Arc::new(handler), pool, Health::default(), stop));
     (trigger, task)
