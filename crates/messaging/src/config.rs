@@ -86,6 +86,13 @@ pub struct ConsumerArgs {
     /// and rolled back: a transient failure if the database still answers, an outage if not.
     #[arg(long, env = "HANDLER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handler_timeout: Duration,
+
+    /// Returns of an unacked delivery before the broker itself dead-letters it: the last resort,
+    /// far above the crash bound (decision 0005). Changing it on an existing work queue is refused
+    /// by the broker (PRECONDITION_FAILED): see the decision for how to move a queue.
+    #[arg(long, env = "DELIVERY_LIMIT", default_value_t = crate::topology::DEFAULT_DELIVERY_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub delivery_limit: u32,
 }
 
 impl ConsumerArgs {
@@ -102,7 +109,7 @@ impl ConsumerArgs {
         broker: &BrokerArgs,
     ) -> crate::consumer::ConsumerSettings {
         crate::consumer::ConsumerSettings {
-            endpoint,
+            endpoint: crate::topology::Endpoint { delivery_limit: self.delivery_limit, ..endpoint },
             policy: self.retry_policy(),
             prefetch: self.prefetch,
             amqp_url: broker.amqp_url.clone(),

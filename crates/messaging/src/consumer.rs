@@ -145,7 +145,7 @@ pub async fn run<H: Handler>(
     health: Health,
     shutdown: Shutdown,
 ) {
-    let runtime = Arc::new(Runtime { settings, handler, pool, health, shutdown: shutdown.clone() });
+    let runtime = Arc::new(Runtime { settings, handler, pool, health });
     let name = runtime.settings.endpoint.name;
     let flag = format!("consumer:{name}");
     let settings = &runtime.settings;
@@ -181,7 +181,6 @@ struct Runtime<H> {
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
-    shutdown: Shutdown,
 }
 
 /// The outcome of the transaction for one message.
@@ -228,6 +227,9 @@ impl<H: Handler> Runtime<H> {
         self.health.readiness.set(flag, true);
         tracing::info!(endpoint = endpoint.name, prefetch = self.settings.prefetch, "consuming");
 
+        // Ends with the session (connection lost, or shutdown): deliveries still waiting for the
+        // database then give up and are handed back, since a closed channel cannot ack them.
+        let (end_session, session_ended) = crate::shutdown::channel();
         let mut in_flight = JoinSet::new();
         // A redelivery may be the message that crashed the last process, so it runs alone: it waits
         // here until nothing else is in flight, and nothing new starts until it has settled. Were it
@@ -238,7 +240,7 @@ impl<H: Handler> Runtime<H> {
             if in_flight.is_empty() {
                 alone = false;
                 if let Some(delivery) = waiting.take() {
-                    in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone()));
+                    in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone(), session_ended.clone()));
                     alone = true;
                 }
             }
@@ -254,7 +256,7 @@ impl<H: Handler> Runtime<H> {
                 next = deliveries.next(), if accepting => match next {
                     Some(Ok(delivery)) if delivery.redelivered => waiting = Some(delivery),
                     Some(Ok(delivery)) => {
-                        in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone()));
+                        in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone(), session_ended.clone()));
                     }
                     Some(Err(error)) => {
                         tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
@@ -282,8 +284,10 @@ impl<H: Handler> Runtime<H> {
         };
 
         // Stop new deliveries, then let every in-flight one finish and settle (commit, then ack)
-        // before the channel closes; whatever was prefetched but not started goes back to the queue
-        // when the channel closes. This is the only requeue the runtime ever causes.
+        // before the channel closes; whatever was prefetched but not started, or was waiting for the
+        // database, goes back to the queue when the channel closes. This is the only requeue the
+        // runtime ever causes.
+        end_session.trigger();
         let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
         let _ =
             channel.basic_cancel(format!("{tag}-dead-lettered").as_str().into(), BasicCancelOptions::default()).await;
@@ -299,7 +303,12 @@ impl<H: Handler> Runtime<H> {
 
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
     /// (the broker connection failed): it stays unacked and comes back on the next session.
-    async fn process(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+    async fn process(
+        self: Arc<Self>,
+        delivery: Delivery,
+        publisher: Publisher,
+        session_ended: Shutdown,
+    ) -> Result<(), PublishError> {
         let redelivered = delivery.redelivered;
         let delivery = InFlight(delivery);
         let endpoint = &self.settings.endpoint;
@@ -315,14 +324,14 @@ impl<H: Handler> Runtime<H> {
             }
         };
         if !redelivered {
-            return self.settle(delivery, &publisher, &message).await;
+            return self.settle(delivery, &publisher, &message, &session_ended).await;
         }
 
         // A redelivery, running alone. Commit its start before the handler runs: if this process
         // dies now, the count stays, and the next process sees how often it has done so.
         let endpoint = endpoint.name;
         let starts = self
-            .when_reachable(&message, || async {
+            .when_reachable(&message, &session_ended, || async {
                 Ok(crashes::record_start(&self.pool, endpoint, message.message_id).await?)
             })
             .await;
@@ -336,12 +345,12 @@ impl<H: Handler> Runtime<H> {
                 );
                 self.park(delivery, &publisher, message.retry_count, &reason).await
             }
-            Some(Ok(_)) => self.settle(delivery, &publisher, &message).await,
+            Some(Ok(_)) => self.settle(delivery, &publisher, &message, &session_ended).await,
             // The ledger itself fails (not an outage): handle the message; the broker's delivery
             // limit remains the crash net.
             Some(Err(error)) => {
                 tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger unavailable");
-                self.settle(delivery, &publisher, &message).await
+                self.settle(delivery, &publisher, &message, &session_ended).await
             }
         };
         // Settled, or handed back on a lost connection: either way this process lives, so this
@@ -361,11 +370,17 @@ impl<H: Handler> Runtime<H> {
     }
 
     /// Apply a readable message and settle its delivery by the outcome: ack, retry or park.
-    async fn settle(&self, delivery: InFlight, publisher: &Publisher, message: &Incoming) -> Result<(), PublishError> {
+    async fn settle(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        message: &Incoming,
+        session_ended: &Shutdown,
+    ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
-        match self.when_reachable(message, || self.apply(message)).await {
+        match self.when_reachable(message, session_ended, || self.apply(message)).await {
             None => {
-                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "shutting down during a database outage; the broker will redeliver");
+                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "session ended during a database outage; the broker will redeliver");
                 return Ok(());
             }
             Some(Ok(Applied::Done)) => {
@@ -397,9 +412,14 @@ impl<H: Handler> Runtime<H> {
 
     /// `work` on the database, repeated with backoff for as long as the database is unreachable: an
     /// outage spends none of the message's attempts and parks nothing. If a commit's outcome was
-    /// lost with the connection, the inbox tells on the next try. `None` if shutdown came first (the
-    /// delivery stays unacked and the broker redelivers it).
-    async fn when_reachable<T, F, Fut>(&self, message: &Incoming, mut work: F) -> Option<Result<T, HandlerError>>
+    /// lost with the connection, the inbox tells on the next try. `None` if the session ended first
+    /// (shutdown, or a lost connection): the delivery stays unacked and the broker redelivers it.
+    async fn when_reachable<T, F, Fut>(
+        &self,
+        message: &Incoming,
+        session_ended: &Shutdown,
+        mut work: F,
+    ) -> Option<Result<T, HandlerError>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, HandlerError>>,
@@ -412,9 +432,8 @@ impl<H: Handler> Runtime<H> {
                     let delay = self.settings.reconnect.delay(waits);
                     waits += 1;
                     tracing::warn!(endpoint, message_id = %message.message_id, %error, ?delay, "database unreachable; will apply again");
-                    tokio::select! {
-                        () = self.shutdown.triggered() => return None,
-                        () = tokio::time::sleep(delay) => {}
+                    if !session_ended.sleep(delay).await {
+                        return None;
                     }
                 }
                 outcome => return Some(outcome),

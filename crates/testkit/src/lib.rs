@@ -9,6 +9,10 @@
 //!
 //! Each [`TestEnv`] gets its own databases (`t_<id>_<service>`) and its own vhost, so tests run in
 //! parallel without seeing each other's rows or queues. Both are removed when it is dropped.
+//!
+//! `RABBITMQCTL` names the `rabbitmqctl` command for that broker (words split on spaces), for a
+//! broker that is not the machine's own node: `.ci/rabbitmq4 env` sets it for the RabbitMQ 4.0 in
+//! its chroot. Default `rabbitmqctl`.
 
 pub mod cli;
 pub mod http;
@@ -159,6 +163,35 @@ impl TestEnv {
         Connection::connect(&self.amqp_url(), ConnectionProperties::default()).await.expect("connect to test vhost")
     }
 
+    /// The broker's version, e.g. `4.0.5`, from the management API.
+    pub async fn broker_version(&self) -> String {
+        let response = http::request("GET", &format!("{}/api/overview", self.servers.management), &[], None)
+            .await
+            .expect("GET /api/overview of the RabbitMQ management API");
+        response.json()["rabbitmq_version"].as_str().expect("rabbitmq_version").to_owned()
+    }
+
+    /// The broker's major version.
+    pub async fn broker_major(&self) -> u32 {
+        let version = self.broker_version().await;
+        version.split('.').next().and_then(|major| major.parse().ok()).expect("a version such as 4.0.5")
+    }
+
+    /// The broker's own headers (`x-...`) that were published with `delivery`, read back from a
+    /// quorum queue of this broker. RabbitMQ 3.x sets `x-delivery-count` on every delivery from a
+    /// quorum queue itself, overwriting any published value, so there it tells nothing about what
+    /// was published; 4.x passes a published one through. Pinned by `tests/broker_semantics.rs`.
+    pub async fn published_broker_headers(&self, delivery: &lapin::message::Delivery) -> Vec<String> {
+        let set_on_delivery = if self.broker_major().await < 4 { Some("x-delivery-count") } else { None };
+        let Some(headers) = delivery.properties.headers() else { return Vec::new() };
+        headers
+            .inner()
+            .keys()
+            .map(|key| key.as_str().to_owned())
+            .filter(|key| key.starts_with("x-") && Some(key.as_str()) != set_on_delivery)
+            .collect()
+    }
+
     /// Messages ready in `queue` (`None` if it does not exist).
     pub async fn queue_depth(&self, queue: &str) -> Option<u32> {
         let connection = self.amqp().await;
@@ -247,12 +280,21 @@ async fn create_vhost(servers: &Servers, vhost: &str) {
 async fn delete_vhost(servers: &Servers, vhost: &str) {
     let deleted = http::request("DELETE", &format!("{}/api/vhosts/{vhost}", servers.management), &[], None).await;
     if !matches!(deleted, Ok(ref r) if r.status < 300) {
-        let _ = tokio::process::Command::new("rabbitmqctl").args(["delete_vhost", vhost]).output().await;
+        let _ = rabbitmqctl_command(&["delete_vhost", vhost]).output().await;
     }
 }
 
+/// `rabbitmqctl ARGS` for the broker under test (`RABBITMQCTL`, default `rabbitmqctl`).
+pub fn rabbitmqctl_command(args: &[&str]) -> tokio::process::Command {
+    let configured = env(&["RABBITMQCTL"]).unwrap_or_else(|| "rabbitmqctl".to_owned());
+    let mut words = configured.split_whitespace();
+    let mut command = tokio::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    command.args(words).args(args);
+    command
+}
+
 async fn rabbitmqctl(args: &[&str]) {
-    let output = tokio::process::Command::new("rabbitmqctl").args(args).output().await;
+    let output = rabbitmqctl_command(args).output().await;
     assert!(
         matches!(output, Ok(ref o) if o.status.success()),
         "creating a test vhost needs the RabbitMQ management API (rabbitmq-plugins enable rabbitmq_management) \

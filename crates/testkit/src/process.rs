@@ -133,6 +133,13 @@ impl Process {
         }
     }
 
+    /// Forget a process that exited by itself, so that it can be started again.
+    pub fn take_exit(&mut self) -> Option<ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status)
+    }
+
     /// Its process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref()?.id()

@@ -55,6 +55,9 @@ pub struct Options {
     pub demo_faults: bool,
     /// `RUST_LOG` of the services.
     pub log_filter: String,
+    /// More variables for the three consumers (the API's status consumer and both workers), such
+    /// as `MAX_CRASHES` or `DELIVERY_LIMIT`.
+    pub consumer_env: Vec<(&'static str, String)>,
 }
 
 impl Default for Options {
@@ -65,6 +68,7 @@ impl Default for Options {
             prefetch: 8,
             demo_faults: false,
             log_filter: "info".into(),
+            consumer_env: Vec::new(),
         }
     }
 }
@@ -139,6 +143,7 @@ impl ProcessShop {
                     ("MAX_ATTEMPTS", options.max_attempts.to_string()),
                     ("PREFETCH", options.prefetch.to_string()),
                 ]);
+                vars.extend(options.consumer_env.iter().cloned());
             }
             if matches!(service, Service::Inventory | Service::Billing) {
                 vars.push(("DEMO_FAULTS", options.demo_faults.to_string()));
@@ -231,6 +236,30 @@ impl ProcessShop {
     /// Start a killed service again and wait until ready.
     pub async fn restart(&mut self, service: Service) {
         self.restart_with(service, &[]).await;
+    }
+
+    /// Start again every service that exited by itself (a crashing handler), as a supervisor
+    /// would, without waiting for it to be ready (it may crash again first); returns how many.
+    pub async fn restart_exited(&mut self) -> usize {
+        let mut exited = Vec::new();
+        for (service, running) in &mut self.services {
+            if running.process.check_running().is_err() {
+                exited.push(*service);
+            }
+        }
+        for &service in &exited {
+            self.process(service).take_exit();
+            self.process(service).start();
+        }
+        exited.len()
+    }
+
+    /// `GET /jobs/{job_id}`.
+    pub async fn job(&self, job_id: Uuid) -> Value {
+        let url = format!("{}/jobs/{job_id}", self.http(Service::Api));
+        let response = http::request("GET", &url, &[], None).await.expect("GET /jobs/{id}");
+        assert_eq!(response.status, 200, "GET /jobs/{job_id}: {}", String::from_utf8_lossy(&response.body));
+        response.json()
     }
 
     /// Panic if any service exited by itself.

@@ -4,14 +4,14 @@
 //! It stops the shared RabbitMQ, so it would disturb every other test running at the time: it is
 //! ignored in the normal run, and `.ci/run` runs it on its own afterwards:
 //! `cargo test -p testkit --test broker_restart -- --ignored`. Needs `rabbitmqctl` for the broker
-//! that `AMQP_URL` names (the local node).
+//! that `AMQP_URL` names: the local node, or the command in `RABBITMQCTL`.
 
 use std::time::Duration;
 
 use testkit::shop::{Options, ProcessShop, Service};
 
 async fn rabbitmqctl(command: &str) {
-    let status = tokio::process::Command::new("rabbitmqctl").args(["-q", command]).status().await;
+    let status = testkit::rabbitmqctl_command(&["-q", command]).status().await;
     assert!(matches!(status, Ok(s) if s.success()), "rabbitmqctl {command}: {status:?}");
 }
 

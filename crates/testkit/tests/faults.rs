@@ -187,3 +187,41 @@ async fn stalled_database_connections_mean_503_not_a_hang_then_recovery() {
     shop.place_burst(10).await;
     shop.assert_books_balance().await;
 }
+
+#[tokio::test]
+async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadline_and_a_retry_is_safe() {
+    let mut shop = shop().await;
+    // Pause each order's transaction before its commit, so the stall lands mid-transaction.
+    shop.kill(Service::Api).await;
+    shop.restart_with(Service::Api, &[("FAILPOINTS", "api.before-commit=500ms")]).await;
+    let url = format!("{}/orders", shop.http(Service::Api));
+    let body = r#"{"customerId":"stall","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let key = [("Idempotency-Key", "stalled-in-flight")];
+    let in_flight = {
+        let url = url.clone();
+        tokio::spawn(async move { http::request("POST", &url, &key, Some(body)).await })
+    };
+    shop.wait_for_log(Service::Api, "FAILPOINT api.before-commit pausing", 1).await;
+    shop.database_proxy(Service::Api).stall();
+
+    // messaging::db::QUERY_DEADLINE (10 s) bounds it; without it, the kernel's TCP timeout would
+    // (about 15 minutes). The margin is for a loaded machine, not part of the bound.
+    let bound = messaging::db::QUERY_DEADLINE + Duration::from_secs(20);
+    let response = tokio::time::timeout(bound, in_flight)
+        .await
+        .expect("the in-flight request ended within the deadline")
+        .expect("request task")
+        .expect("an HTTP answer");
+    assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
+
+    // The commit's fate is unknown to the client (it may land once traffic resumes): the same
+    // key again yields exactly one order either way.
+    shop.database_proxy(Service::Api).restore();
+    let job_id = eventually("the retry with the same key to be accepted", WAIT, || async {
+        let response = http::request("POST", &url, &key, Some(body)).await.ok()?;
+        (response.status == 202).then(|| response.json()["jobId"].as_str().map(str::to_owned)).flatten()
+    })
+    .await;
+    shop.accepted.push(job_id.parse().expect("job id"));
+    shop.assert_books_balance().await;
+}

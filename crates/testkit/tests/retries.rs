@@ -202,25 +202,71 @@ async fn transient_failures_retry_after_each_tier_delay_and_apply_once() {
 }
 
 #[tokio::test]
-async fn a_consumer_that_dies_on_a_message_ends_with_it_parked_by_the_delivery_limit() {
+async fn a_handler_that_crashes_on_a_message_has_it_parked_by_the_crash_bound_and_its_neighbours_applied_once() {
     let env = TestEnv::new().await;
     let policy = RetryPolicy::new(vec![Duration::from_millis(50)], 5);
-    let endpoint = endpoint(2);
+    let endpoint = endpoint(topology::DEFAULT_DELIVERY_LIMIT);
     let pool = prepare(&env, &endpoint, &policy).await;
-    // A handler bug that takes the delivery's task down: it is never acked nor nacked by us; the
-    // session ends, the channel closes, and the broker counts a delivery.
+    // A handler bug that takes the delivery's task down: never acked nor nacked by us; the
+    // session ends, the channel closes, and the broker returns every unacked delivery.
     let handler = Scripted::new(|body, _| if body == "crash" { panic!("simulated crash") } else { Ok(()) });
-    let (trigger, task) = start(&env, endpoint.clone(), policy, 1, handler.clone(), pool.clone());
-    publish(&env, &["crash"], None).await;
+    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool.clone());
+    publish(&env, &["crash", "a", "b", "c", "d", "e"], Some(Uuid::now_v7())).await;
 
-    eventually("the crashing message to be dead-lettered into parking", WAIT, || async {
-        (env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
+    let parked = eventually("the crashing message to be parked", WAIT, || async {
+        let parked = env.drain(&endpoint.parking_queue()).await;
+        (!parked.is_empty()).then_some(parked)
     })
     .await;
-    assert!(handler.calls_for("crash").len() >= 2, "delivered up to the limit");
-    assert_eq!(env.queue_depth(ENDPOINT).await, Some(0), "not dropped, not stuck");
+    let reason = header_text(&parked[0], "last-error");
+    assert!(reason.starts_with("crashed its consumer 3 times"), "{reason}");
+    // Once among its neighbours, then alone up to the bound: never more.
+    assert_eq!(handler.calls_for("crash").len(), 4);
+    eventually("the neighbours to be applied", WAIT, || async {
+        (count(&pool, "select count(*) from effects").await == 5).then_some(())
+    })
+    .await;
     trigger.trigger();
     task.await.expect("consumer");
+    assert_eq!(count(&pool, "select count(*) from effects").await, 5, "each neighbour once");
+    assert_eq!(count(&pool, "select count(*) from delivery_starts").await, 0, "no start left counted");
+    assert_eq!(env.queue_depth(ENDPOINT).await, Some(0), "not dropped, not stuck");
+    assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(0), "only the crashing one was parked");
+}
+
+#[tokio::test]
+async fn wait_queue_and_parked_copies_carry_no_broker_header() {
+    let env = TestEnv::new().await;
+    // The second tier is long: a copy waiting there can be inspected.
+    let policy = RetryPolicy::new(vec![Duration::from_millis(50), Duration::from_secs(600)], 5);
+    let endpoint = endpoint(topology::DEFAULT_DELIVERY_LIMIT);
+    let pool = prepare(&env, &endpoint, &policy).await;
+    // Both fail on their first attempt, so their second delivery comes back from a wait queue,
+    // dead-lettered by its TTL (with `x-death` and `x-first-death-*`); then one fails again, the
+    // other for good.
+    let handler = Scripted::new(|body, attempt| match (body, attempt) {
+        ("park", 2..) => Err(HandlerError::Permanent("for good".into())),
+        _ => Err(HandlerError::Transient("not yet".into())),
+    });
+    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool);
+    publish(&env, &["wait", "park"], None).await;
+
+    let long_wait = endpoint.wait_queue(Duration::from_secs(600));
+    eventually("a copy in the long wait queue and one in parking", WAIT, || async {
+        let waiting = env.queue_depth(&long_wait).await == Some(1);
+        let parked = env.queue_depth(&endpoint.parking_queue()).await == Some(1);
+        (waiting && parked).then_some(())
+    })
+    .await;
+    trigger.trigger();
+    task.await.expect("consumer");
+    assert_eq!(handler.calls_for("wait").len(), 2, "its second delivery came back through a wait queue");
+    for queue in [long_wait, endpoint.parking_queue()] {
+        let copies = env.drain(&queue).await;
+        let headers = copies[0].properties.headers().clone().expect("headers");
+        assert!(headers.inner().contains_key("retry-count"), "{queue}: {headers:?}");
+        assert_eq!(env.published_broker_headers(&copies[0]).await, Vec::<String>::new(), "{queue}: {headers:?}");
+    }
 }
 
 /// Publish raw bytes and properties to the orders exchange as `order.placed`.
