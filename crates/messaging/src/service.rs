@@ -51,6 +51,10 @@ impl<H: Handler> Worker<H> {
     }
 }
 
+/// The exit code of a worker that a `CRASH` SKU brings down (`EX_SOFTWARE`), distinct from a
+/// panic's 101, so that a supervisor or a soak can tell the demo's crashes from real ones.
+pub const DEMO_CRASH_EXIT_CODE: i32 = 70;
+
 /// Demo fault injection (`DEMO_FAULTS=1`, DESIGN §8): a line whose SKU starts with `FLAKY` fails
 /// transiently on the first two attempts; one starting with `POISON` fails on every attempt (a
 /// simulated handler bug), so its message is parked after `MAX_ATTEMPTS`; one starting with
@@ -65,7 +69,7 @@ pub fn demo_fault<'a>(
         if sku.starts_with("CRASH") {
             // Like a segfault or an OOM kill: no unwinding, no ack, nothing flushed but this line.
             eprintln!("demo fault: {sku} crashes the worker (attempt {attempt})");
-            std::process::exit(101);
+            std::process::exit(DEMO_CRASH_EXIT_CODE);
         }
         if sku.starts_with("POISON") {
             return Err(HandlerError::Transient(format!("demo fault: {sku} always fails (attempt {attempt})")));

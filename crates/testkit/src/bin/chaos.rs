@@ -8,10 +8,15 @@
 //!
 //! The client behaves as a client should: every order carries an Idempotency-Key and is retried
 //! until it gets an answer, so an API killed after its commit but before its reply costs nothing.
+//!
+//! `--crash-orders` of the orders name CRASH-1, which makes the inventory worker exit every time it
+//! handles one; the soak restarts a worker that exits that way, as a supervisor would, and expects
+//! each such order to end quarantined by the crash bound, taking no other order with it.
 
 use std::{collections::BTreeMap, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use messaging::service::DEMO_CRASH_EXIT_CODE;
 use testkit::{
     http,
     shop::{Options, ProcessShop, Service},
@@ -41,14 +46,20 @@ struct Args {
     /// Give up waiting for orders to settle after this many seconds.
     #[arg(long, default_value_t = 300)]
     settle_secs: u64,
+    /// Orders naming CRASH-1, spread evenly over the run.
+    #[arg(long, default_value_t = 3)]
+    crash_orders: usize,
 }
 
 /// What the client saw.
 #[derive(Debug, Default)]
 struct Driven {
     accepted: Vec<Uuid>,
-    /// Accepted orders naming POISON-1: the only ones that may end quarantined.
+    /// Accepted orders naming POISON-1 (and not CRASH-1).
     poison: usize,
+    /// Accepted orders naming CRASH-1. With the poison ones, the only ones that may end
+    /// quarantined.
+    crashing: usize,
     /// Answers other than 202 (a bug: every order the soak sends is valid).
     refused: usize,
     /// Orders that never got an answer (the API stayed away for a minute).
@@ -65,8 +76,35 @@ struct Havoc {
     kills: BTreeMap<&'static str, usize>,
     cuts: usize,
     stalls: usize,
-    /// Services that exited without being killed.
+    /// Services that exited without being killed, other than by a demo crash.
     self_exits: Vec<String>,
+    /// Workers that exited by a demo crash (CRASH-1), restarted at once.
+    crash_exits: usize,
+}
+
+impl Havoc {
+    /// Restart every service that exited by itself, as a supervisor would: a demo crash is
+    /// expected, any other exit is recorded as a failure.
+    async fn supervise(&mut self, shop: &mut ProcessShop) {
+        for service in Service::ALL {
+            let Some(status) = shop.process(service).take_exit() else { continue };
+            if status.code() == Some(DEMO_CRASH_EXIT_CODE) {
+                self.crash_exits += 1;
+            } else {
+                self.self_exits.push(format!("{service:?}: {status}"));
+            }
+            shop.process(service).start();
+        }
+    }
+
+    /// Supervise for `duration`.
+    async fn supervise_for(&mut self, shop: &mut ProcessShop, duration: Duration) {
+        let until = Instant::now() + duration;
+        while Instant::now() < until {
+            self.supervise(shop).await;
+            tokio::time::sleep(Duration::from_millis(100).min(until - Instant::now())).await;
+        }
+    }
 }
 
 #[tokio::main]
@@ -92,8 +130,10 @@ async fn main() -> ExitCode {
     let started = Instant::now();
     let expected = Duration::from_secs_f64(args.orders as f64 / args.rate);
     let api = shop.http(Service::Api).to_owned();
-    let (driven, havoc) =
-        tokio::join!(drive(&api, args.orders, args.rate, fastrand::u64(..)), wreak(&mut shop, &args, expected));
+    let (driven, mut havoc) = tokio::join!(
+        drive(&api, args.orders, args.rate, args.crash_orders, fastrand::u64(..)),
+        wreak(&mut shop, &args, expected)
+    );
     let havoc_ended = started.elapsed();
     for service in Service::ALL {
         if shop.process(service).check_running() == Ok(false) {
@@ -101,7 +141,15 @@ async fn main() -> ExitCode {
         }
     }
     shop.accepted = driven.accepted.clone();
-    let ledger = shop.try_settle(Duration::from_secs(args.settle_secs)).await.unwrap_or_else(|unsettled| unsettled);
+    let settle_deadline = Instant::now() + Duration::from_secs(args.settle_secs);
+    let ledger = loop {
+        havoc.supervise(&mut shop).await;
+        let ledger = shop.ledger().await;
+        if (ledger.stuck == 0 && ledger.lost == 0) || Instant::now() >= settle_deadline {
+            break ledger;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let settled_in = started.elapsed();
     let duplicates: usize = [Service::Api, Service::Inventory, Service::Billing]
         .into_iter()
@@ -118,14 +166,25 @@ async fn main() -> ExitCode {
     println!("cuts / stalls        {:>8}  / {}", havoc.cuts, havoc.stalls);
     println!("client retries       {:>8}", driven.retries);
     println!("duplicates skipped   {:>8}  (by the inboxes, from the logs)", duplicates);
-    println!("poison orders        {:>8}  (the only ones allowed to end quarantined)", driven.poison);
+    println!("poison orders        {:>8}  (quarantined after MAX_ATTEMPTS)", driven.poison);
+    println!("crashing orders      {:>8}  (quarantined by the crash bound)", driven.crashing);
+    println!("demo crash exits     {:>8}  (workers restarted)", havoc.crash_exits);
 
     let mut failures = Vec::new();
     if !ledger.is_clean() {
         failures.push("the ledger does not balance".to_owned());
     }
-    if ledger.quarantined != driven.poison as i64 {
-        failures.push(format!("{} quarantined, but {} poison orders", ledger.quarantined, driven.poison));
+    let expected_quarantined = (driven.poison + driven.crashing) as i64;
+    if ledger.quarantined != expected_quarantined {
+        failures.push(format!(
+            "{} quarantined, but {} poison and {} crashing orders",
+            ledger.quarantined, driven.poison, driven.crashing
+        ));
+    }
+    // Each crashing order: one crash among other deliveries, then MAX_CRASHES (3) alone; a kill
+    // or a cut while it is held can add one.
+    if havoc.crash_exits > driven.crashing * 6 {
+        failures.push(format!("{} crash exits for {} crashing orders", havoc.crash_exits, driven.crashing));
     }
     if driven.refused + driven.unanswered > 0 {
         failures.push(format!("{} orders refused, {} unanswered", driven.refused, driven.unanswered));
@@ -143,29 +202,32 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Offer `orders` at `rate` per second, each in its own task so an outage does not lower the
-/// offered load; each retries with its Idempotency-Key until answered.
-async fn drive(api: &str, orders: usize, rate: f64, seed: u64) -> Driven {
+/// Offer `orders` at `rate` per second, `crashing` of them naming CRASH-1, each in its own task so
+/// an outage does not lower the offered load; each retries with its Idempotency-Key until answered.
+async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64) -> Driven {
     let mut rng = fastrand::Rng::with_seed(seed);
     let run = Uuid::new_v4().simple().to_string();
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
     let mut tasks = JoinSet::new();
     let mut driven = Driven::default();
     let started = Instant::now();
+    let crash_every = (orders / (crashing + 1)).max(1);
     for i in 0..orders {
         ticks.tick().await;
-        let (body, poison) = random_order(&mut rng);
+        let crash = crashing > 0 && i % crash_every == crash_every / 2 && i / crash_every < crashing;
+        let (body, kind) = if crash { (crash_order(), Kind::Crashing) } else { random_order(&mut rng) };
         let key = format!("chaos-{run}-{i}");
         let url = format!("{api}/orders");
-        tasks.spawn(async move { (place(&url, &body, &key).await, poison) });
+        tasks.spawn(async move { (place(&url, &body, &key).await, kind) });
     }
     while let Some(joined) = tasks.join_next().await {
-        let ((outcome, retries), poison) = joined.expect("order task");
+        let ((outcome, retries), kind) = joined.expect("order task");
         driven.retries += retries;
         match outcome {
             Placed::Accepted(job_id) => {
                 driven.accepted.push(job_id);
-                driven.poison += usize::from(poison);
+                driven.poison += usize::from(kind == Kind::Poison);
+                driven.crashing += usize::from(kind == Kind::Crashing);
             }
             Placed::Refused => driven.refused += 1,
             Placed::Unanswered => driven.unanswered += 1,
@@ -205,17 +267,33 @@ async fn place(url: &str, body: &str, key: &str) -> (Placed, usize) {
     }
 }
 
+/// How an order is expected to end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Succeeded or rejected.
+    Plain,
+    /// Quarantined after MAX_ATTEMPTS.
+    Poison,
+    /// Quarantined by the crash bound.
+    Crashing,
+}
+
+/// An order whose line makes the inventory worker exit.
+fn crash_order() -> String {
+    serde_json::json!({"customerId": "chaos", "lines": [{"sku": "CRASH-1", "quantity": 1}]}).to_string()
+}
+
 /// One to three lines: mostly everyday SKUs; some SKU-5 (scarce), unknown SKUs (rejected),
 /// FLAKY-1 (succeeds on its third attempt) and POISON-1 (quarantined).
-fn random_order(rng: &mut fastrand::Rng) -> (String, bool) {
+fn random_order(rng: &mut fastrand::Rng) -> (String, Kind) {
     let mut lines = Vec::new();
-    let mut poison = false;
+    let mut kind = Kind::Plain;
     for _ in 0..rng.usize(1..=3) {
         let sku = match rng.u32(0..100) {
             0..=1 => "NOPE-9",
             2..=4 => "FLAKY-1",
             5 => {
-                poison = true;
+                kind = Kind::Poison;
                 "POISON-1"
             }
             6..=9 => "SKU-5",
@@ -223,7 +301,7 @@ fn random_order(rng: &mut fastrand::Rng) -> (String, bool) {
         };
         lines.push(serde_json::json!({"sku": sku, "quantity": rng.i32(1..=3)}));
     }
-    (serde_json::json!({"customerId": "chaos", "lines": lines}).to_string(), poison)
+    (serde_json::json!({"customerId": "chaos", "lines": lines}).to_string(), kind)
 }
 
 /// Spread `kills` and `cuts` evenly over the expected duration of the load, in random order, on
@@ -235,16 +313,14 @@ async fn wreak(shop: &mut ProcessShop, args: &Args, expected: Duration) -> Havoc
     fastrand::shuffle(&mut faults);
     let gap = expected.div_f64(faults.len() as f64 + 1.0);
     for kill in faults {
-        tokio::time::sleep(gap).await;
+        havoc.supervise_for(shop, gap).await;
         let service = Service::ALL[fastrand::usize(..Service::ALL.len())];
         if kill {
-            if let Err(status) = shop.process(service).check_running() {
-                havoc.self_exits.push(format!("{service:?}: {status}"));
-            }
+            havoc.supervise(shop).await;
             shop.kill(service).await;
             *havoc.kills.entry(service.binary()).or_default() += 1;
-            tokio::time::sleep(Duration::from_millis(fastrand::u64(100..1000))).await;
-            shop.restart(service).await;
+            havoc.supervise_for(shop, Duration::from_millis(fastrand::u64(100..1000))).await;
+            shop.process(service).start();
         } else {
             let proxy = if fastrand::bool() { shop.database_proxy(service) } else { shop.broker_proxy(service) };
             if fastrand::u8(0..4) == 0 {
@@ -254,14 +330,11 @@ async fn wreak(shop: &mut ProcessShop, args: &Args, expected: Duration) -> Havoc
                 proxy.cut();
                 havoc.cuts += 1;
             }
-            tokio::time::sleep(Duration::from_millis(fastrand::u64(1000..3000))).await;
+            let outage = Duration::from_millis(fastrand::u64(1000..3000));
+            tokio::time::sleep(outage).await;
             proxy.restore();
         }
     }
-    for service in Service::ALL {
-        if let Err(status) = shop.process(service).check_running() {
-            havoc.self_exits.push(format!("{service:?}: {status}"));
-        }
-    }
+    havoc.supervise(shop).await;
     havoc
 }
