@@ -40,7 +40,8 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub consumer: ConsumerArgs,
-    /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always (1/0, true/false).
+    /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
+    /// process exit (1/0, true/false).
     #[arg(long, env = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
           value_parser = clap::builder::BoolishValueParser::new())]
     pub demo_faults: bool,

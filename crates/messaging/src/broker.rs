@@ -3,6 +3,8 @@
 //! connection fails, then reconnect here with backoff. Nothing is acked or marked published on a
 //! connection that failed, so what was in flight is redelivered or republished by the next session.
 
+use std::time::Duration;
+
 use lapin::{Connection, ConnectionProperties};
 
 use crate::{backoff::Backoff, config::SecretUrl, shutdown::Shutdown};
@@ -76,7 +78,8 @@ pub async fn run_sessions(
     while let Some(connection) = connect_with_backoff(url, name, backoff, shutdown).await {
         let end = session.run(&connection).await;
         readiness.set(flag, false);
-        let _ = connection.close(200, "bye".into()).await;
+        // Bounded: on a connection that has just died, lapin can wait forever for the close-ok.
+        let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into())).await;
         match end {
             SessionEnd::Shutdown => return,
             SessionEnd::Lost { was_up: true } => failures = 0,

@@ -287,17 +287,36 @@ impl<H: Handler> Runtime<H> {
         // before the channel closes; whatever was prefetched but not started, or was waiting for the
         // database, goes back to the queue when the channel closes. This is the only requeue the
         // runtime ever causes.
+        //
+        // Every broker call here is bounded: on a connection that has just died, lapin can queue a
+        // request that is never answered. What is still in flight after the handler timeout (plus
+        // time to settle) is abandoned: unacked, it comes back, and the inbox skips what committed.
         end_session.trigger();
-        let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
-        let _ =
-            channel.basic_cancel(format!("{tag}-dead-lettered").as_str().into(), BasicCancelOptions::default()).await;
-        while let Some(joined) = in_flight.join_next().await {
-            if let Err(error) = flatten(joined) {
-                tracing::warn!(endpoint = endpoint.name, %error, "delivery left unacked; the broker will redeliver it");
-            }
+        let dead_letter_tag = format!("{tag}-dead-lettered");
+        for tag in [tag.as_str(), dead_letter_tag.as_str()] {
+            bounded(channel.basic_cancel(tag.into(), BasicCancelOptions::default())).await;
         }
-        publisher.close().await;
-        let _ = channel.close(200, "bye".into()).await;
+        let drained = tokio::time::timeout(self.settings.handler_timeout + WIND_DOWN, async {
+            while let Some(joined) = in_flight.join_next().await {
+                if let Err(error) = flatten(joined) {
+                    tracing::warn!(endpoint = endpoint.name, %error, "delivery left unacked; the broker will redeliver it");
+                }
+            }
+        });
+        if drained.await.is_err() {
+            tracing::warn!(
+                endpoint = endpoint.name,
+                abandoned = in_flight.len(),
+                "deliveries still in flight abandoned; the broker will redeliver them"
+            );
+            in_flight.abort_all();
+        }
+        bounded(async {
+            publisher.close().await;
+            Ok::<_, lapin::Error>(())
+        })
+        .await;
+        bounded(channel.close(200, "bye".into())).await;
         ended
     }
 
@@ -587,6 +606,14 @@ impl<H: Handler> Runtime<H> {
             .metrics
             .increment(MESSAGES_HANDLED, &[("endpoint", self.settings.endpoint.name), ("outcome", outcome)]);
     }
+}
+
+/// How long a best-effort broker call at the end of a session may take.
+const WIND_DOWN: Duration = Duration::from_secs(5);
+
+/// A best-effort broker call, given up after [`WIND_DOWN`]: its outcome changes nothing.
+async fn bounded<T>(call: impl Future<Output = lapin::Result<T>>) -> Option<T> {
+    tokio::time::timeout(WIND_DOWN, call).await.ok()?.ok()
 }
 
 /// A delivery not yet settled. Its only ways out consume it, so it is settled at most once.

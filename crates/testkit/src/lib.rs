@@ -85,12 +85,17 @@ async fn locate_servers() -> Servers {
     })
 }
 
+/// The Postgres image tag of the testcontainers fallback: the one `compose.yaml` pins.
+pub const POSTGRES_TAG: &str = "17.12";
+/// The RabbitMQ image tag of the testcontainers fallback: the one `compose.yaml` pins.
+pub const RABBITMQ_TAG: &str = "4.0.5-management";
+
 /// Containers for machines without local servers; kept for the life of the test process.
 mod containers {
     use testcontainers_modules::{
         postgres::Postgres,
         rabbitmq::RabbitMq,
-        testcontainers::{ContainerAsync, runners::AsyncRunner},
+        testcontainers::{ContainerAsync, ImageExt, runners::AsyncRunner},
     };
     use tokio::sync::OnceCell;
 
@@ -99,8 +104,12 @@ mod containers {
     pub(super) async fn start() -> Result<super::Servers, String> {
         let (postgres, rabbitmq) = RUNNING
             .get_or_try_init(|| async {
-                let postgres = Postgres::default().start().await.map_err(|e| e.to_string())?;
-                let rabbitmq = RabbitMq::default().start().await.map_err(|e| e.to_string())?;
+                // The versions users run (compose.yaml), not the modules' old defaults (Postgres 11
+                // lacks `drop database ... with (force)`; RabbitMQ 3.8 lacks quorum-queue TTLs).
+                let postgres =
+                    Postgres::default().with_tag(super::POSTGRES_TAG).start().await.map_err(|e| e.to_string())?;
+                let rabbitmq =
+                    RabbitMq::default().with_tag(super::RABBITMQ_TAG).start().await.map_err(|e| e.to_string())?;
                 Ok::<_, String>((postgres, rabbitmq))
             })
             .await?;
@@ -328,5 +337,21 @@ where
         }
         assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_container_fallback_runs_the_versions_compose_pins() {
+        let compose = include_str!("../../../compose.yaml");
+        assert!(
+            compose.contains(&format!("image: postgres:{}\n", super::POSTGRES_TAG)),
+            "compose.yaml pins another Postgres"
+        );
+        assert!(
+            compose.contains(&format!("image: rabbitmq:{}\n", super::RABBITMQ_TAG)),
+            "compose.yaml pins another RabbitMQ"
+        );
     }
 }

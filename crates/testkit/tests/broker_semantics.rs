@@ -18,6 +18,21 @@ use messaging::{
 use testkit::{TestEnv, eventually};
 
 const WAIT: Duration = Duration::from_secs(30);
+/// How long an empty `basic.get` is retried before a message counts as gone. A return (a nack,
+/// a closed channel) reaches a quorum queue asynchronously, so one empty answer proves nothing.
+const GONE_AFTER: Duration = Duration::from_secs(2);
+
+/// `basic.get` without ack, retried for up to `patience` while the queue answers empty.
+async fn get(channel: &Channel, queue: &str, patience: Duration) -> Option<BasicGetMessage> {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let got = channel.basic_get(queue.into(), BasicGetOptions { no_ack: false }).await.expect("basic.get");
+        if got.is_some() || tokio::time::Instant::now() >= deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 async fn declare(channel: &Channel, name: &str, arguments: &[(&str, AMQPValue)]) {
     let mut table = FieldTable::default();
@@ -39,7 +54,7 @@ async fn put(connection: &Connection, queue: &str, headers: FieldTable) {
 /// `basic.get` without ack, then `basic.nack(requeue = true)`: what a peeking tool (the
 /// management UI's "Get messages" with its default) does.
 async fn peek_and_requeue(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
-    let message = channel.basic_get(queue.into(), BasicGetOptions { no_ack: false }).await.expect("basic.get")?;
+    let message = get(channel, queue, GONE_AFTER).await?;
     message.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
     Some(message)
 }
@@ -48,7 +63,7 @@ async fn peek_and_requeue(channel: &Channel, queue: &str) -> Option<BasicGetMess
 /// delivery back, as after a crash or a lost connection.
 async fn peek_and_close(connection: &Connection, queue: &str) -> Option<BasicGetMessage> {
     let channel = connection.create_channel().await.expect("channel");
-    let message = channel.basic_get(queue.into(), BasicGetOptions { no_ack: false }).await.expect("basic.get");
+    let message = get(&channel, queue, GONE_AFTER).await;
     channel.close(200, "bye".into()).await.expect("close");
     message
 }

@@ -27,7 +27,8 @@ use uuid::Uuid;
 
 const ENDPOINT: &str = "test.scripted";
 
-/// A handler that records every call and fails as its script says; its effect is a row.
+/// A handler that records every call and fails as its script says; its effect is a row. A body of
+/// `hang` never returns, as a handler stuck on a call without a timeout.
 #[derive(Clone)]
 struct Scripted {
     calls: Arc<Mutex<Vec<(String, Instant)>>>,
@@ -48,6 +49,9 @@ impl Handler for Scripted {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let body = String::from_utf8_lossy(&message.body).into_owned();
         self.calls.lock().expect("lock").push((body.clone(), Instant::now()));
+        if body == "hang" {
+            std::future::pending::<()>().await;
+        }
         (self.script)(&body, message.attempt())?;
         sqlx::query("insert into effects (body) values ($1)").bind(&body).execute(&mut *tx).await?;
         Ok(())
@@ -84,16 +88,9 @@ async fn publish(env: &TestEnv, bodies: &[&str], job_id: Option<Uuid>) {
     let _ = connection.close(200, "bye".into()).await;
 }
 
-fn start(
-    env: &TestEnv,
-    endpoint: Endpoint,
-    policy: RetryPolicy,
-    prefetch: u16,
-    handler: Scripted,
-    pool: PgPool,
-) -> (ShutdownTrigger, tokio::task::JoinHandle<()>) {
-    let (trigger, stop) = shutdown::channel();
-    let settings = ConsumerSettings {
+/// Consumer settings for a test: fast reconnects, the default crash bound and handler timeout.
+fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u16) -> ConsumerSettings {
+    ConsumerSettings {
         endpoint,
         policy,
         prefetch,
@@ -101,7 +98,15 @@ fn start(
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         max_crashes: 3,
         handler_timeout: Duration::from_secs(10),
-    };
+    }
+}
+
+fn start(
+    settings: ConsumerSettings,
+    handler: Scripted,
+    pool: PgPool,
+) -> (ShutdownTrigger, tokio::task::JoinHandle<()>) {
+    let (trigger, stop) = shutdown::channel();
     let task = tokio::spawn(consumer::run(settings, Arc::new(handler), pool, Health::default(), stop));
     (trigger, task)
 }
@@ -144,7 +149,7 @@ async fn poison_at_the_head_is_tried_max_attempts_times_then_parked_while_good_m
         "poison" => Err(HandlerError::Transient("boom: the database said no".into())),
         _ => Ok(()),
     });
-    let (trigger, task) = start(&shop.env, endpoint.clone(), policy, 1, handler.clone(), pool.clone());
+    let (trigger, task) = start(settings(&shop.env, endpoint.clone(), policy, 1), handler.clone(), pool.clone());
 
     eventually("the poison message to be parked", WAIT, || async {
         (shop.env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
@@ -180,7 +185,7 @@ async fn transient_failures_retry_after_each_tier_delay_and_apply_once() {
     let handler = Scripted::new(|_, attempt| {
         if attempt <= 2 { Err(HandlerError::Transient(format!("flaky attempt {attempt}"))) } else { Ok(()) }
     });
-    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool.clone());
+    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool.clone());
     publish(&env, &["flaky"], None).await;
 
     eventually("the effect", WAIT, || async {
@@ -210,7 +215,7 @@ async fn a_handler_that_crashes_on_a_message_has_it_parked_by_the_crash_bound_an
     // A handler bug that takes the delivery's task down: never acked nor nacked by us; the
     // session ends, the channel closes, and the broker returns every unacked delivery.
     let handler = Scripted::new(|body, _| if body == "crash" { panic!("simulated crash") } else { Ok(()) });
-    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool.clone());
+    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool.clone());
     publish(&env, &["crash", "a", "b", "c", "d", "e"], Some(Uuid::now_v7())).await;
 
     let parked = eventually("the crashing message to be parked", WAIT, || async {
@@ -235,6 +240,35 @@ async fn a_handler_that_crashes_on_a_message_has_it_parked_by_the_crash_bound_an
 }
 
 #[tokio::test]
+async fn a_handler_that_hangs_is_abandoned_at_the_timeout_and_parked_after_its_attempts_while_others_pass() {
+    let env = TestEnv::new().await;
+    let policy = RetryPolicy::new(vec![Duration::from_millis(50)], 2);
+    let endpoint = endpoint(topology::DEFAULT_DELIVERY_LIMIT);
+    let pool = prepare(&env, &endpoint, &policy).await;
+    let handler = Scripted::new(|_, _| Ok(()));
+    let mut settings = settings(&env, endpoint.clone(), policy, 1);
+    settings.handler_timeout = Duration::from_millis(300);
+    let (trigger, task) = start(settings, handler.clone(), pool.clone());
+    publish(&env, &["hang", "after"], Some(Uuid::now_v7())).await;
+
+    let parked = eventually("the hanging message to be parked", WAIT, || async {
+        let parked = env.drain(&endpoint.parking_queue()).await;
+        (!parked.is_empty()).then_some(parked)
+    })
+    .await;
+    let reason = header_text(&parked[0], "last-error");
+    assert_eq!(reason, "gave up after 2 attempts: the handler did not finish within 300ms");
+    assert_eq!(handler.calls_for("hang").len(), 2, "one call per attempt");
+    eventually("the message behind it to be applied", WAIT, || async {
+        (count(&pool, "select count(*) from effects where body = 'after'").await == 1).then_some(())
+    })
+    .await;
+    trigger.trigger();
+    task.await.expect("consumer");
+    assert_eq!(count(&pool, "select count(*) from inbox").await, 1, "the abandoned transactions left nothing");
+}
+
+#[tokio::test]
 async fn wait_queue_and_parked_copies_carry_no_broker_header() {
     let env = TestEnv::new().await;
     // The second tier is long: a copy waiting there can be inspected.
@@ -248,7 +282,7 @@ async fn wait_queue_and_parked_copies_carry_no_broker_header() {
         ("park", 2..) => Err(HandlerError::Permanent("for good".into())),
         _ => Err(HandlerError::Transient("not yet".into())),
     });
-    let (trigger, task) = start(&env, endpoint.clone(), policy, 4, handler.clone(), pool);
+    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool);
     publish(&env, &["wait", "park"], None).await;
 
     let long_wait = endpoint.wait_queue(Duration::from_secs(600));
