@@ -351,7 +351,8 @@ impl<H: Handler> Runtime<H> {
         let endpoint = endpoint.name;
         let starts = self
             .when_reachable(&message, &session_ended, || async {
-                Ok(crashes::record_start(&self.pool, endpoint, message.message_id).await?)
+                let start = crashes::record_start(&self.pool, endpoint, message.message_id);
+                Ok(db::within(db::QUERY_DEADLINE, start).await?)
             })
             .await;
         let settled = match starts {
@@ -375,15 +376,9 @@ impl<H: Handler> Runtime<H> {
         // Settled, or handed back on a lost connection: either way this process lives, so this
         // start was no crash. (If this fails, the start stays counted: the bound errs towards
         // parking a redelivered message early, never towards losing one.)
-        match self.pool.acquire().await {
-            Ok(mut conn) => {
-                if let Err(error) = crashes::forget(&mut conn, endpoint, message.message_id).await {
-                    tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared");
-                }
-            }
-            Err(error) => {
-                tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared")
-            }
+        let forgotten = db::within(db::QUERY_DEADLINE, crashes::forget(&self.pool, endpoint, message.message_id));
+        if let Err(error) = forgotten.await {
+            tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared");
         }
         settled
     }
@@ -631,8 +626,8 @@ fn flatten(joined: Result<Result<(), PublishError>, tokio::task::JoinError>) -> 
     match joined {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(error.to_string()),
-        // A handler that panics leaves its delivery unacked; the broker's delivery limit parks
-        // a message that keeps doing it.
+        // A handler that panics leaves its delivery unacked and ends the session; the delivery
+        // comes back redelivered, and the crash bound parks a message that keeps doing it.
         Err(join_error) => Err(format!("handler task failed: {join_error}")),
     }
 }

@@ -4,7 +4,7 @@
 //! process (a crash, a kill, a panic). The runtime parks a message once the count passes its bound
 //! (decision 0005). First deliveries never come here: only redeliveries pay this extra commit.
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 /// Count one more start of `message_id` on `endpoint`, committed at once; returns the count
@@ -24,11 +24,11 @@ pub async fn record_start(pool: &PgPool, endpoint: &str, message_id: Uuid) -> sq
 }
 
 /// Forget the starts of `message_id` on `endpoint`: its delivery ended in a live process.
-pub async fn forget(conn: &mut PgConnection, endpoint: &str, message_id: Uuid) -> sqlx::Result<()> {
+pub async fn forget(pool: &PgPool, endpoint: &str, message_id: Uuid) -> sqlx::Result<()> {
     sqlx::query("delete from delivery_starts where endpoint = $1 and message_id = $2")
         .bind(endpoint)
         .bind(message_id)
-        .execute(conn)
+        .execute(pool)
         .await
         .map(drop)
 }
