@@ -26,10 +26,14 @@ pub struct Readiness {
 }
 
 impl Readiness {
-    /// Set flag `name`.
+    /// Set flag `name`. A change is logged once, when it happens, not at every probe.
     pub fn set(&self, name: &str, ready: bool) {
         let mut flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        flags.insert(name.to_owned(), ready);
+        match (flags.insert(name.to_owned(), ready), ready) {
+            (Some(false) | None, true) => tracing::info!(what = name, "ready"),
+            (Some(true), false) => tracing::warn!(what = name, "not ready"),
+            _ => {}
+        }
     }
 
     /// The flags that are not ready.
@@ -60,13 +64,11 @@ pub fn routes(health: Health) -> Router {
 }
 
 async fn readyz(State(health): State<Health>) -> impl IntoResponse {
-    let mut failing = health.readiness.failing();
     for (name, pool) in &health.databases {
         let ping = tokio::time::timeout(Duration::from_secs(2), sqlx::query("select 1").execute(pool)).await;
-        if !matches!(ping, Ok(Ok(_))) {
-            failing.push(format!("database:{name}"));
-        }
+        health.readiness.set(&format!("database:{name}"), matches!(ping, Ok(Ok(_))));
     }
+    let failing = health.readiness.failing();
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body =
         serde_json::json!({ "status": if failing.is_empty() { "ready" } else { "not ready" }, "failing": failing });
@@ -76,29 +78,25 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
 async fn metrics(State(health): State<Health>) -> impl IntoResponse {
     let mut out = String::new();
     health.metrics.render(&mut out);
-    let mut first = true;
+    // A database that is down only loses its gauges; the counters still render.
+    let mut outboxes = Vec::new();
     for (name, pool) in &health.databases {
-        // A database that is down only loses its gauges; the counters still render.
         if let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(2), outbox::counts(pool)).await {
-            let help = "Outbox rows by state (published rows are kept until retention deletes them).";
-            render_gauge(
-                &mut out,
-                "outbox_rows",
-                help,
-                &[("database", name), ("state", "published")],
-                counts.published,
-                first,
-            );
-            render_gauge(
-                &mut out,
-                "outbox_rows",
-                help,
-                &[("database", name), ("state", "unpublished")],
-                counts.unpublished,
-                false,
-            );
-            first = false;
+            outboxes.push((name.as_str(), counts));
         }
+    }
+    // Each metric family's samples together, as the exposition format requires.
+    let help = "Outbox rows by state (published rows are kept until retention deletes them).";
+    for (i, (name, counts)) in outboxes.iter().enumerate() {
+        for (state, rows) in [("published", counts.published), ("unpublished", counts.unpublished)] {
+            let labels = [("database", *name), ("state", state)];
+            render_gauge(&mut out, "outbox_rows", help, &labels, rows as f64, i == 0 && state == "published");
+        }
+    }
+    let help = "Seconds the oldest unpublished outbox row has waited (0 when none waits).";
+    for (i, (database, counts)) in outboxes.iter().enumerate() {
+        let (name, labels) = ("outbox_oldest_unpublished_age_seconds", [("database", *database)]);
+        render_gauge(&mut out, name, help, &labels, counts.oldest_unpublished_age_seconds, i == 0);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }

@@ -63,7 +63,7 @@ impl Metrics {
 }
 
 /// Append a gauge sample (with its HELP/TYPE lines when `first`).
-pub fn render_gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], value: i64, first: bool) {
+pub fn render_gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], value: f64, first: bool) {
     if first {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
     }

@@ -135,19 +135,23 @@ pub async fn delete_published_before<'e>(
 }
 
 /// Rows published and waiting, for `/metrics`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, Copy, PartialEq, sqlx::FromRow)]
 pub struct OutboxCounts {
     /// Rows published and not yet deleted by retention.
     pub published: i64,
     /// Rows waiting to be published.
     pub unpublished: i64,
+    /// How long the oldest unpublished row has waited, in seconds (0 when none waits).
+    pub oldest_unpublished_age_seconds: f64,
 }
 
-/// Count published and unpublished rows.
+/// Count published and unpublished rows, and the age of the oldest unpublished one.
 pub async fn counts<'e>(db: impl PgExecutor<'e>) -> sqlx::Result<OutboxCounts> {
     sqlx::query_as(
         "select count(*) filter (where published_at is not null) as published,
-                count(*) filter (where published_at is null) as unpublished
+                count(*) filter (where published_at is null) as unpublished,
+                coalesce(extract(epoch from now() - min(created_at) filter (where published_at is null)), 0)::float8
+                    as oldest_unpublished_age_seconds
            from outbox",
     )
     .fetch_one(db)

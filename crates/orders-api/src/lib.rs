@@ -3,6 +3,7 @@
 //! final state. Both live in one process and share the `orders` database.
 
 pub mod api;
+pub mod overview;
 pub mod problem;
 pub mod status;
 
@@ -43,18 +44,30 @@ pub struct Config {
     /// Database connections for requests and the status consumer.
     #[arg(long, env = "DATABASE_POOL_SIZE", default_value_t = 20)]
     pub pool_size: u32,
+    /// The other services' /metrics, comma-separated, for the live page's per-endpoint counts and
+    /// outbox backlogs (this service's own are always included).
+    #[arg(long, env = "SHOP_METRICS_URLS", value_delimiter = ',')]
+    pub shop_metrics_urls: Vec<String>,
+    /// The RabbitMQ management API (`http://user:password@host:15672`), for the live page's
+    /// parking depths; none if unset.
+    #[arg(long, env = "RABBITMQ_MANAGEMENT_URL", hide_env_values = true)]
+    pub rabbitmq_management_url: Option<SecretUrl>,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub consumer: ConsumerArgs,
 }
 
-/// The whole HTTP surface: API routes, health routes, problem+json 404s, tracing and failure logs.
-pub fn app(pool: PgPool, health: Health) -> Router {
+/// The whole HTTP surface: API routes, the live page, health routes, problem+json 404s, tracing
+/// and failure logs.
+pub fn app(pool: PgPool, health: Health, page: overview::Sources) -> Router {
     api::router(pool)
+        .merge(overview::routes(page))
         .merge(health::routes(health))
         .fallback(api::no_route)
         .layer(axum::middleware::from_fn(problem::log_failures))
-        .layer(TraceLayer::new_for_http())
+        // No failure log here: `log_failures` logs a failed request once, with its cause, and a
+        // 503 from /readyz is a state, logged when it changes (`Readiness::set`).
+        .layer(TraceLayer::new_for_http().on_failure(()))
 }
 
 /// Run the API on `listener` and the status consumer until `shutdown`.
@@ -76,7 +89,13 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         health.clone(),
         shutdown.clone(),
     ));
-    let served = health::serve(listener, app(pool.clone(), health), shutdown).await;
+    let page = overview::Sources::new(
+        pool.clone(),
+        health.clone(),
+        config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
+        config.rabbitmq_management_url.clone(),
+    );
+    let served = health::serve(listener, app(pool.clone(), health, page), shutdown).await;
     let _ = consumer.await;
     pool.close().await;
     served?;

@@ -15,6 +15,8 @@ use uuid::Uuid;
 
 /// Job states that never change again.
 const TERMINAL: &str = "('succeeded', 'rejected', 'quarantined')";
+/// The endpoint of inventory's step (it consumes `order.placed`).
+const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
 
 /// The endpoint: every outcome of every step, and the runtime's job events.
 pub fn endpoint() -> Endpoint {
@@ -40,8 +42,9 @@ impl Handler for JobStatus {
             InventoryReserved::TYPE => {
                 let event: InventoryReserved = message.json()?;
                 // Seeing a downstream result proves order.placed left: queued -> published, in
-                // case this event overtook the relay's own mark.
-                progress(tx, event.job_id).await?;
+                // case this event overtook the relay's own mark; and inventory's step is done, so a
+                // job waiting on its retry is not waiting any more.
+                progress(tx, event.job_id, INVENTORY_ENDPOINT).await?;
                 set_order_status(tx, event.order_id, "reserved", &["accepted"]).await?;
             }
             InventoryRejected::TYPE => {
@@ -56,11 +59,11 @@ impl Handler for JobStatus {
             }
             JobRetryScheduled::TYPE => {
                 let event: JobRetryScheduled = message.json()?;
-                step_failed(tx, event.job_id, "retry_wait", event.next_attempt, &event.error).await?;
+                retry_scheduled(tx, &event).await?;
             }
             JobQuarantined::TYPE => {
                 let event: JobQuarantined = message.json()?;
-                step_failed(tx, event.job_id, "quarantined", event.attempt, &event.error).await?;
+                quarantine(tx, event.job_id, event.attempt, &event.error).await?;
                 sqlx::query(
                     "update orders set status = 'failed', updated_at = now()
                       where id = (select order_id from jobs where id = $1) and status in ('accepted', 'reserved')",
@@ -76,21 +79,14 @@ impl Handler for JobStatus {
     }
 }
 
-/// A step failed: the job waits for a retry or is quarantined, unless it already ended; the
-/// attempt only grows.
-async fn step_failed(
-    tx: &mut PgConnection,
-    job_id: Uuid,
-    state: &str,
-    attempt: u32,
-    error: &str,
-) -> Result<(), sqlx::Error> {
+/// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
+/// grows.
+async fn quarantine(tx: &mut PgConnection, job_id: Uuid, attempt: u32, error: &str) -> Result<(), sqlx::Error> {
     sqlx::query(&format!(
-        "update jobs set state = $2, attempt = greatest(attempt, $3), last_error = $4, updated_at = now()
+        "update jobs set state = 'quarantined', attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
           where id = $1 and state not in {TERMINAL}"
     ))
     .bind(job_id)
-    .bind(state)
     .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
     .bind(error)
     .execute(tx)
@@ -98,12 +94,35 @@ async fn step_failed(
     .map(drop)
 }
 
-async fn progress(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
+/// A step is waiting for a retry. A late event from a step that has already succeeded (inventory,
+/// once the order is reserved) changes nothing: the job must not look older than it is.
+async fn retry_scheduled(tx: &mut PgConnection, event: &JobRetryScheduled) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "update jobs set state = 'retry_wait', retry_endpoint = $2, attempt = greatest(attempt, $3),
+                last_error = $4, updated_at = now()
+          where id = $1 and state not in {TERMINAL}
+            and not ($2 = '{INVENTORY_ENDPOINT}'
+                     and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> 'accepted'))"
+    ))
+    .bind(event.job_id)
+    .bind(&event.endpoint)
+    .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
+    .bind(&event.error)
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+/// `endpoint`'s step succeeded: a queued job is published, and a job waiting on that step's retry
+/// is not waiting any more.
+async fn progress(tx: &mut PgConnection, job_id: Uuid, endpoint: &str) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "update jobs set state = 'published', published_at = coalesce(published_at, now()), updated_at = now()
-          where id = $1 and state = 'queued'",
+        "update jobs set state = 'published', retry_endpoint = null,
+                published_at = coalesce(published_at, now()), updated_at = now()
+          where id = $1 and (state = 'queued' or (state = 'retry_wait' and retry_endpoint = $2))",
     )
     .bind(job_id)
+    .bind(endpoint)
     .execute(tx)
     .await
     .map(drop)

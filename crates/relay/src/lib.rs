@@ -94,6 +94,8 @@ struct OutboxDb {
     /// Its name, as labelled in metrics and logs.
     label: String,
     pool: PgPool,
+    /// How to reach the server's `postgres` database, to ask whether this one exists yet.
+    server: PgConnectOptions,
 }
 
 /// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
@@ -103,11 +105,12 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let options = PgConnectOptions::from_str(url.expose())?;
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
+        let server = options.clone().database("postgres");
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(db::bounded(options));
-        databases.push(OutboxDb { label, pool });
+        databases.push(OutboxDb { label, pool, server });
     }
     let health = Health {
         databases: databases.iter().map(|db| (db.label.clone(), db.pool.clone())).collect(),
@@ -175,6 +178,10 @@ struct Relay {
 impl Relay {
     async fn run(self, shutdown: Shutdown) {
         let flag = format!("relay:{}", self.db.label);
+        self.health.readiness.set(&flag, false);
+        if !self.wait_for_outbox(&shutdown).await {
+            return;
+        }
         let retention = tokio::spawn(delete_published(self.db.clone(), self.settings.retention, shutdown.clone()));
         let name = format!("relay {}", self.db.label);
         let mut session = RelaySession { relay: &self, flag: &flag, shutdown: &shutdown };
@@ -190,6 +197,47 @@ impl Relay {
         .await;
         let _ = retention.await;
         tracing::info!(database = %self.db.label, "relay stopped");
+    }
+
+    /// Wait, quietly, until the database exists and has its outbox: the service that owns it creates
+    /// and migrates it, and may start after the relay. Asked through the server's `postgres`
+    /// database, so that waiting costs no failed connection (and no FATAL in the server's log).
+    /// `false` if shutdown came first.
+    async fn wait_for_outbox(&self, shutdown: &Shutdown) -> bool {
+        let database = &self.db.label;
+        let mut waiting = false;
+        loop {
+            match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
+                Ok(true) => {
+                    if waiting {
+                        tracing::info!(%database, "outbox found");
+                    }
+                    return true;
+                }
+                Ok(false) if !waiting => {
+                    tracing::info!(%database, "waiting for its service to create and migrate the database");
+                }
+                Err(error) if !waiting => tracing::warn!(%database, %error, "cannot reach the database; waiting"),
+                _ => {}
+            }
+            waiting = true;
+            if !shutdown.sleep(Duration::from_millis(500)).await {
+                return false;
+            }
+        }
+    }
+
+    async fn outbox_exists(&self) -> sqlx::Result<bool> {
+        let mut server = <sqlx::PgConnection as sqlx::Connection>::connect_with(&self.db.server).await?;
+        let exists: bool = sqlx::query_scalar("select exists (select 1 from pg_database where datname = $1)")
+            .bind(&self.db.label)
+            .fetch_one(&mut server)
+            .await?;
+        let _ = sqlx::Connection::close(server).await;
+        if !exists {
+            return Ok(false);
+        }
+        sqlx::query_scalar("select to_regclass('outbox') is not null").fetch_one(&self.db.pool).await
     }
 
     /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`); `was_up` is

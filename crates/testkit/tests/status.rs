@@ -1,0 +1,109 @@
+//! The job a client sees never looks older than what is happening to it: the orders status
+//! consumer, fed events in the order that misleads (a step's retry, then its success, then a late
+//! copy of the retry), with nothing else running.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use clap::Parser;
+use messaging::{
+    contracts::{Contract, InventoryReserved, JobRetryScheduled, OrderLine},
+    envelope::Headers,
+    publisher::Publisher,
+    shutdown,
+};
+use serde_json::Value;
+use testkit::{TestEnv, eventually, http};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Api {
+    env: TestEnv,
+    base: String,
+    orders: sqlx::PgPool,
+}
+
+impl Api {
+    async fn job(&self, job_id: &str) -> Value {
+        let response = http::request("GET", &format!("{}/jobs/{job_id}", self.base), &[], None).await.expect("GET");
+        response.json()
+    }
+
+    /// Publish `event` as `C` and wait until the status consumer has applied it.
+    async fn send<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) {
+        let connection = self.env.amqp().await;
+        let publisher = Publisher::open(&connection).await.expect("publisher");
+        let message_id = Uuid::now_v7();
+        let properties = Headers::new(Some(job_id), C::VERSION).properties(message_id, C::TYPE, Utc::now());
+        let body = serde_json::to_vec(event).expect("json");
+        publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await.expect("confirmed");
+        let _ = connection.close(200, "bye".into()).await;
+        eventually("the status consumer to apply the event", WAIT, || async {
+            let seen: i64 = sqlx::query_scalar("select count(*) from inbox where message_id = $1")
+                .bind(message_id)
+                .fetch_one(&self.orders)
+                .await
+                .expect("inbox");
+            (seen == 1).then_some(())
+        })
+        .await;
+    }
+}
+
+fn retry(job_id: Uuid, endpoint: &str, attempt: u32) -> JobRetryScheduled {
+    JobRetryScheduled {
+        job_id,
+        endpoint: endpoint.into(),
+        message_id: Uuid::now_v7(),
+        message_type: "order.placed".into(),
+        attempt,
+        next_attempt: attempt + 1,
+        next_attempt_at: Utc::now(),
+        error: format!("{endpoint} failed on attempt {attempt}"),
+    }
+}
+
+#[tokio::test]
+async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_move_it_back() {
+    let env = TestEnv::new().await;
+    let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (trigger, stop) = shutdown::channel();
+    let flags = ["orders-api", "--database-url", &env.database_url("orders"), "--amqp-url", &env.amqp_url()];
+    let config = orders_api::Config::parse_from(flags);
+    let task = tokio::spawn(orders_api::run(config, listener, stop));
+    testkit::wait_ready(&base, WAIT, "").await;
+    let api = Api { env, base, orders };
+
+    // No relay runs: the order stays as the API wrote it, and the events below are all it sees.
+    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let placed = http::request("POST", &format!("{}/orders", api.base), &[], Some(body)).await.expect("POST");
+    let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
+    let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
+    let job: Uuid = job_id.parse().expect("uuid");
+
+    api.send(job, &retry(job, "inventory.order-placed", 1)).await;
+    let seen = api.job(&job_id).await;
+    assert_eq!((seen["state"].as_str(), seen["attempt"].as_i64()), (Some("retry_wait"), Some(2)), "{seen}");
+
+    let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
+    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines }).await;
+    let seen = api.job(&job_id).await;
+    assert_eq!(seen["state"], "published", "inventory's step succeeded: no longer waiting on it: {seen}");
+    assert_eq!(seen["attempt"], 2, "{seen}");
+
+    // A copy of inventory's retry event that arrives late (reordered, or redelivered).
+    api.send(job, &retry(job, "inventory.order-placed", 1)).await;
+    assert_eq!(api.job(&job_id).await["state"], "published", "a late retry of a finished step changes nothing");
+
+    // Billing's own retry does count.
+    api.send(job, &retry(job, "billing.inventory-reserved", 1)).await;
+    let seen = api.job(&job_id).await;
+    assert_eq!(seen["state"], "retry_wait", "{seen}");
+    assert_eq!(seen["lastError"], "billing.inventory-reserved failed on attempt 1", "{seen}");
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}

@@ -1,0 +1,92 @@
+// The live page in a real headless Chromium (Debian's), driven by playwright-core: click FLAKY-1 and
+// see its job reach `succeeded`, click POISON-1 and see it reach `quarantined` and appear under
+// parking. Every state the page shows is compared with what `GET /jobs/{id}` says at that moment,
+// so the test fails if the page shows anything but the job's real state; and it proves it can
+// fail: the same check against the page fed a tampered `/overview` must fail.
+//
+//   NODE_PATH=<dir with playwright-core> node scripts/page-test.cjs http://127.0.0.1:8080 [screenshot.png]
+"use strict";
+const { chromium } = require("playwright-core");
+
+const api = process.argv[2] || "http://127.0.0.1:8080";
+const screenshot = process.argv[3];
+const executablePath = process.env.CHROMIUM || "/usr/bin/chromium";
+
+async function jobState(jobId) {
+  const response = await fetch(`${api}/jobs/${jobId}`);
+  if (!response.ok) throw new Error(`GET /jobs/${jobId}: ${response.status}`);
+  return (await response.json()).state;
+}
+
+// Click a SKU's button; the job id the page reports placing.
+async function place(page, sku) {
+  const before = await page.locator("#placed").textContent();
+  await page.click(`button[data-sku="${sku}"]`);
+  await page.waitForFunction((b) => document.querySelector("#placed").textContent !== b, before, { timeout: 5000 });
+  const placed = await page.locator("#placed").textContent();
+  const match = placed.match(/job ([0-9a-f-]{36})/);
+  if (!match) throw new Error(`no job placed for ${sku}: ${placed}`);
+  return match[1];
+}
+
+// Wait until the page shows `state` for the job, and the API agrees.
+async function expectState(page, jobId, state, timeout) {
+  const cell = page.locator(`tr[data-job="${jobId}"] [data-state]`);
+  await cell.waitFor({ timeout });
+  const deadline = Date.now() + timeout;
+  for (;;) {
+    const shown = await cell.getAttribute("data-state");
+    const real = await jobState(jobId);
+    if (shown === state && real === state) return;
+    if (Date.now() > deadline) throw new Error(`job ${jobId}: page shows ${shown}, API says ${real}, expected ${state}`);
+    await page.waitForTimeout(200);
+  }
+}
+
+async function main() {
+  const browser = await chromium.launch({ executablePath, args: ["--no-sandbox", "--disable-dev-shm-usage"] });
+  try {
+    const page = await browser.newPage({ viewport: { width: 1200, height: 900 } });
+    await page.goto(`${api}/`);
+
+    const flaky = await place(page, "FLAKY-1");
+    await expectState(page, flaky, "succeeded", 30000);
+    console.log(`page: FLAKY-1 job ${flaky} shown succeeded`);
+
+    const poison = await place(page, "POISON-1");
+    await expectState(page, poison, "quarantined", 30000);
+    await page.locator(`#quarantined li[data-job="${poison}"]`).waitFor({ timeout: 5000 });
+    const parked = await page.locator('tr[data-queue="inventory.order-placed.parking"] td.num').textContent();
+    if (!(Number(parked) >= 1)) throw new Error(`parking shows ${parked} messages`);
+    console.log(`page: POISON-1 job ${poison} shown quarantined, under parking (${parked} parked)`);
+    if (screenshot) {
+      await page.screenshot({ path: screenshot, fullPage: true });
+      console.log(`page: screenshot in ${screenshot}`);
+    }
+
+    // Can the check fail? Feed the page an /overview where this job never got past `published`.
+    const tampered = await browser.newPage();
+    await tampered.route("**/overview", async (route) => {
+      const response = await route.fetch();
+      const overview = await response.json();
+      for (const job of overview.jobs) if (job.jobId === flaky) job.state = "published";
+      await route.fulfill({ response, json: overview });
+    });
+    await tampered.goto(`${api}/`);
+    let caught = null;
+    try {
+      await expectState(tampered, flaky, "succeeded", 3000);
+    } catch (error) {
+      caught = error;
+    }
+    if (!caught) throw new Error("the check passed on a page showing a wrong state");
+    console.log(`page: the check fails on a tampered page, as it must (${caught.message})`);
+  } finally {
+    await browser.close();
+  }
+}
+
+main().catch((error) => {
+  console.error(`page: FAILED: ${error.message}`);
+  process.exit(1);
+});
