@@ -44,11 +44,17 @@ dev:
     DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 cargo run -q --bin relay &
     wait
 
-# The live demo in containers: Postgres, RabbitMQ with its management UI, every service.
+# The live demo in containers: Postgres, RabbitMQ with its management UI, every service,
+# Prometheus; then open http://127.0.0.1:8080/. `docker compose down -v` ends it.
 demo:
-    docker compose up --build
+    docker compose up --build --wait
+
+# The demo as CI runs it: engine, images from Debian packages, the walk-through, the page in
+# Chromium, Prometheus's rules and queries; always ends with `docker compose down -v`.
+demo-check:
+    bash scripts/demo
 
 # Place a demo order against a running API (`just order SKU-1 2`).
 order sku="SKU-1" quantity="1":
-    curl -si -X POST localhost:8080/orders -H 'Content-Type: application/json' \
+    curl -si -X POST 127.0.0.1:8080/orders -H 'Content-Type: application/json' \
         -d '{"customerId":"demo","lines":[{"sku":"{{sku}}","quantity":{{quantity}}}]}'
