@@ -151,3 +151,33 @@ async fn relay_started_before_any_queue_marks_nothing_then_delivers_everything()
     trigger.trigger();
     relay.await.expect("relay task").expect("relay ran");
 }
+
+#[tokio::test]
+async fn a_relay_started_before_its_database_exists_waits_then_publishes() {
+    let env = TestEnv::new().await;
+    bind_probe(&env).await;
+    let (trigger, _) = shutdown::channel();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));
+    let relay = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
+
+    // Not ready while the database its service creates does not exist: waiting, not failing.
+    let readyz = format!("{base}/readyz");
+    let waiting = eventually("the relay to answer not ready", WAIT, || async {
+        let response = testkit::http::request("GET", &readyz, &[], None).await.ok()?;
+        (response.status == 503).then(|| response.json())
+    })
+    .await;
+    assert!(waiting["failing"].to_string().contains("relay:"), "{waiting}");
+    assert!(!relay.is_finished(), "the relay waits; it does not give up");
+
+    // Its service arrives: creates and migrates the database, and writes.
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let expected = fill_outbox(&pool, 5, 5).await;
+    wait_ready(&base).await;
+    wait_all_published(&pool).await;
+    assert_eq!(message_ids(&env.drain(PROBE).await), expected);
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
