@@ -323,6 +323,20 @@ pub async fn wait_ready(base: &str, timeout: Duration, note: &str) {
     .await;
 }
 
+/// Wait until the consumer writing to `pool` has processed `message_id` (its inbox row exists), or
+/// panic after `timeout`.
+pub async fn wait_processed(pool: &PgPool, message_id: Uuid, timeout: Duration) {
+    eventually(&format!("message {message_id} to be processed"), timeout, || async {
+        let seen: i64 = sqlx::query_scalar("select count(*) from inbox where message_id = $1")
+            .bind(message_id)
+            .fetch_one(pool)
+            .await
+            .expect("inbox");
+        (seen == 1).then_some(())
+    })
+    .await;
+}
+
 /// Poll `probe` every 20 ms until it returns `Some`, or panic after `timeout` naming `what`.
 /// Tests wait for observable states this way, never for a fixed time.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T

@@ -68,6 +68,21 @@ async fn peek_and_close(connection: &Connection, queue: &str) -> Option<BasicGet
     message
 }
 
+/// In a fresh quorum queue declared with `arguments`, put one message and fetch-and-requeue it
+/// until it is gone or has been returned 25 times; how many returns it took.
+async fn returns_kept(env: &TestEnv, queue: &str, arguments: &[(&str, AMQPValue)]) -> u32 {
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    declare(&channel, queue, arguments).await;
+    put(&connection, queue, FieldTable::default()).await;
+    let mut returns = 0;
+    while returns < 25 && peek_and_requeue(&channel, queue).await.is_some() {
+        returns += 1;
+    }
+    let _ = connection.close(200, "bye".into()).await;
+    returns
+}
+
 fn text(value: &AMQPValue) -> String {
     match value {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
@@ -112,17 +127,8 @@ async fn a_parked_message_survives_100_requeues_and_100_channel_closes_with_its_
 #[tokio::test]
 async fn without_an_explicit_limit_4x_drops_a_message_at_its_21st_return_and_3x_keeps_it() {
     let env = TestEnv::new().await;
-    let major = env.broker_major().await;
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    declare(&channel, "no-limit", &[]).await;
-    put(&connection, "no-limit", FieldTable::default()).await;
-
-    let mut returns = 0;
-    while returns < 25 && peek_and_requeue(&channel, "no-limit").await.is_some() {
-        returns += 1;
-    }
-    match major {
+    let returns = returns_kept(&env, "no-limit", &[]).await;
+    match env.broker_major().await {
         // Why parking and the intake declare KEEP_DELIVERY_LIMIT explicitly.
         4.. => assert_eq!(returns, 21, "4.x: a default delivery limit of 20, then dropped (no dead-letter target)"),
         _ => assert_eq!(returns, 25, "3.x: no default delivery limit"),
@@ -132,17 +138,8 @@ async fn without_an_explicit_limit_4x_drops_a_message_at_its_21st_return_and_3x_
 #[tokio::test]
 async fn delivery_limit_minus_one_is_unlimited_on_4x_but_drops_at_the_first_return_on_3x() {
     let env = TestEnv::new().await;
-    let major = env.broker_major().await;
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    declare(&channel, "minus-one", &[("x-delivery-limit", AMQPValue::LongLongInt(-1))]).await;
-    put(&connection, "minus-one", FieldTable::default()).await;
-
-    let mut returns = 0;
-    while returns < 25 && peek_and_requeue(&channel, "minus-one").await.is_some() {
-        returns += 1;
-    }
-    match major {
+    let returns = returns_kept(&env, "minus-one", &[("x-delivery-limit", AMQPValue::LongLongInt(-1))]).await;
+    match env.broker_major().await {
         4.. => assert_eq!(returns, 25, "4.x: -1 is unlimited"),
         // Why KEEP_DELIVERY_LIMIT is the largest positive value, not -1.
         _ => assert_eq!(returns, 1, "3.x: -1 means the first return already exceeds the limit"),
@@ -152,14 +149,8 @@ async fn delivery_limit_minus_one_is_unlimited_on_4x_but_drops_at_the_first_retu
 #[tokio::test]
 async fn the_keep_limit_is_accepted_and_keeps_messages_on_every_version() {
     let env = TestEnv::new().await;
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
     let keep = AMQPValue::LongLongInt(i64::from(KEEP_DELIVERY_LIMIT));
-    declare(&channel, "keep", &[("x-delivery-limit", keep)]).await;
-    put(&connection, "keep", FieldTable::default()).await;
-    for cycle in 1..=25 {
-        assert!(peek_and_requeue(&channel, "keep").await.is_some(), "gone at return {cycle}");
-    }
+    assert_eq!(returns_kept(&env, "keep", &[("x-delivery-limit", keep)]).await, 25);
 }
 
 #[tokio::test]

@@ -405,15 +405,7 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
         .publish(JobRetryScheduled::EXCHANGE, JobRetryScheduled::TYPE, &body, properties)
         .await
         .expect("confirmed");
-    eventually("the status consumer to process the late event", WAIT, || async {
-        let seen: i64 = sqlx::query_scalar("select count(*) from inbox where message_id = $1")
-            .bind(event_id)
-            .fetch_one(&shop.orders)
-            .await
-            .expect("inbox");
-        (seen == 1).then_some(())
-    })
-    .await;
+    testkit::wait_processed(&shop.orders, event_id, WAIT).await;
     let job = shop.job(&flaky).await;
     assert_eq!((job["state"].as_str(), job["attempt"].as_i64()), (Some("succeeded"), Some(3)), "{job}");
     shop.stop().await;

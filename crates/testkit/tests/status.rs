@@ -13,7 +13,7 @@ use messaging::{
     shutdown,
 };
 use serde_json::Value;
-use testkit::{TestEnv, eventually, http};
+use testkit::{TestEnv, http};
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -39,15 +39,7 @@ impl Api {
         let body = serde_json::to_vec(event).expect("json");
         publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await.expect("confirmed");
         let _ = connection.close(200, "bye".into()).await;
-        eventually("the status consumer to apply the event", WAIT, || async {
-            let seen: i64 = sqlx::query_scalar("select count(*) from inbox where message_id = $1")
-                .bind(message_id)
-                .fetch_one(&self.orders)
-                .await
-                .expect("inbox");
-            (seen == 1).then_some(())
-        })
-        .await;
+        testkit::wait_processed(&self.orders, message_id, WAIT).await;
     }
 }
 
