@@ -8,7 +8,7 @@ use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{Handler, HandlerError},
     contracts::{InventoryReserved, InvoiceCreated, exchanges},
-    envelope::{Headers, Incoming},
+    envelope::Incoming,
     outbox,
     service::{Worker, demo_fault},
     topology::Endpoint,
@@ -119,8 +119,7 @@ impl Handler for CreateInvoice {
             return Ok(());
         }
         let created = InvoiceCreated { order_id: reserved.order_id, job_id: reserved.job_id, invoice_id, total_cents };
-        let headers = Headers::new(message.correlation_id.or(Some(reserved.job_id)), 1);
-        outbox::enqueue(tx, &created, &headers).await?;
+        outbox::enqueue(tx, &created, message.correlation_id.or(Some(reserved.job_id))).await?;
         Ok(())
     }
 }

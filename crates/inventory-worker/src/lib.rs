@@ -8,7 +8,7 @@ use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{Handler, HandlerError},
     contracts::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, exchanges},
-    envelope::{Headers, Incoming},
+    envelope::Incoming,
     outbox,
     service::{Worker, demo_fault},
     topology::Endpoint,
@@ -91,12 +91,12 @@ impl Handler for ReserveStock {
         if self.demo_faults {
             demo_fault(order.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
         }
-        let headers = Headers::new(message.correlation_id.or(Some(order.job_id)), 1);
-        match reserve(tx, &order, &headers).await? {
+        let job_id = message.correlation_id.or(Some(order.job_id));
+        match reserve(tx, &order, job_id).await? {
             Reservation::Made | Reservation::AlreadyMade => {}
             Reservation::Refused(reason) => {
                 let rejected = InventoryRejected { order_id: order.order_id, job_id: order.job_id, reason };
-                outbox::enqueue(tx, &rejected, &headers).await?;
+                outbox::enqueue(tx, &rejected, job_id).await?;
             }
         }
         Ok(())
@@ -109,7 +109,7 @@ impl Handler for ReserveStock {
 /// Every order touches a few hot stock rows, so their locks are taken last: the reservation and
 /// the `inventory.reserved` outbox row are written first (a refusal rolls them back with the
 /// savepoint), and a row lock is held only for the remaining updates and the commit.
-async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, headers: &Headers) -> Result<Reservation, sqlx::Error> {
+async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid>) -> Result<Reservation, sqlx::Error> {
     // Lines of the same SKU are merged, and rows are locked in SKU order, so two orders that share
     // SKUs always lock them in the same order and cannot deadlock.
     let mut wanted: BTreeMap<&str, i32> = BTreeMap::new();
@@ -141,7 +141,7 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, headers: &Headers) 
         reservation_id,
         lines: order.lines.clone(),
     };
-    outbox::enqueue(&mut savepoint, &reserved, headers).await?;
+    outbox::enqueue(&mut savepoint, &reserved, job_id).await?;
     for (sku, quantity) in &wanted {
         let taken = sqlx::query(
             "update stock set available = available - $2, reserved = reserved + $2

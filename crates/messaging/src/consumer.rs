@@ -576,7 +576,7 @@ impl<H: Handler> Runtime<H> {
         let event = event?;
         let body = serde_json::to_vec(&event).ok()?;
         let properties: BasicProperties =
-            Headers::new(Some(event.job_id()), C::VERSION).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+            Headers::of::<C>(Some(event.job_id())).properties(Uuid::now_v7(), C::TYPE, Utc::now());
         match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
             Ok(pending) => Some(pending),
             Err(error) => {

@@ -50,8 +50,15 @@ fn default_version() -> u32 {
 }
 
 impl Headers {
-    /// Headers for a message of `version` belonging to job `correlation_id`.
-    pub fn new(correlation_id: Option<Uuid>, version: u32) -> Self {
+    /// Headers for a message of contract `C` belonging to job `correlation_id`: the version is
+    /// the contract's, never chosen by hand.
+    pub fn of<C: crate::contracts::Contract>(correlation_id: Option<Uuid>) -> Self {
+        Self::raw(correlation_id, C::VERSION)
+    }
+
+    /// Headers for a message that is no contract of this code (tests and tools that forge one),
+    /// claiming `version`.
+    pub fn raw(correlation_id: Option<Uuid>, version: u32) -> Self {
         Self { correlation_id, traceparent: None, version }
     }
 
@@ -242,7 +249,7 @@ mod tests {
     fn headers_round_trip_through_amqp_properties() {
         let job = Uuid::new_v4();
         let id = Uuid::new_v4();
-        let mut headers = Headers::new(Some(job), 2);
+        let mut headers = Headers::raw(Some(job), 2);
         headers.traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
         let properties = headers.properties(id, "order.placed", Utc::now());
         assert_eq!(properties.message_id().as_ref().map(|s| s.as_str()), Some(id.to_string().as_str()));
@@ -254,6 +261,20 @@ mod tests {
         let table = retried.headers().clone().expect("headers");
         assert_eq!(header_u32(&table, HEADER_RETRY_COUNT), Some(3));
         assert_eq!(header_u32(&table, HEADER_VERSION), Some(2), "existing headers are kept");
+    }
+
+    #[test]
+    fn a_contracts_version_labels_its_messages() {
+        #[derive(Serialize)]
+        struct MovedOn;
+        impl crate::contracts::Contract for MovedOn {
+            const TYPE: &'static str = "thing.moved-on";
+            const EXCHANGE: &'static str = "things";
+            const VERSION: u32 = 2;
+        }
+        let properties = Headers::of::<MovedOn>(None).properties(Uuid::now_v7(), "thing.moved-on", Utc::now());
+        let table = properties.headers().clone().expect("headers");
+        assert_eq!(header_u32(&table, HEADER_VERSION), Some(2));
     }
 
     #[test]
@@ -292,6 +313,6 @@ mod tests {
     #[test]
     fn outbox_headers_json_defaults_version_to_one() {
         let headers: Headers = serde_json::from_str("{}").expect("json");
-        assert_eq!(headers, Headers::new(None, 1));
+        assert_eq!(headers, Headers::raw(None, 1));
     }
 }

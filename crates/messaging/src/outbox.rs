@@ -15,10 +15,16 @@ use crate::{contracts::Contract, envelope::Headers};
 /// The `LISTEN` channel the outbox trigger notifies.
 pub const NOTIFY_CHANNEL: &str = "outbox";
 
-/// Insert `body` as a message of contract `C` in the caller's transaction. Returns its message id,
-/// which stays the same across every republish (the consumers' inbox key). The id is a UUIDv7 so
-/// ids sort by creation time, which keeps the inbox's primary key index append-mostly.
-pub async fn enqueue<C: Contract>(conn: &mut PgConnection, body: &C, headers: &Headers) -> sqlx::Result<Uuid> {
+/// Insert `body` as a message of contract `C`, belonging to job `correlation_id`, in the caller's
+/// transaction; it is labelled with `C::VERSION`. Returns its message id, which stays the same
+/// across every republish (the consumers' inbox key). The id is a UUIDv7 so ids sort by creation
+/// time, which keeps the inbox's primary key index append-mostly.
+pub async fn enqueue<C: Contract>(
+    conn: &mut PgConnection,
+    body: &C,
+    correlation_id: Option<Uuid>,
+) -> sqlx::Result<Uuid> {
+    let headers = Headers::of::<C>(correlation_id);
     let message_id = Uuid::now_v7();
     sqlx::query(
         "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers)
@@ -29,7 +35,7 @@ pub async fn enqueue<C: Contract>(conn: &mut PgConnection, body: &C, headers: &H
     .bind(C::EXCHANGE)
     .bind(C::TYPE)
     .bind(Json(body))
-    .bind(Json(headers))
+    .bind(Json(&headers))
     .execute(conn)
     .await?;
     Ok(message_id)

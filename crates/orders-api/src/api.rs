@@ -12,7 +12,6 @@ use chrono::{DateTime, Utc};
 use messaging::{
     contracts::{OrderLine, OrderPlaced},
     db::{self, QUERY_DEADLINE},
-    envelope::Headers,
     failpoint, outbox,
 };
 use serde::{Deserialize, Serialize};
@@ -204,7 +203,7 @@ pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOr
         customer_id: order.customer_id.clone(),
         lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
     };
-    outbox::enqueue(tx, &placed, &Headers::new(Some(ids.job_id), 1)).await?;
+    outbox::enqueue(tx, &placed, Some(ids.job_id)).await?;
     Ok(())
 }
 

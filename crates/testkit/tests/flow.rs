@@ -85,7 +85,7 @@ async fn publish_twice<C: Contract>(shop: &Shop, body: &C, job_id: Uuid) {
     let connection = shop.env.amqp().await;
     let publisher = Publisher::open(&connection).await.expect("publisher");
     let message_id = Uuid::now_v7();
-    let properties = Headers::new(Some(job_id), C::VERSION).properties(message_id, C::TYPE, Utc::now());
+    let properties = Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, Utc::now());
     let payload = serde_json::to_vec(body).expect("json");
     for _ in 0..2 {
         publisher.publish(C::EXCHANGE, C::TYPE, &payload, properties.clone()).await.expect("confirmed");

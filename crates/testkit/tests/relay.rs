@@ -13,7 +13,6 @@ use lapin::{
 };
 use messaging::{
     contracts::{OrderLine, OrderPlaced, exchanges},
-    envelope::Headers,
     outbox,
     shutdown::{self, ShutdownTrigger},
     topology,
@@ -36,7 +35,7 @@ async fn fill_outbox(pool: &PgPool, n: usize, per_tx: usize) -> Vec<Uuid> {
                 customer_id: format!("c-{i}"),
                 lines: vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }],
             };
-            ids.push(outbox::enqueue(&mut tx, &body, &Headers::new(Some(body.job_id), 1)).await.expect("enqueue"));
+            ids.push(outbox::enqueue(&mut tx, &body, Some(body.job_id)).await.expect("enqueue"));
         }
         tx.commit().await.expect("commit");
     }

@@ -82,7 +82,7 @@ async fn publish(env: &TestEnv, bodies: &[&str], job_id: Option<Uuid>) {
     let connection = env.amqp().await;
     let publisher = Publisher::open(&connection).await.expect("publisher");
     for body in bodies {
-        let properties = Headers::new(job_id, 1).properties(Uuid::now_v7(), ENDPOINT, Utc::now());
+        let properties = Headers::raw(job_id, 1).properties(Uuid::now_v7(), ENDPOINT, Utc::now());
         publisher.publish("orders", ENDPOINT, body.as_bytes(), properties).await.expect("confirmed");
     }
     let _ = connection.close(200, "bye".into()).await;
@@ -318,7 +318,7 @@ async fn unreadable_messages_are_parked_after_one_delivery_and_change_nothing() 
         .fetch_all(&shop.inventory)
         .await
         .expect("stock");
-    let readable = Headers::new(None, 1).properties(Uuid::now_v7(), "order.placed", Utc::now());
+    let readable = Headers::raw(None, 1).properties(Uuid::now_v7(), "order.placed", Utc::now());
     publish_raw(&shop.env, b"{ this is not json", readable).await;
     let no_id = lapin::BasicProperties::default().with_type("order.placed".into());
     publish_raw(&shop.env, br#"{"orderId":"x"}"#, no_id).await;
@@ -399,7 +399,8 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
     let event_id = Uuid::now_v7();
     let connection = shop.env.amqp().await;
     let publisher = Publisher::open(&connection).await.expect("publisher");
-    let properties = Headers::new(Some(late.job_id), 1).properties(event_id, JobRetryScheduled::TYPE, Utc::now());
+    let properties =
+        Headers::of::<JobRetryScheduled>(Some(late.job_id)).properties(event_id, JobRetryScheduled::TYPE, Utc::now());
     let body = serde_json::to_vec(&late).expect("json");
     publisher
         .publish(JobRetryScheduled::EXCHANGE, JobRetryScheduled::TYPE, &body, properties)

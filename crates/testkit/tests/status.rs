@@ -35,7 +35,7 @@ impl Api {
         let connection = self.env.amqp().await;
         let publisher = Publisher::open(&connection).await.expect("publisher");
         let message_id = Uuid::now_v7();
-        let properties = Headers::new(Some(job_id), C::VERSION).properties(message_id, C::TYPE, Utc::now());
+        let properties = Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, Utc::now());
         let body = serde_json::to_vec(event).expect("json");
         publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await.expect("confirmed");
         let _ = connection.close(200, "bye".into()).await;
