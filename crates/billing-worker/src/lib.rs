@@ -6,7 +6,7 @@ use std::{collections::HashMap, net::SocketAddr};
 
 use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{Handler, HandlerError},
+    consumer::{ConsumerSettings, Handler, HandlerError},
     contracts::{InventoryReserved, InvoiceCreated, exchanges},
     envelope::Incoming,
     outbox,
@@ -64,7 +64,7 @@ pub async fn run(
         database_url: config.database_url,
         migrator: &MIGRATOR,
         database_label: "billing",
-        consumer: config.consumer.settings(endpoint(), &config.broker),
+        consumer: ConsumerSettings::from_args(endpoint(), &config.consumer, &config.broker),
         handler: CreateInvoice { demo_faults: config.demo_faults },
     };
     worker.run(listener, shutdown).await?;

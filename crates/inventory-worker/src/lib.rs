@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, net::SocketAddr};
 
 use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{Handler, HandlerError},
+    consumer::{ConsumerSettings, Handler, HandlerError},
     contracts::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, exchanges},
     envelope::Incoming,
     outbox,
@@ -62,7 +62,7 @@ pub async fn run(
         database_url: config.database_url,
         migrator: &MIGRATOR,
         database_label: "inventory",
-        consumer: config.consumer.settings(endpoint(), &config.broker),
+        consumer: ConsumerSettings::from_args(endpoint(), &config.consumer, &config.broker),
         handler: ReserveStock { demo_faults: config.demo_faults },
     };
     worker.run(listener, shutdown).await?;

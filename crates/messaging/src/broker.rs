@@ -3,11 +3,25 @@
 //! connection fails, then reconnect here with backoff. Nothing is acked or marked published on a
 //! connection that failed, so what was in flight is redelivered or republished by the next session.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use lapin::{Connection, ConnectionProperties};
 
-use crate::{backoff::Backoff, config::SecretUrl, shutdown::Shutdown};
+use crate::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown};
+
+/// A long-running broker client: where it connects, its name (shown in the broker's management
+/// UI, and the readiness flag that says whether it is up), and how long it waits between tries.
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// The broker.
+    pub url: SecretUrl,
+    /// e.g. `consumer:inventory.order-placed`, `relay:orders`.
+    pub name: String,
+    /// Between connection attempts.
+    pub backoff: Backoff,
+    /// Where its readiness flag (`name`) lives.
+    pub readiness: Arc<Readiness>,
+}
 
 /// Open one connection, named `name` in the broker's management UI.
 pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
@@ -56,26 +70,19 @@ pub enum SessionEnd {
 
 /// One connection's worth of work: consume, or publish, until shutdown or the connection fails.
 pub trait Session {
-    /// Work on `connection`; set the readiness flag once up.
+    /// Work on `connection`; set the link's readiness flag once up.
     fn run(&mut self, connection: &Connection) -> impl std::future::Future<Output = SessionEnd> + Send;
 }
 
-/// The reconnect loop every long-running broker client uses: connect (with backoff), run
-/// `session` on the connection, close it, and start again after a backoff until a session ends
-/// with [`SessionEnd::Shutdown`] or shutdown is asked for. The readiness flag `flag` is cleared
-/// after every session (the session sets it once it is up).
-pub async fn run_sessions(
-    url: &SecretUrl,
-    name: &str,
-    backoff: Backoff,
-    readiness: &crate::health::Readiness,
-    flag: &str,
-    shutdown: &Shutdown,
-    session: &mut impl Session,
-) {
+/// The reconnect loop every long-running broker client uses: connect (with the link's backoff),
+/// run `session` on the connection, close it, and start again after a backoff until a session
+/// ends with [`SessionEnd::Shutdown`] or shutdown is asked for. The link's readiness flag is
+/// cleared after every session (the session sets it once it is up).
+pub async fn run_sessions(link: &Link, shutdown: &Shutdown, session: &mut impl Session) {
+    let (readiness, flag, backoff) = (&link.readiness, link.name.as_str(), link.backoff);
     readiness.set(flag, false);
     let mut failures = 0;
-    while let Some(connection) = connect_with_backoff(url, name, backoff, shutdown).await {
+    while let Some(connection) = connect_with_backoff(&link.url, flag, backoff, shutdown).await {
         let end = session.run(&connection).await;
         readiness.set(flag, false);
         // Bounded: on a connection that has just died, lapin can wait forever for the close-ok.

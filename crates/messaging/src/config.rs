@@ -3,7 +3,7 @@
 
 use std::{fmt, str::FromStr, time::Duration};
 
-use crate::topology::RetryPolicy;
+use crate::{duration::parse_duration, topology::RetryPolicy};
 
 /// A connection URL whose password is masked whenever it is printed or logged.
 #[derive(Clone, PartialEq, Eq)]
@@ -100,24 +100,6 @@ impl ConsumerArgs {
     pub fn retry_policy(&self) -> RetryPolicy {
         RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts)
     }
-
-    /// Consumer settings for `endpoint` on `broker`, with these flags and the default reconnect
-    /// backoff.
-    pub fn settings(
-        &self,
-        endpoint: crate::topology::Endpoint,
-        broker: &BrokerArgs,
-    ) -> crate::consumer::ConsumerSettings {
-        crate::consumer::ConsumerSettings {
-            endpoint: crate::topology::Endpoint { delivery_limit: self.delivery_limit, ..endpoint },
-            policy: self.retry_policy(),
-            prefetch: self.prefetch,
-            amqp_url: broker.amqp_url.clone(),
-            reconnect: crate::backoff::Backoff::default(),
-            max_crashes: self.max_crashes,
-            handler_timeout: self.handler_timeout,
-        }
-    }
 }
 
 /// A comma-separated list of delays such as `1s,5s,30s,2m,10m`.
@@ -135,39 +117,10 @@ impl FromStr for RetryDelays {
     }
 }
 
-/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
-/// zero timeout fails everything.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let value: u64 = number.parse().map_err(|_| format!("`{s}` is not a duration such as 500ms, 5s, 2m or 1h"))?;
-    let duration = match unit {
-        "ms" => Duration::from_millis(value),
-        "s" => Duration::from_secs(value),
-        "m" => Duration::from_secs(value * 60),
-        "h" => Duration::from_secs(value * 3600),
-        _ => return Err(format!("`{s}` has no unit: use ms, s, m or h")),
-    };
-    if duration.is_zero() {
-        return Err(format!("`{s}`: must be greater than zero"));
-    }
-    Ok(duration)
-}
-
-/// Format a duration the way queue names and `RETRY_DELAYS` spell it: the largest whole unit.
-pub fn format_duration(duration: Duration) -> String {
-    let ms = duration.as_millis();
-    match ms {
-        _ if ms.is_multiple_of(3_600_000) => format!("{}h", ms / 3_600_000),
-        _ if ms.is_multiple_of(60_000) => format!("{}m", ms / 60_000),
-        _ if ms.is_multiple_of(1_000) => format!("{}s", ms / 1_000),
-        _ => format!("{ms}ms"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::duration::format_duration;
 
     #[test]
     fn secret_url_masks_password() {

@@ -42,10 +42,11 @@ use uuid::Uuid;
 
 use crate::{
     backoff::Backoff,
-    broker::{self, Session, SessionEnd},
-    config::{SecretUrl, format_duration},
+    broker::{self, Link, Session, SessionEnd},
+    config::{BrokerArgs, ConsumerArgs, SecretUrl},
     contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
     crashes, db,
+    duration::format_duration,
     envelope::{self, Headers, Incoming, Unreadable},
     failpoint,
     health::Health,
@@ -135,6 +136,22 @@ pub struct ConsumerSettings {
     pub handler_timeout: Duration,
 }
 
+impl ConsumerSettings {
+    /// Settings for `endpoint` from a binary's flags: its retry, prefetch, crash and timeout flags,
+    /// its broker, and the default reconnect backoff.
+    pub fn from_args(endpoint: Endpoint, args: &ConsumerArgs, broker: &BrokerArgs) -> Self {
+        Self {
+            endpoint: Endpoint { delivery_limit: args.delivery_limit, ..endpoint },
+            policy: args.retry_policy(),
+            prefetch: args.prefetch,
+            amqp_url: broker.amqp_url.clone(),
+            reconnect: Backoff::default(),
+            max_crashes: args.max_crashes,
+            handler_timeout: args.handler_timeout,
+        }
+    }
+}
+
 /// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
 /// connection, reconnect with backoff and resume. Never returns early on a broker or database
 /// failure: those are waited out.
@@ -145,34 +162,21 @@ pub async fn run<H: Handler>(
     health: Health,
     shutdown: Shutdown,
 ) {
-    let runtime = Arc::new(Runtime { settings, handler, pool, health });
-    let name = runtime.settings.endpoint.name;
-    let flag = format!("consumer:{name}");
-    let settings = &runtime.settings;
-    let mut session = ConsumerSession { runtime: &runtime, flag: &flag, shutdown: &shutdown };
-    broker::run_sessions(
-        &settings.amqp_url,
-        name,
-        settings.reconnect,
-        &runtime.health.readiness,
-        &flag,
-        &shutdown,
-        &mut session,
-    )
-    .await;
+    let name = settings.endpoint.name;
+    let link = Link {
+        url: settings.amqp_url.clone(),
+        name: format!("consumer:{name}"),
+        backoff: settings.reconnect,
+        readiness: Arc::clone(&health.readiness),
+    };
+    let mut runtime = Arc::new(Runtime { settings, handler, pool, health, flag: link.name.clone(), shutdown });
+    broker::run_sessions(&link, &runtime.shutdown.clone(), &mut runtime).await;
     tracing::info!(endpoint = name, "consumer stopped");
 }
 
-/// A consumer's sessions, as the reconnect loop runs them.
-struct ConsumerSession<'a, H> {
-    runtime: &'a Arc<Runtime<H>>,
-    flag: &'a str,
-    shutdown: &'a Shutdown,
-}
-
-impl<H: Handler> Session for ConsumerSession<'_, H> {
+impl<H: Handler> Session for Arc<Runtime<H>> {
     fn run(&mut self, connection: &Connection) -> impl std::future::Future<Output = SessionEnd> + Send {
-        self.runtime.session(connection, self.flag, self.shutdown)
+        self.session(connection)
     }
 }
 
@@ -181,6 +185,9 @@ struct Runtime<H> {
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
+    /// The readiness flag of its link.
+    flag: String,
+    shutdown: Shutdown,
 }
 
 /// The outcome of the transaction for one message.
@@ -191,8 +198,8 @@ enum Applied {
 
 impl<H: Handler> Runtime<H> {
     /// One connection's worth of consuming, until shutdown or until the connection fails.
-    async fn session(self: &Arc<Self>, connection: &Connection, flag: &str, shutdown: &Shutdown) -> SessionEnd {
-        let endpoint = &self.settings.endpoint;
+    async fn session(self: &Arc<Self>, connection: &Connection) -> SessionEnd {
+        let (endpoint, flag, shutdown) = (&self.settings.endpoint, self.flag.as_str(), &self.shutdown);
         let setup = async {
             let channel = connection.create_channel().await?;
             channel.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;

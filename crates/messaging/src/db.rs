@@ -36,7 +36,7 @@ pub async fn within<T, E: From<sqlx::Error>>(
         Ok(outcome) => outcome,
         Err(_) => Err(E::from(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("no answer from the database within {}", crate::config::format_duration(limit)),
+            format!("no answer from the database within {}", crate::duration::format_duration(limit)),
         )))),
     }
 }

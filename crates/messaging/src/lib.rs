@@ -13,6 +13,7 @@ pub mod consumer;
 pub mod contracts;
 pub mod crashes;
 pub mod db;
+pub mod duration;
 pub mod envelope;
 pub mod failpoint;
 pub mod health;

@@ -11,7 +11,7 @@ use lapin::{
     types::{AMQPValue, FieldTable, ShortString},
 };
 
-use crate::{config::format_duration, contracts::exchanges};
+use crate::{contracts::exchanges, duration::format_duration};
 
 /// Returns of one message to the work queue before the broker itself dead-letters it. Every
 /// return of an unacked delivery counts, handled or not (a crash, a reconnect, a shutdown, on 3.10

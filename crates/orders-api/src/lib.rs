@@ -81,7 +81,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         return Ok(());
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
-    let status = config.consumer.settings(status::endpoint(), &config.broker);
+    let status = consumer::ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
     let consumer = tokio::spawn(consumer::run(
         status,
         Arc::new(status::JobStatus),

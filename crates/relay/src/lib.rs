@@ -14,9 +14,11 @@ use std::{net::SocketAddr, str::FromStr, time::Duration};
 
 use messaging::{
     backoff::Backoff,
-    broker::{self, Session, SessionEnd},
-    config::{BrokerArgs, SecretUrl, parse_duration},
-    db, failpoint,
+    broker::{self, Link, Session, SessionEnd},
+    config::{BrokerArgs, SecretUrl},
+    db,
+    duration::parse_duration,
+    failpoint,
     health::{self, Health},
     metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
     outbox,
@@ -118,13 +120,14 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let mut loops = tokio::task::JoinSet::new();
     for db in databases {
-        let relay = Relay {
-            db,
-            amqp_url: config.broker.amqp_url.clone(),
-            settings: config.relay.clone(),
-            health: health.clone(),
+        let relay = Relay { db, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
+        let link = Link {
+            url: config.broker.amqp_url.clone(),
+            name: relay.flag(),
+            backoff: Backoff::default(),
+            readiness: health.readiness.clone(),
         };
-        loops.spawn(relay.run(shutdown.clone()));
+        loops.spawn(relay.run(link));
     }
     let server = health::serve(listener, health::routes(health.clone()), shutdown.clone());
     let (served, _) = tokio::join!(server, async { while loops.join_next().await.is_some() {} });
@@ -147,54 +150,41 @@ impl From<lapin::Error> for SessionError {
     }
 }
 
-/// A relay loop's sessions, as the reconnect loop runs them.
-struct RelaySession<'a> {
-    relay: &'a Relay,
-    flag: &'a str,
-    shutdown: &'a Shutdown,
+/// The loop for one outbox database.
+struct Relay {
+    db: OutboxDb,
+    settings: RelaySettings,
+    health: Health,
+    shutdown: Shutdown,
 }
 
-impl Session for RelaySession<'_> {
+impl Session for Relay {
     async fn run(&mut self, connection: &lapin::Connection) -> SessionEnd {
         let mut was_up = false;
-        match self.relay.session(connection, self.flag, &mut was_up, self.shutdown).await {
+        match self.session(connection, &mut was_up).await {
             Ok(()) => SessionEnd::Shutdown,
             Err(error) => {
-                tracing::warn!(database = %self.relay.db.label, %error, "relay session ended; restarting");
+                tracing::warn!(database = %self.db.label, %error, "relay session ended; restarting");
                 SessionEnd::Lost { was_up }
             }
         }
     }
 }
 
-/// The loop for one outbox database.
-struct Relay {
-    db: OutboxDb,
-    amqp_url: SecretUrl,
-    settings: RelaySettings,
-    health: Health,
-}
-
 impl Relay {
-    async fn run(self, shutdown: Shutdown) {
-        let flag = format!("relay:{}", self.db.label);
-        self.health.readiness.set(&flag, false);
+    /// Its link's name and readiness flag.
+    fn flag(&self) -> String {
+        format!("relay:{}", self.db.label)
+    }
+
+    async fn run(mut self, link: Link) {
+        let shutdown = self.shutdown.clone();
+        link.readiness.set(&link.name, false);
         if !self.wait_for_outbox(&shutdown).await {
             return;
         }
         let retention = tokio::spawn(delete_published(self.db.clone(), self.settings.retention, shutdown.clone()));
-        let name = format!("relay {}", self.db.label);
-        let mut session = RelaySession { relay: &self, flag: &flag, shutdown: &shutdown };
-        broker::run_sessions(
-            &self.amqp_url,
-            &name,
-            Backoff::default(),
-            &self.health.readiness,
-            &flag,
-            &shutdown,
-            &mut session,
-        )
-        .await;
+        broker::run_sessions(&link, &shutdown, &mut self).await;
         let _ = retention.await;
         tracing::info!(database = %self.db.label, "relay stopped");
     }
@@ -242,19 +232,14 @@ impl Relay {
 
     /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`); `was_up` is
     /// set once publishing has started.
-    async fn session(
-        &self,
-        connection: &lapin::Connection,
-        flag: &str,
-        was_up: &mut bool,
-        shutdown: &Shutdown,
-    ) -> Result<(), SessionError> {
+    async fn session(&self, connection: &lapin::Connection, was_up: &mut bool) -> Result<(), SessionError> {
+        let (flag, shutdown) = (self.flag(), &self.shutdown);
         let publisher = Publisher::open(connection).await?;
         topology::declare_exchanges(publisher.channel()).await?;
         // LISTEN before the first claim: a row committed in between still wakes us.
         let mut listener = PgListener::connect_with(&self.db.pool).await?;
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
-        self.health.readiness.set(flag, true);
+        self.health.readiness.set(&flag, true);
         *was_up = true;
         tracing::info!(database = %self.db.label, "relay publishing");
         // Two batches overlap: while one batch's confirms come back and its rows are marked, the

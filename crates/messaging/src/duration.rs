@@ -1,0 +1,34 @@
+//! Durations as `RETRY_DELAYS`, the other flags and queue names spell them: `250ms`, `5s`, `2m`,
+//! `1h`. A leaf module: everything else may use it.
+
+use std::time::Duration;
+
+/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
+/// zero timeout fails everything.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let value: u64 = number.parse().map_err(|_| format!("`{s}` is not a duration such as 500ms, 5s, 2m or 1h"))?;
+    let duration = match unit {
+        "ms" => Duration::from_millis(value),
+        "s" => Duration::from_secs(value),
+        "m" => Duration::from_secs(value * 60),
+        "h" => Duration::from_secs(value * 3600),
+        _ => return Err(format!("`{s}` has no unit: use ms, s, m or h")),
+    };
+    if duration.is_zero() {
+        return Err(format!("`{s}`: must be greater than zero"));
+    }
+    Ok(duration)
+}
+
+/// Format a duration the way queue names and `RETRY_DELAYS` spell it: the largest whole unit.
+pub fn format_duration(duration: Duration) -> String {
+    let ms = duration.as_millis();
+    match ms {
+        _ if ms.is_multiple_of(3_600_000) => format!("{}h", ms / 3_600_000),
+        _ if ms.is_multiple_of(60_000) => format!("{}m", ms / 60_000),
+        _ if ms.is_multiple_of(1_000) => format!("{}s", ms / 1_000),
+        _ => format!("{ms}ms"),
+    }
+}
