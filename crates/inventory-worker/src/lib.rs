@@ -95,6 +95,8 @@ impl Handler for ReserveStock {
         match reserve(tx, &order, job_id).await? {
             Reservation::Made | Reservation::AlreadyMade => {}
             Reservation::Refused(reason) => {
+                // The delivery's span already names the message, its job and its attempt.
+                tracing::info!(%reason, "order refused");
                 let rejected = InventoryRejected { order_id: order.order_id, job_id: order.job_id, reason };
                 outbox::enqueue(tx, &rejected, job_id).await?;
             }

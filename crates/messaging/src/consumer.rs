@@ -38,6 +38,7 @@ use lapin::{
 };
 use sqlx::{PgConnection, PgPool};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
@@ -170,8 +171,13 @@ pub async fn run<H: Handler>(
         readiness: Arc::clone(&health.readiness),
     };
     let mut runtime = Arc::new(Runtime { settings, handler, pool, health, flag: link.name.clone(), shutdown });
-    broker::run_sessions(&link, &runtime.shutdown.clone(), &mut runtime).await;
-    tracing::info!(endpoint = name, "consumer stopped");
+    let shutdown = runtime.shutdown.clone();
+    async {
+        broker::run_sessions(&link, &shutdown, &mut runtime).await;
+        tracing::info!("consumer stopped");
+    }
+    .instrument(tracing::info_span!("consumer", endpoint = name))
+    .await;
 }
 
 impl<H: Handler> Session for Arc<Runtime<H>> {
@@ -227,12 +233,12 @@ impl<H: Handler> Runtime<H> {
         let (channel, publisher, tag, mut deliveries, mut dead_letters) = match setup.await {
             Ok(started) => started,
             Err(error) => {
-                tracing::warn!(endpoint = endpoint.name, %error, "cannot start consuming; will reconnect");
+                tracing::warn!(%error, "cannot start consuming; will reconnect");
                 return SessionEnd::Lost { was_up: false };
             }
         };
         self.health.readiness.set(flag, true);
-        tracing::info!(endpoint = endpoint.name, prefetch = self.settings.prefetch, "consuming");
+        tracing::info!(prefetch = self.settings.prefetch, "consuming");
 
         // Ends with the session (connection lost, or shutdown): deliveries still waiting for the
         // database then give up and are handed back, since a closed channel cannot ack them.
@@ -256,7 +262,7 @@ impl<H: Handler> Runtime<H> {
                 () = shutdown.triggered() => break SessionEnd::Shutdown,
                 Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
                     if let Err(error) = flatten(joined) {
-                        tracing::warn!(endpoint = endpoint.name, %error, "delivery could not be settled; reconnecting");
+                        tracing::warn!(%error, "delivery could not be settled; reconnecting");
                         break SessionEnd::Lost { was_up: true };
                     }
                 }
@@ -266,11 +272,11 @@ impl<H: Handler> Runtime<H> {
                         in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone(), session_ended.clone()));
                     }
                     Some(Err(error)) => {
-                        tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
+                        tracing::warn!(%error, "broker connection lost; reconnecting");
                         break SessionEnd::Lost { was_up: true };
                     }
                     None => {
-                        tracing::warn!(endpoint = endpoint.name, "consumer cancelled by the broker; reconnecting");
+                        tracing::warn!("consumer cancelled by the broker; reconnecting");
                         break SessionEnd::Lost { was_up: true };
                     }
                 },
@@ -279,11 +285,11 @@ impl<H: Handler> Runtime<H> {
                         in_flight.spawn(Arc::clone(self).park_dead_lettered(delivery, publisher.clone()));
                     }
                     Some(Err(error)) => {
-                        tracing::warn!(endpoint = endpoint.name, %error, "broker connection lost; reconnecting");
+                        tracing::warn!(%error, "broker connection lost; reconnecting");
                         break SessionEnd::Lost { was_up: true };
                     }
                     None => {
-                        tracing::warn!(endpoint = endpoint.name, "dead-letter consumer cancelled by the broker; reconnecting");
+                        tracing::warn!("dead-letter consumer cancelled by the broker; reconnecting");
                         break SessionEnd::Lost { was_up: true };
                     }
                 },
@@ -306,13 +312,12 @@ impl<H: Handler> Runtime<H> {
         let drained = tokio::time::timeout(self.settings.handler_timeout + WIND_DOWN, async {
             while let Some(joined) = in_flight.join_next().await {
                 if let Err(error) = flatten(joined) {
-                    tracing::warn!(endpoint = endpoint.name, %error, "delivery left unacked; the broker will redeliver it");
+                    tracing::warn!(%error, "delivery left unacked; the broker will redeliver it");
                 }
             }
         });
         if drained.await.is_err() {
             tracing::warn!(
-                endpoint = endpoint.name,
                 abandoned = in_flight.len(),
                 "deliveries still in flight abandoned; the broker will redeliver them"
             );
@@ -327,9 +332,20 @@ impl<H: Handler> Runtime<H> {
         ended
     }
 
+    /// [`Self::handle_delivery`] inside the delivery's span.
+    async fn process(
+        self: Arc<Self>,
+        delivery: Delivery,
+        publisher: Publisher,
+        session_ended: Shutdown,
+    ) -> Result<(), PublishError> {
+        let span = delivery_span("delivery", self.settings.endpoint.name, &delivery);
+        self.handle_delivery(delivery, publisher, session_ended).instrument(span).await
+    }
+
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
     /// (the broker connection failed): it stays unacked and comes back on the next session.
-    async fn process(
+    async fn handle_delivery(
         self: Arc<Self>,
         delivery: Delivery,
         publisher: Publisher,
@@ -357,7 +373,7 @@ impl<H: Handler> Runtime<H> {
         // dies now, the count stays, and the next process sees how often it has done so.
         let endpoint = endpoint.name;
         let starts = self
-            .when_reachable(&message, &session_ended, || async {
+            .when_reachable(&session_ended, || async {
                 let start = crashes::record_start(&self.pool, endpoint, message.message_id);
                 Ok(db::within(db::QUERY_DEADLINE, start).await?)
             })
@@ -376,7 +392,7 @@ impl<H: Handler> Runtime<H> {
             // The ledger itself fails (not an outage): handle the message; the broker's delivery
             // limit remains the crash net.
             Some(Err(error)) => {
-                tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger unavailable");
+                tracing::warn!(%error, "crash ledger unavailable");
                 self.settle(delivery, &publisher, &message, &session_ended).await
             }
         };
@@ -385,7 +401,7 @@ impl<H: Handler> Runtime<H> {
         // parking a redelivered message early, never towards losing one.)
         let forgotten = db::within(db::QUERY_DEADLINE, crashes::forget(&self.pool, endpoint, message.message_id));
         if let Err(error) = forgotten.await {
-            tracing::warn!(endpoint, message_id = %message.message_id, %error, "crash ledger entry not cleared");
+            tracing::warn!(%error, "crash ledger entry not cleared");
         }
         settled
     }
@@ -399,9 +415,9 @@ impl<H: Handler> Runtime<H> {
         session_ended: &Shutdown,
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
-        match self.when_reachable(message, session_ended, || self.apply(message)).await {
+        match self.when_reachable(session_ended, || self.apply(message)).await {
             None => {
-                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "session ended during a database outage; the broker will redeliver");
+                tracing::info!("session ended during a database outage; the broker will redeliver");
                 return Ok(());
             }
             Some(Ok(Applied::Done)) => {
@@ -412,7 +428,7 @@ impl<H: Handler> Runtime<H> {
                 delivery.ack().await?;
                 self.count("duplicate");
                 self.health.metrics.increment(INBOX_DUPLICATES, &[("endpoint", endpoint.name)]);
-                tracing::info!(endpoint = endpoint.name, message_id = %message.message_id, "duplicate skipped by the inbox");
+                tracing::info!("duplicate skipped by the inbox");
             }
             // `Unavailable` is waited out above; were one to get here, it would be retried.
             Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
@@ -435,24 +451,18 @@ impl<H: Handler> Runtime<H> {
     /// outage spends none of the message's attempts and parks nothing. If a commit's outcome was
     /// lost with the connection, the inbox tells on the next try. `None` if the session ended first
     /// (shutdown, or a lost connection): the delivery stays unacked and the broker redelivers it.
-    async fn when_reachable<T, F, Fut>(
-        &self,
-        message: &Incoming,
-        session_ended: &Shutdown,
-        mut work: F,
-    ) -> Option<Result<T, HandlerError>>
+    async fn when_reachable<T, F, Fut>(&self, session_ended: &Shutdown, mut work: F) -> Option<Result<T, HandlerError>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, HandlerError>>,
     {
-        let endpoint = self.settings.endpoint.name;
         let mut waits = 0;
         loop {
             match work().await {
                 Err(HandlerError::Unavailable(error)) => {
                     let delay = self.settings.reconnect.delay(waits);
                     waits += 1;
-                    tracing::warn!(endpoint, message_id = %message.message_id, %error, ?delay, "database unreachable; will apply again");
+                    tracing::warn!(%error, ?delay, "database unreachable; will apply again");
                     if !session_ended.sleep(delay).await {
                         return None;
                     }
@@ -523,7 +533,7 @@ impl<H: Handler> Runtime<H> {
         self.settle_event(event).await;
         delivery.ack().await?;
         self.count("retried");
-        tracing::warn!(endpoint = endpoint.name, message_id = %message.message_id, attempt = message.attempt(), ?delay, error, "transient failure; retry scheduled");
+        tracing::warn!(?delay, error, "transient failure; retry scheduled");
         Ok(())
     }
 
@@ -558,20 +568,20 @@ impl<H: Handler> Runtime<H> {
         let event = self.send_event(publisher, event).await;
         parked.confirmed().await?;
         self.settle_event(event).await;
-        let message_id = properties.message_id().clone();
         delivery.ack().await?;
         self.count("parked");
-        tracing::error!(endpoint = endpoint.name, ?message_id, reason, "message parked");
+        tracing::error!(reason, "message parked");
         Ok(())
     }
 
     /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
     /// broker's reason, our headers only, and a `job.quarantined` event, so that its job ends too.
     async fn park_dead_lettered(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+        let span = delivery_span("dead_letter", self.settings.endpoint.name, &delivery);
         let reason =
             envelope::broker_death(&delivery.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
         let retry_count = envelope::retry_count(&delivery);
-        self.park(InFlight(delivery), &publisher, retry_count, &reason).await
+        self.park(InFlight(delivery), &publisher, retry_count, &reason).instrument(span).await
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).
@@ -608,6 +618,18 @@ impl<H: Handler> Runtime<H> {
             .metrics
             .increment(MESSAGES_HANDLED, &[("endpoint", self.settings.endpoint.name), ("outcome", outcome)]);
     }
+}
+
+/// The span of one delivery: every line logged while handling it, the handler's included, carries
+/// the endpoint, the message's id, type and attempt, and its job.
+fn delivery_span(kind: &'static str, endpoint: &str, delivery: &Delivery) -> tracing::Span {
+    let properties = &delivery.properties;
+    let message_id = envelope::message_id(properties).map(|id| id.to_string()).unwrap_or_default();
+    let message_type = properties.kind().as_ref().map(|kind| kind.to_string()).unwrap_or_default();
+    let job_id = envelope::correlation_id(properties).map(|id| id.to_string()).unwrap_or_default();
+    let attempt = envelope::retry_count(delivery).saturating_add(1);
+    let redelivered = delivery.redelivered;
+    tracing::info_span!("delivery", kind, endpoint, message_id, message_type, attempt, job_id, redelivered)
 }
 
 /// How long a best-effort broker call at the end of a session may take.

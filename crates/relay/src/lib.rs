@@ -30,6 +30,7 @@ use sqlx::{
     PgPool,
     postgres::{PgConnectOptions, PgListener, PgPoolOptions},
 };
+use tracing::Instrument;
 
 /// `relay`: publishes every service's outbox.
 #[derive(Debug, Clone, clap::Parser)]
@@ -127,7 +128,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             backoff: Backoff::default(),
             readiness: health.readiness.clone(),
         };
-        loops.spawn(relay.run(link));
+        let span = tracing::info_span!("relay", database = %relay.db.label);
+        loops.spawn(relay.run(link).instrument(span));
     }
     let server = health::serve(listener, health::routes(health.clone()), shutdown.clone());
     let (served, _) = tokio::join!(server, async { while loops.join_next().await.is_some() {} });
@@ -164,7 +166,7 @@ impl Session for Relay {
         match self.session(connection, &mut was_up).await {
             Ok(()) => SessionEnd::Shutdown,
             Err(error) => {
-                tracing::warn!(database = %self.db.label, %error, "relay session ended; restarting");
+                tracing::warn!(%error, "relay session ended; restarting");
                 SessionEnd::Lost { was_up }
             }
         }
@@ -183,10 +185,11 @@ impl Relay {
         if !self.wait_for_outbox(&shutdown).await {
             return;
         }
-        let retention = tokio::spawn(delete_published(self.db.clone(), self.settings.retention, shutdown.clone()));
+        let retention = delete_published(self.db.clone(), self.settings.retention, shutdown.clone());
+        let retention = tokio::spawn(retention.instrument(tracing::Span::current()));
         broker::run_sessions(&link, &shutdown, &mut self).await;
         let _ = retention.await;
-        tracing::info!(database = %self.db.label, "relay stopped");
+        tracing::info!("relay stopped");
     }
 
     /// Wait, quietly, until the database exists and has its outbox: the service that owns it creates
@@ -194,20 +197,19 @@ impl Relay {
     /// database, so that waiting costs no failed connection (and no FATAL in the server's log).
     /// `false` if shutdown came first.
     async fn wait_for_outbox(&self, shutdown: &Shutdown) -> bool {
-        let database = &self.db.label;
         let mut waiting = false;
         loop {
             match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
                 Ok(true) => {
                     if waiting {
-                        tracing::info!(%database, "outbox found");
+                        tracing::info!("outbox found");
                     }
                     return true;
                 }
                 Ok(false) if !waiting => {
-                    tracing::info!(%database, "waiting for its service to create and migrate the database");
+                    tracing::info!("waiting for its service to create and migrate the database");
                 }
-                Err(error) if !waiting => tracing::warn!(%database, %error, "cannot reach the database; waiting"),
+                Err(error) if !waiting => tracing::warn!(%error, "cannot reach the database; waiting"),
                 _ => {}
             }
             waiting = true;
@@ -241,7 +243,7 @@ impl Relay {
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
         self.health.readiness.set(&flag, true);
         *was_up = true;
-        tracing::info!(database = %self.db.label, "relay publishing");
+        tracing::info!("relay publishing");
         // Two batches overlap: while one batch's confirms come back and its rows are marked, the
         // next batch is claimed and put on the wire. The next claim skips the rows the previous
         // batch still holds locked, and goes out after them on the same channel: id order holds.
@@ -295,9 +297,18 @@ impl Relay {
         Ok(Some(SentBatch { tx, rows, sent }))
     }
 
+    /// [`Self::settle_batch`] in the batch's span: what is logged while settling it carries its size
+    /// and the range of its rows' ids.
+    async fn settle(&self, batch: SentBatch) -> Result<(), SessionError> {
+        let first_id = batch.rows.first().map(|row| row.id);
+        let last_id = batch.rows.last().map(|row| row.id);
+        let span = tracing::info_span!("relay_batch", rows = batch.rows.len(), first_id, last_id);
+        self.settle_batch(batch).instrument(span).await
+    }
+
     /// Collect a sent batch's confirms in order, mark the confirmed rows, record the returned or
     /// nacked ones with a backoff, and commit.
-    async fn settle(&self, batch: SentBatch) -> Result<(), SessionError> {
+    async fn settle_batch(&self, batch: SentBatch) -> Result<(), SessionError> {
         let SentBatch { mut tx, rows, sent } = batch;
         let mut confirmed = Vec::with_capacity(rows.len());
         let mut broken = None;
@@ -318,7 +329,7 @@ impl Relay {
                 Err(error) => {
                     let attempts = u32::try_from(row.attempts).unwrap_or(0);
                     let retry_after = backoff.delay(attempts);
-                    tracing::warn!(database = %self.db.label, id = row.id, message_id = %row.message_id, %error, ?retry_after, "publish refused; will retry");
+                    tracing::warn!(id = row.id, message_id = %row.message_id, %error, ?retry_after, "publish refused; will retry");
                     let reason = error.to_string();
                     let failed = outbox::record_failure(&mut tx, row.id, &reason, retry_after);
                     db::within(db::QUERY_DEADLINE, failed).await?;
@@ -359,13 +370,13 @@ async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown)
                 Ok(deleted) if deleted == BATCH as u64 => continue,
                 Ok(deleted) => {
                     if deleted > 0 {
-                        tracing::info!(database = %db.label, deleted, "old published outbox rows deleted");
+                        tracing::info!(deleted, "old published outbox rows deleted");
                     }
                     break;
                 }
                 // Table not there yet, database down: try again next round.
                 Err(error) => {
-                    tracing::debug!(database = %db.label, %error, "outbox retention skipped");
+                    tracing::debug!(%error, "outbox retention skipped");
                     break;
                 }
             }

@@ -14,7 +14,7 @@ use testkit::{
 use uuid::Uuid;
 
 const HELD: &str = "database unreachable; will apply again";
-const CONSUMING: &str = "consuming endpoint";
+const CONSUMING: &str = "consuming prefetch=";
 const LOST: &str = "broker connection lost";
 
 /// The parking and dead-letter intake queues of every endpoint, with their depths.
