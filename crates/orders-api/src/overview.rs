@@ -153,8 +153,8 @@ pub struct ParkingQueue {
 }
 
 async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiError> {
-    let jobs = recent_jobs(&sources.pool, "true").await?;
-    let quarantined = recent_jobs(&sources.pool, "j.state = 'quarantined'").await?;
+    let jobs = recent_jobs(&sources.pool, false).await?;
+    let quarantined = recent_jobs(&sources.pool, true).await?;
     let mut unavailable = Vec::new();
 
     let mut samples = Vec::new();
@@ -197,15 +197,16 @@ async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiE
     }))
 }
 
-/// The 20 latest jobs matching `filter` (a constant SQL condition on `j`).
-async fn recent_jobs(pool: &PgPool, filter: &'static str) -> Result<Vec<JobRow>, ApiError> {
-    let sql = format!(
+/// The 20 latest jobs, or the 20 latest quarantined ones.
+async fn recent_jobs(pool: &PgPool, quarantined_only: bool) -> Result<Vec<JobRow>, ApiError> {
+    let rows = sqlx::query_as(
         "select j.id as job_id, j.state, j.attempt, j.last_error, j.updated_at,
                 coalesce((select string_agg(l.quantity || ' × ' || l.sku, ', ' order by l.line_no)
                             from order_lines l where l.order_id = j.order_id), '') as lines
-           from jobs j where {filter} order by j.created_at desc limit 20"
-    );
-    let rows = sqlx::query_as(&sql).fetch_all(pool);
+           from jobs j where not $1 or j.state = 'quarantined' order by j.created_at desc limit 20",
+    )
+    .bind(quarantined_only)
+    .fetch_all(pool);
     Ok(messaging::db::within(messaging::db::QUERY_DEADLINE, rows).await?)
 }
 

@@ -101,13 +101,13 @@ async fn retry_scheduled(tx: &mut PgConnection, event: &JobRetryScheduled) -> Re
         "update jobs set state = 'retry_wait', retry_endpoint = $2, attempt = greatest(attempt, $3),
                 last_error = $4, updated_at = now()
           where id = $1 and state not in {TERMINAL}
-            and not ($2 = '{INVENTORY_ENDPOINT}'
-                     and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> 'accepted'))"
+            and not ($2 = $5 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> 'accepted'))"
     ))
     .bind(event.job_id)
     .bind(&event.endpoint)
     .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
     .bind(&event.error)
+    .bind(INVENTORY_ENDPOINT)
     .execute(tx)
     .await
     .map(drop)

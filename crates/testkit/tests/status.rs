@@ -96,6 +96,13 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     assert_eq!(seen["state"], "retry_wait", "{seen}");
     assert_eq!(seen["lastError"], "billing.inventory-reserved failed on attempt 1", "{seen}");
 
+    // The live page's data shows the job as the API does, and nothing quarantined.
+    let overview = http::request("GET", &format!("{}/overview", api.base), &[], None).await.expect("GET").json();
+    assert_eq!(overview["jobs"][0]["jobId"], job_id, "{overview}");
+    assert_eq!(overview["jobs"][0]["state"], "retry_wait", "{overview}");
+    assert_eq!(overview["jobs"][0]["lines"], "1 × SKU-1", "{overview}");
+    assert_eq!(overview["quarantined"], serde_json::json!([]), "{overview}");
+
     trigger.trigger();
     task.await.expect("api task").expect("api ran");
 }
