@@ -192,19 +192,15 @@ pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOr
     .bind(&quantities)
     .execute(&mut *tx)
     .await?;
-    sqlx::query("insert into jobs (id, order_id) values ($1, $2)")
-        .bind(ids.job_id)
-        .bind(ids.order_id)
-        .execute(&mut *tx)
-        .await?;
     let placed = OrderPlaced {
         order_id: ids.order_id,
         job_id: ids.job_id,
         customer_id: order.customer_id.clone(),
         lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
     };
-    outbox::enqueue(tx, &placed, Some(ids.job_id)).await?;
-    Ok(())
+    // The job names its order.placed row, so that the row's confirm marks it `published`.
+    let message_id = outbox::enqueue(&mut *tx, &placed, Some(ids.job_id)).await?;
+    crate::jobs::insert(tx, ids.job_id, ids.order_id, message_id).await
 }
 
 /// `GET /jobs/{jobId}`.
@@ -215,8 +211,9 @@ pub struct Job {
     pub job_id: Uuid,
     /// Its order.
     pub order_id: Uuid,
-    /// queued, published, retry_wait, succeeded, rejected, quarantined.
-    pub state: String,
+    /// Its state.
+    #[sqlx(try_from = "String")]
+    pub state: crate::jobs::JobState,
     /// Highest attempt any step needed so far.
     pub attempt: i32,
     /// The invoice id once succeeded.

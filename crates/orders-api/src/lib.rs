@@ -3,6 +3,7 @@
 //! final state. Both live in one process and share the `orders` database.
 
 pub mod api;
+pub mod jobs;
 pub mod overview;
 pub mod problem;
 pub mod status;

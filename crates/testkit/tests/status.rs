@@ -106,3 +106,58 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     trigger.trigger();
     task.await.expect("api task").expect("api ran");
 }
+
+#[tokio::test]
+async fn a_job_written_before_migration_5_still_becomes_published_when_its_row_is_confirmed() {
+    let env = TestEnv::new().await;
+    let pool = env.pool("orders").await;
+    // The previous release: the orders migrations up to 0004, from a folder of their own.
+    let previous = std::env::temp_dir().join(format!("orders-migrations-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&previous).expect("folder");
+    let current = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations/orders");
+    for entry in std::fs::read_dir(&current).expect("migrations") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().expect("name").to_string_lossy().into_owned();
+        if name.as_str() < "0005" {
+            std::fs::copy(&path, previous.join(&name)).expect("copy");
+        }
+    }
+    let migrator = sqlx::migrate::Migrator::new(previous.as_path()).await.expect("previous migrator");
+    migrator.run(&pool).await.expect("migrate as the previous release");
+    std::fs::remove_dir_all(&previous).expect("clean up");
+
+    // A job and its order.placed row, as that release wrote them: linked only through the
+    // row's JSON headers.
+    let (order_id, job_id, message_id) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    sqlx::query("insert into orders (id, customer_id) values ($1, 'c')")
+        .bind(order_id)
+        .execute(&pool)
+        .await
+        .expect("order");
+    sqlx::query("insert into jobs (id, order_id) values ($1, $2)")
+        .bind(job_id)
+        .bind(order_id)
+        .execute(&pool)
+        .await
+        .expect("job");
+    sqlx::query(
+        "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers)
+         values ($1, 'order.placed', 'orders', 'order.placed', '{}', jsonb_build_object('correlation_id', $2::text, 'version', 1))",
+    )
+    .bind(message_id)
+    .bind(job_id)
+    .execute(&pool)
+    .await
+    .expect("outbox row");
+
+    // This release migrates forward by itself; then the relay marks the row published.
+    orders_api::MIGRATOR.run(&pool).await.expect("migrate forward");
+    sqlx::query("update outbox set published_at = now() where message_id = $1")
+        .bind(message_id)
+        .execute(&pool)
+        .await
+        .expect("mark");
+    let state: String =
+        sqlx::query_scalar("select state from jobs where id = $1").bind(job_id).fetch_one(&pool).await.expect("job");
+    assert_eq!(state, "published");
+}

@@ -1,0 +1,190 @@
+//! Jobs: what a client polls (`GET /jobs/{id}`), and every move of their state, in one place.
+//!
+//! ```text
+//! queued ──(order.placed confirmed: outbox trigger, or a later step's result)──▶ published
+//! queued | published | retry_wait ──(a step's retry scheduled)──▶ retry_wait
+//! retry_wait ──(that same step succeeds)──▶ published
+//! any non-terminal ──▶ succeeded | rejected | quarantined   (terminal: never change again)
+//! ```
+//!
+//! Every move is monotonic, so late or reordered events are harmless: a terminal state never
+//! changes, attempt numbers only grow, and a late retry event of a step that has already
+//! succeeded changes nothing. The move to `published` made by the broker's confirm is the outbox
+//! trigger of migration 0005, keyed on the job's `order_placed_message_id` column.
+
+use messaging::contracts::JobRetryScheduled;
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// The state of a job (DESIGN §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Accepted; its `order.placed` is not yet confirmed by the broker.
+    Queued,
+    /// `order.placed` is out; the steps are running.
+    Published,
+    /// A step failed and waits in a retry tier.
+    RetryWait,
+    /// Invoiced (terminal).
+    Succeeded,
+    /// Refused by inventory (terminal).
+    Rejected,
+    /// A step's message was parked (terminal).
+    Quarantined,
+}
+
+impl JobState {
+    /// Every state.
+    pub const ALL: [Self; 6] =
+        [Self::Queued, Self::Published, Self::RetryWait, Self::Succeeded, Self::Rejected, Self::Quarantined];
+    /// The states that never change again.
+    pub const TERMINAL: [Self; 3] = [Self::Succeeded, Self::Rejected, Self::Quarantined];
+
+    /// The name stored in `jobs.state` and shown by the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Published => "published",
+            Self::RetryWait => "retry_wait",
+            Self::Succeeded => "succeeded",
+            Self::Rejected => "rejected",
+            Self::Quarantined => "quarantined",
+        }
+    }
+
+    /// Whether the state never changes again.
+    pub fn is_terminal(self) -> bool {
+        Self::TERMINAL.contains(&self)
+    }
+}
+
+impl TryFrom<String> for JobState {
+    type Error = String;
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        Self::ALL.into_iter().find(|state| state.as_str() == name).ok_or_else(|| format!("unknown job state `{name}`"))
+    }
+}
+
+/// The terminal states' names, for `state <> all($n)`.
+fn terminal() -> Vec<&'static str> {
+    JobState::TERMINAL.map(JobState::as_str).to_vec()
+}
+
+/// A new job for `order_id`, whose `order.placed` is outbox row `order_placed_message_id`.
+pub async fn insert(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    order_id: Uuid,
+    order_placed_message_id: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("insert into jobs (id, order_id, order_placed_message_id) values ($1, $2, $3)")
+        .bind(job_id)
+        .bind(order_id)
+        .bind(order_placed_message_id)
+        .execute(tx)
+        .await
+        .map(drop)
+}
+
+/// The step of `endpoint` succeeded: a queued job is published (this result proves `order.placed`
+/// left, in case it overtook the relay's own mark), and a job waiting on that step's retry is not
+/// waiting any more.
+pub async fn step_succeeded(tx: &mut PgConnection, job_id: Uuid, endpoint: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "update jobs set state = $3, retry_endpoint = null,
+                published_at = coalesce(published_at, now()), updated_at = now()
+          where id = $1 and (state = $4 or (state = $5 and retry_endpoint = $2))",
+    )
+    .bind(job_id)
+    .bind(endpoint)
+    .bind(JobState::Published.as_str())
+    .bind(JobState::Queued.as_str())
+    .bind(JobState::RetryWait.as_str())
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+/// A step is waiting for a retry. A late event from a step that has already succeeded (`done_step`,
+/// once the order is past `accepted`) changes nothing: the job must not look older than it is.
+pub async fn retry_scheduled(
+    tx: &mut PgConnection,
+    event: &JobRetryScheduled,
+    done_step: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "update jobs set state = $5, retry_endpoint = $2, attempt = greatest(attempt, $3),
+                last_error = $4, updated_at = now()
+          where id = $1 and state <> all($6)
+            and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> 'accepted'))",
+    )
+    .bind(event.job_id)
+    .bind(&event.endpoint)
+    .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
+    .bind(&event.error)
+    .bind(JobState::RetryWait.as_str())
+    .bind(terminal())
+    .bind(done_step)
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+/// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
+/// grows.
+pub async fn quarantined(tx: &mut PgConnection, job_id: Uuid, attempt: u32, error: &str) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
+          where id = $1 and state <> all($5)",
+    )
+    .bind(job_id)
+    .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+    .bind(error)
+    .bind(JobState::Quarantined.as_str())
+    .bind(terminal())
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+/// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
+/// unless it already ended.
+pub async fn ended(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    outcome: JobState,
+    result_key: Option<&str>,
+    error: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
+    sqlx::query(
+        "update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
+                published_at = coalesce(published_at, now()), updated_at = now()
+          where id = $1 and state <> all($5)",
+    )
+    .bind(job_id)
+    .bind(outcome.as_str())
+    .bind(result_key)
+    .bind(error)
+    .bind(terminal())
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_round_trip_through_their_names_and_the_api() {
+        for state in JobState::ALL {
+            assert_eq!(JobState::try_from(state.as_str().to_owned()), Ok(state));
+            assert_eq!(serde_json::to_value(state).expect("json"), state.as_str());
+        }
+        assert!(JobState::try_from("done".to_owned()).is_err());
+        assert_eq!(JobState::ALL.into_iter().filter(|state| state.is_terminal()).count(), 3);
+    }
+}
