@@ -1,15 +1,15 @@
-//! A keep-alive HTTP/1.1 client for load: one connection, one request at a time, bodies framed by
-//! `Content-Length` (which is what the API sends). The test kit's client opens a connection per
-//! request, which would measure the kernel's connect path instead of the API.
+//! A keep-alive HTTP/1.1 connection for load (hyper's `client::conn::http1`): one connection, one
+//! request at a time. The test kit's client opens a connection per request, which would measure
+//! the kernel's connect path instead of the API.
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt, BufReader},
-    net::TcpStream,
-};
+use http_body_util::{BodyExt, Full};
+use hyper::{body::Bytes, client::conn::http1::SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 /// One persistent connection.
 pub struct Connection {
-    stream: BufReader<TcpStream>,
+    sender: SendRequest<Full<Bytes>>,
     host: String,
 }
 
@@ -24,38 +24,24 @@ impl Connection {
     pub async fn open(host: &str) -> std::io::Result<Self> {
         let stream = TcpStream::connect(host).await?;
         stream.set_nodelay(true)?;
-        Ok(Self { stream: BufReader::new(stream), host: host.to_owned() })
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+        // The connection's I/O runs beside the requests; it ends when the sender is dropped.
+        tokio::spawn(connection);
+        Ok(Self { sender, host: host.to_owned() })
     }
 
     /// `POST path` with a JSON body.
     pub async fn post_json(&mut self, path: &str, body: &str) -> std::io::Result<Response> {
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            self.host,
-            body.len()
-        );
-        self.stream.get_mut().write_all(request.as_bytes()).await?;
-        self.read_response().await
-    }
-
-    async fn read_response(&mut self) -> std::io::Result<Response> {
-        let mut head = Vec::with_capacity(512);
-        while !head.ends_with(b"\r\n\r\n") {
-            let byte = self.stream.read_u8().await?;
-            head.push(byte);
-        }
-        let head = String::from_utf8_lossy(&head);
-        let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed response");
-        let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(bad)?;
-        let length = head
-            .lines()
-            .find_map(|line| {
-                let (name, value) = line.split_once(':')?;
-                name.eq_ignore_ascii_case("content-length").then(|| value.trim().parse::<usize>().ok())?
-            })
-            .ok_or_else(bad)?;
-        let mut body = vec![0; length];
-        self.stream.read_exact(&mut body).await?;
+        let request = hyper::Request::post(path)
+            .header(hyper::header::HOST, &self.host)
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .map_err(std::io::Error::other)?;
+        self.sender.ready().await.map_err(std::io::Error::other)?;
+        let response = self.sender.send_request(request).await.map_err(std::io::Error::other)?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes().to_vec();
         Ok(Response { status, body })
     }
 }

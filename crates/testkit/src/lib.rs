@@ -49,13 +49,13 @@ fn env(names: &[&str]) -> Option<String> {
     names.iter().find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
 }
 
-/// `scheme://authority` of a URL, without path or query.
-fn origin(url: &str) -> &str {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    match url[start..].find(['/', '?']) {
-        Some(end) => &url[..start + end],
-        None => url,
-    }
+/// A server URL without its path, query or fragment: `scheme://user:password@host:port`.
+fn origin(url: &str) -> String {
+    let mut parsed = url::Url::parse(url).unwrap_or_else(|error| panic!("{url} is no server URL: {error}"));
+    parsed.set_path("");
+    parsed.set_query(None);
+    parsed.set_fragment(None);
+    parsed.as_str().trim_end_matches('/').to_owned()
 }
 
 async fn servers() -> &'static Servers {
@@ -66,13 +66,21 @@ async fn locate_servers() -> Servers {
     let postgres = env(&["TEST_DATABASE_URL", "DATABASE_URL"]);
     let amqp = env(&["TEST_AMQP_URL", "AMQP_URL"]);
     if let (Some(postgres), Some(amqp)) = (postgres, amqp) {
-        let amqp = origin(&amqp).to_owned();
-        let authority = amqp.split_once("://").map_or(amqp.as_str(), |(_, rest)| rest);
-        let (user, host_port) = authority.rsplit_once('@').unwrap_or(("guest:guest", authority));
-        let host = host_port.split(':').next().unwrap_or("localhost");
-        let management =
-            env(&["TEST_RABBITMQ_MANAGEMENT_URL"]).unwrap_or_else(|| format!("http://{user}@{host}:15672"));
-        return Servers { postgres: origin(&postgres).to_owned(), amqp, management };
+        let amqp = origin(&amqp);
+        let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"]).unwrap_or_else(|| {
+            // The management API on the broker's host, as the broker's own user.
+            let mut management = url::Url::parse(&amqp).expect("AMQP URL");
+            let (user, password) = match management.username() {
+                "" => ("guest".to_owned(), "guest".to_owned()),
+                user => (user.to_owned(), management.password().unwrap_or_default().to_owned()),
+            };
+            let host = management.host_str().unwrap_or("localhost").to_owned();
+            management = url::Url::parse(&format!("http://{host}:15672")).expect("management URL");
+            let _ = management.set_username(&user);
+            let _ = management.set_password(Some(&password));
+            management.as_str().trim_end_matches('/').to_owned()
+        });
+        return Servers { postgres: origin(&postgres), amqp, management };
     }
     containers::start().await.unwrap_or_else(|error| {
         panic!(
@@ -270,7 +278,8 @@ async fn create_vhost(servers: &Servers, vhost: &str) {
     let created = http::request("PUT", &format!("{api}/api/vhosts/{vhost}"), &[], Some("{}")).await;
     match created {
         Ok(response) if response.status < 300 => {
-            let user = api.strip_prefix("http://").and_then(|r| r.split_once(':')).map_or("guest", |(u, _)| u);
+            let parsed = url::Url::parse(api).expect("management URL");
+            let user = Some(parsed.username()).filter(|user| !user.is_empty()).unwrap_or("guest");
             let body = r#"{"configure":".*","write":".*","read":".*"}"#;
             let granted = http::request("PUT", &format!("{api}/api/permissions/{vhost}/{user}"), &[], Some(body)).await;
             assert!(

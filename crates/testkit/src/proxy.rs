@@ -52,9 +52,10 @@ impl Proxy {
     /// A proxy for the server a `scheme://[user[:pass]@]host:port/...` URL names, and that URL
     /// rewritten to go through it.
     pub async fn for_url(url: &str) -> std::io::Result<(Self, String)> {
-        let (_, authority, _) = split_authority(url);
-        let host_port = authority.rsplit_once('@').map_or(authority, |(_, host_port)| host_port);
-        let proxy = Self::start(host_port).await?;
+        let parsed = parse(url)?;
+        let host = parsed.host_str().unwrap_or("localhost");
+        let port = parsed.port_or_known_default().ok_or_else(|| invalid(url, "no port"))?;
+        let proxy = Self::start(&format!("{host}:{port}")).await?;
         let rewritten = proxy.rewrite(url);
         Ok((proxy, rewritten))
     }
@@ -63,9 +64,10 @@ impl Proxy {
     /// proxy's address; user, path and query are kept.
     pub fn rewrite(&self, urls: &str) -> String {
         let rewrite_one = |url: &str| {
-            let (scheme, authority, rest) = split_authority(url);
-            let userinfo = authority.rsplit_once('@').map_or(String::new(), |(userinfo, _)| format!("{userinfo}@"));
-            format!("{scheme}{userinfo}{}{rest}", self.addr)
+            let mut parsed = parse(url).unwrap_or_else(|error| panic!("{error}"));
+            parsed.set_host(Some(&self.addr.ip().to_string())).unwrap_or_else(|e| panic!("{url}: {e}"));
+            parsed.set_port(Some(self.addr.port())).unwrap_or_else(|()| panic!("{url}: cannot set a port"));
+            parsed.to_string()
         };
         urls.split(',').map(rewrite_one).collect::<Vec<_>>().join(",")
     }
@@ -102,11 +104,12 @@ impl Drop for Proxy {
     }
 }
 
-/// `("scheme://", "authority", "/rest")` of a URL.
-fn split_authority(url: &str) -> (&str, &str, &str) {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let end = url[start..].find(['/', '?']).map_or(url.len(), |i| start + i);
-    (&url[..start], &url[start..end], &url[end..])
+fn parse(url: &str) -> std::io::Result<url::Url> {
+    url::Url::parse(url).map_err(|error| invalid(url, &error.to_string()))
+}
+
+fn invalid(url: &str, what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{url}: {what}"))
 }
 
 /// Accept until dropped; each connection's tasks live in the set, so aborting this task closes
@@ -179,17 +182,16 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::
 
 #[cfg(test)]
 mod tests {
-    use super::split_authority;
+    use super::Proxy;
 
-    #[test]
-    fn splits_urls_with_and_without_paths() {
+    #[tokio::test]
+    async fn rewrites_urls_to_go_through_it_keeping_user_path_and_query() {
+        let (proxy, amqp) = Proxy::for_url("amqp://guest:guest@127.0.0.1:5672/t-1").await.expect("proxy");
+        let port = proxy.addr().port();
+        assert_eq!(amqp, format!("amqp://guest:guest@127.0.0.1:{port}/t-1"));
         assert_eq!(
-            split_authority("amqp://guest:guest@127.0.0.1:5672/t-1"),
-            ("amqp://", "guest:guest@127.0.0.1:5672", "/t-1")
-        );
-        assert_eq!(
-            split_authority("postgres://postgres@localhost:5432"),
-            ("postgres://", "postgres@localhost:5432", "")
+            proxy.rewrite("postgres://postgres@localhost:5432/a,postgres://postgres@localhost:5432/b?x=1"),
+            format!("postgres://postgres@127.0.0.1:{port}/a,postgres://postgres@127.0.0.1:{port}/b?x=1")
         );
     }
 }
