@@ -339,8 +339,14 @@ impl<H: Handler> Runtime<H> {
         publisher: Publisher,
         session_ended: Shutdown,
     ) -> Result<(), PublishError> {
-        let span = delivery_span("delivery", self.settings.endpoint.name, &delivery);
-        self.handle_delivery(delivery, publisher, session_ended).instrument(span).await
+        // Decoded once, here: the span is made from the decoded envelope, and the handling uses it.
+        let endpoint = &self.settings.endpoint;
+        let decoded = Incoming::decode(&delivery).and_then(|message| {
+            endpoint.check(&message.message_type, message.version)?;
+            Ok(message)
+        });
+        let span = delivery_span("delivery", endpoint.name, &delivery, decoded.as_ref().ok());
+        self.handle_delivery(delivery, decoded, publisher, session_ended).instrument(span).await
     }
 
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
@@ -348,16 +354,13 @@ impl<H: Handler> Runtime<H> {
     async fn handle_delivery(
         self: Arc<Self>,
         delivery: Delivery,
+        decoded: Result<Incoming, Unreadable>,
         publisher: Publisher,
         session_ended: Shutdown,
     ) -> Result<(), PublishError> {
         let redelivered = delivery.redelivered;
         let delivery = InFlight(delivery);
         let endpoint = &self.settings.endpoint;
-        let decoded = Incoming::decode(&delivery.0).and_then(|message| {
-            endpoint.check(&message.message_type, message.version)?;
-            Ok(message)
-        });
         let message = match decoded {
             Ok(message) => message,
             Err(unreadable) => {
@@ -577,7 +580,7 @@ impl<H: Handler> Runtime<H> {
     /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
     /// broker's reason, our headers only, and a `job.quarantined` event, so that its job ends too.
     async fn park_dead_lettered(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
-        let span = delivery_span("dead_letter", self.settings.endpoint.name, &delivery);
+        let span = delivery_span("dead_letter", self.settings.endpoint.name, &delivery, None);
         let reason =
             envelope::broker_death(&delivery.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
         let retry_count = envelope::retry_count(&delivery);
@@ -621,15 +624,45 @@ impl<H: Handler> Runtime<H> {
 }
 
 /// The span of one delivery: every line logged while handling it, the handler's included, carries
-/// the endpoint, the message's id, type and attempt, and its job.
-fn delivery_span(kind: &'static str, endpoint: &str, delivery: &Delivery) -> tracing::Span {
+/// the endpoint, the message's id, type and attempt, and its job. Taken from `message` when the
+/// envelope decoded (the usual case: nothing is parsed twice), else from the raw properties.
+fn delivery_span(kind: &'static str, endpoint: &str, delivery: &Delivery, message: Option<&Incoming>) -> tracing::Span {
     let properties = &delivery.properties;
-    let message_id = envelope::message_id(properties).map(|id| id.to_string()).unwrap_or_default();
-    let message_type = properties.kind().as_ref().map(|kind| kind.to_string()).unwrap_or_default();
-    let job_id = envelope::correlation_id(properties).map(|id| id.to_string()).unwrap_or_default();
-    let attempt = envelope::retry_count(delivery).saturating_add(1);
+    let (message_id, message_type, attempt, job_id) = match message {
+        Some(message) => {
+            (Some(message.message_id), message.message_type.as_str(), message.attempt(), message.correlation_id)
+        }
+        None => (
+            envelope::message_id(properties),
+            properties.kind().as_ref().map_or("", |kind| kind.as_str()),
+            envelope::retry_count(delivery).saturating_add(1),
+            envelope::correlation_id(properties),
+        ),
+    };
+    let (message_id, job_id) = (OrEmpty(message_id), OrEmpty(job_id));
     let redelivered = delivery.redelivered;
-    tracing::info_span!("delivery", kind, endpoint, message_id, message_type, attempt, job_id, redelivered)
+    tracing::info_span!(
+        "delivery",
+        kind,
+        endpoint,
+        message_id = %message_id,
+        message_type,
+        attempt,
+        job_id = %job_id,
+        redelivered
+    )
+}
+
+/// An optional id for a log field: empty when absent (no string made for it).
+struct OrEmpty(Option<Uuid>);
+
+impl std::fmt::Display for OrEmpty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(id) => id.fmt(f),
+            None => Ok(()),
+        }
+    }
 }
 
 /// How long a best-effort broker call at the end of a session may take.
