@@ -389,7 +389,11 @@ impl<H: Handler> Runtime<H> {
                     "crashed its consumer {crashes} times: handled alone, it never finished (process killed, \
                      panicked or hung); not handled again"
                 );
-                self.park(delivery, &publisher, message.retry_count, &reason).await
+                // Not settled (the connection failed)? Then it returns here before its count is
+                // forgotten, so that when it comes back it is parked at once instead of crashing
+                // its consumer again.
+                self.park(delivery, &publisher, message.retry_count, &reason).await?;
+                Ok(())
             }
             Some(Ok(_)) => self.settle(delivery, &publisher, &message, &session_ended).await,
             // The ledger itself fails (not an outage): handle the message; the broker's delivery
