@@ -71,11 +71,12 @@ async fn main() {
         .expect("restock");
     let amqp = env.amqp().await;
     let channel = amqp.create_channel().await.expect("channel");
-    topology::declare_exchanges(&channel).await.expect("exchanges");
+    topology::declare_exchanges(&channel, &[shop::exchanges::ORDERS]).await.expect("exchanges");
     // The worker's queue exactly as the worker declares it, with its default settings.
-    let defaults = inventory_worker::Config::parse_from(["inventory-worker"]).consumer;
+    let inventory_worker = inventory_worker::worker();
+    let defaults = inventory_worker.try_parse_from(["inventory-worker"]).expect("defaults").common.consumer;
     let prefetch = defaults.prefetch;
-    let worker = inventory_worker::endpoint();
+    let worker = inventory_worker.endpoint;
     topology::declare_endpoint(&channel, &worker, &defaults.retry_policy()).await.expect("endpoint");
     let purge = || async {
         channel.queue_purge(worker.name.into(), QueuePurgeOptions::default()).await.expect("purge");

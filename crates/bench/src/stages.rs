@@ -13,7 +13,8 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use messaging::{contracts::exchanges, outbox, publisher::Publisher};
+use messaging::{outbox, publisher::Publisher};
+use shop::exchanges;
 use sqlx::PgPool;
 use testkit::process::{self, Process};
 use tokio::sync::Mutex;

@@ -2,88 +2,47 @@
 //! invoice priced from its own `prices` table, and announces `invoice.created` through its outbox,
 //! all in the runtime's one transaction.
 
-use std::{collections::HashMap, net::SocketAddr};
+use std::collections::HashMap;
 
 use messaging::{
-    config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{ConsumerSettings, Handler, HandlerError},
-    contracts::{InventoryReserved, InvoiceCreated, exchanges},
+    consumer::{Handler, HandlerError},
     envelope::Incoming,
     outbox,
-    service::{Worker, demo_fault},
+    service::Worker,
     topology::Endpoint,
 };
+use shop::{InventoryReserved, InvoiceCreated, demo::DemoFaults};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// This service's migrations (`migrations/billing`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
+/// This service's own migrations (`crates/billing-worker/migrations`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// `billing-worker`: invoices reserved orders.
-#[derive(Debug, Clone, clap::Parser)]
-#[command(version, about)]
-pub struct Config {
-    /// Postgres URL of the billing database (created and migrated at start-up).
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@localhost:5432/billing"
-    )]
-    pub database_url: SecretUrl,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub broker: BrokerArgs,
-    /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8082")]
-    pub http_addr: SocketAddr,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub consumer: ConsumerArgs,
-    /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
-    /// process exit (1/0, true/false).
-    #[arg(long, env = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
-          value_parser = clap::builder::BoolishValueParser::new())]
-    pub demo_faults: bool,
-}
-
-/// The endpoint this worker consumes.
-pub fn endpoint() -> Endpoint {
-    Endpoint::new("billing.inventory-reserved")
-        .bind(exchanges::INVENTORY, "inventory.reserved")
-        .accept::<InventoryReserved>()
-}
-
-/// Run the worker until `shutdown`, with its health endpoints on `listener`.
-pub async fn run(
-    config: Config,
-    listener: tokio::net::TcpListener,
-    shutdown: messaging::shutdown::Shutdown,
-) -> anyhow::Result<()> {
-    let worker = Worker {
-        database_url: config.database_url,
+/// The worker: consumes `inventory.reserved` on endpoint `billing.inventory-reserved`.
+pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
+    Worker {
+        name: "billing-worker",
+        about: "Invoices reserved orders.",
+        version: env!("CARGO_PKG_VERSION"),
+        database: "billing",
+        http_addr: "0.0.0.0:8082",
         migrator: &MIGRATOR,
-        database_label: "billing",
-        consumer: ConsumerSettings::from_args(endpoint(), &config.consumer, &config.broker),
-        handler: CreateInvoice { demo_faults: config.demo_faults },
-    };
-    worker.run(listener, shutdown).await?;
-    Ok(())
+        endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>(),
+        handler: |faults| CreateInvoice { faults: *faults },
+    }
 }
 
 /// The `inventory.reserved` handler.
 #[derive(Debug, Clone, Default)]
 pub struct CreateInvoice {
-    /// Inject the demo faults.
-    pub demo_faults: bool,
+    /// The demo's faults, if on.
+    pub faults: DemoFaults,
 }
 
 impl Handler for CreateInvoice {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let reserved: InventoryReserved = message.json()?;
-        if self.demo_faults {
-            demo_fault(reserved.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
-        }
+        self.faults.apply(reserved.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
         let skus: Vec<&str> = reserved.lines.iter().map(|line| line.sku.as_str()).collect();
         let prices: HashMap<String, i64> =
             sqlx::query_as("select sku, unit_price_cents from prices where sku = any($1)")

@@ -1,13 +1,5 @@
-//! `billing-worker`: see the library for what it does; this is start-up only.
+//! `billing-worker`: see the library for what it does.
 
-use clap::Parser;
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    messaging::telemetry::init();
-    let config = billing_worker::Config::parse();
-    messaging::service::run_until_signal(config.http_addr, |listener, shutdown| {
-        billing_worker::run(config, listener, shutdown)
-    })
-    .await
+fn main() -> Result<(), messaging::service::BoxError> {
+    billing_worker::worker().main()
 }

@@ -2,78 +2,41 @@
 //! of the order or none, then announces `inventory.reserved` or `inventory.rejected` through its
 //! outbox, all in the runtime's one transaction.
 
-use std::{collections::BTreeMap, net::SocketAddr};
+use std::collections::BTreeMap;
 
 use messaging::{
-    config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer::{ConsumerSettings, Handler, HandlerError},
-    contracts::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, exchanges},
+    consumer::{Handler, HandlerError},
     envelope::Incoming,
     outbox,
-    service::{Worker, demo_fault},
+    service::Worker,
     topology::Endpoint,
 };
+use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
 use sqlx::{Acquire, PgConnection};
 use uuid::Uuid;
 
-/// This service's migrations (`migrations/inventory`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/inventory");
+/// This service's own migrations (`crates/inventory-worker/migrations`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// `inventory-worker`: reserves stock for placed orders.
-#[derive(Debug, Clone, clap::Parser)]
-#[command(version, about)]
-pub struct Config {
-    /// Postgres URL of the inventory database (created and migrated at start-up).
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@localhost:5432/inventory"
-    )]
-    pub database_url: SecretUrl,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub broker: BrokerArgs,
-    /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8081")]
-    pub http_addr: SocketAddr,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub consumer: ConsumerArgs,
-    /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
-    /// process exit (1/0, true/false).
-    #[arg(long, env = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
-          value_parser = clap::builder::BoolishValueParser::new())]
-    pub demo_faults: bool,
-}
-
-/// The endpoint this worker consumes.
-pub fn endpoint() -> Endpoint {
-    Endpoint::new("inventory.order-placed").bind(exchanges::ORDERS, "order.placed").accept::<OrderPlaced>()
-}
-
-/// Run the worker until `shutdown`, with its health endpoints on `listener`.
-pub async fn run(
-    config: Config,
-    listener: tokio::net::TcpListener,
-    shutdown: messaging::shutdown::Shutdown,
-) -> anyhow::Result<()> {
-    let worker = Worker {
-        database_url: config.database_url,
+/// The worker: consumes `order.placed` on endpoint `inventory.order-placed`.
+pub fn worker() -> Worker<DemoFaults, ReserveStock> {
+    Worker {
+        name: "inventory-worker",
+        about: "Reserves stock for placed orders.",
+        version: env!("CARGO_PKG_VERSION"),
+        database: "inventory",
+        http_addr: "0.0.0.0:8081",
         migrator: &MIGRATOR,
-        database_label: "inventory",
-        consumer: ConsumerSettings::from_args(endpoint(), &config.consumer, &config.broker),
-        handler: ReserveStock { demo_faults: config.demo_faults },
-    };
-    worker.run(listener, shutdown).await?;
-    Ok(())
+        endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>(),
+        handler: |faults| ReserveStock { faults: *faults },
+    }
 }
 
 /// The `order.placed` handler.
 #[derive(Debug, Clone, Default)]
 pub struct ReserveStock {
-    /// Inject the demo faults.
-    pub demo_faults: bool,
+    /// The demo's faults, if on.
+    pub faults: DemoFaults,
 }
 
 /// What reserving an order came to.
@@ -88,9 +51,7 @@ enum Reservation {
 impl Handler for ReserveStock {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let order: OrderPlaced = message.json()?;
-        if self.demo_faults {
-            demo_fault(order.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
-        }
+        self.faults.apply(order.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
         let job_id = message.correlation_id.or(Some(order.job_id));
         match reserve(tx, &order, job_id).await? {
             Reservation::Made | Reservation::AlreadyMade => {}

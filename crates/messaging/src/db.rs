@@ -67,7 +67,8 @@ impl Default for PoolSettings {
     }
 }
 
-/// Create the database named in `url` if missing, connect, and run `migrator`. Retries with
+/// Create the database named in `url` if missing, connect, and apply messaging's migrations and
+/// then the service's `migrator` ([`crate::schema::migrate`]). Retries with
 /// backoff while the server cannot be reached (it may still be starting); other errors (a bad
 /// migration, bad credentials) are returned at once. `Ok(None)` if shutdown came first.
 pub async fn open(
@@ -103,7 +104,7 @@ async fn try_open(
     create_database_if_missing(options).await?;
     // A migration may rightly run longer than any statement of ours: its connection is unbounded.
     let migrating = PgPoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
-    migrator.run(&migrating).await?;
+    crate::schema::migrate(&migrating, migrator).await?;
     migrating.close().await;
     PgPoolOptions::new()
         .max_connections(settings.max_connections)

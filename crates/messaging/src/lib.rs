@@ -1,10 +1,13 @@
-//! Messaging building blocks shared by every service of the shop: the message envelope and its
-//! contracts, broker topology, a confirmed publisher, the consumer runtime (inbox, retries, parking),
-//! the outbox and the inbox, plus the plumbing every binary needs (database start-up, health,
-//! metrics, shutdown, configuration).
+//! The transactional outbox and inbox over Postgres and RabbitMQ, as a library any service adopts:
+//! the message envelope and what a contract is, broker topology, a confirmed publisher, the
+//! consumer runtime (inbox, retries, parking, the crash bound), the outbox, its own database
+//! tables ([`schema`]), and the worker skeleton every consuming binary is made of ([`service`]:
+//! flags, database start-up, health, metrics, shutdown). It knows nothing of the shop that shows
+//! it off (`crates/shop`).
 //!
 //! The guarantees live here, once, so that a service only writes its handler: see
-//! `docs/architecture.md` for the flow and `docs/guarantees.md` for the failure matrix.
+//! `docs/adding-a-service.md` for a service built on it, `docs/architecture.md` for the flow and
+//! `docs/guarantees.md` for the failure matrix.
 
 pub mod backoff;
 pub mod broker;
@@ -21,6 +24,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod outbox;
 pub mod publisher;
+pub mod schema;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;

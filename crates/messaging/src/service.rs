@@ -1,46 +1,121 @@
-//! How a consuming service runs: open its database, serve its health endpoints, run its consumer
-//! until shutdown. Both workers are exactly this with a different handler.
+//! The worker skeleton: everything a consuming service does besides its handler. A service
+//! describes itself in a [`Worker`] (its name, database, migrations, endpoint and handler) and its
+//! `main` is `my_service::worker().main()`; this module parses the flags and environment, creates
+//! and migrates the database (messaging's tables, then the service's), serves `/healthz`,
+//! `/readyz` and `/metrics`, runs the consumer, and shuts down gracefully on SIGINT or SIGTERM.
+//! `docs/adding-a-service.md` walks through one.
 
-use std::sync::Arc;
+use std::{future::Future, net::SocketAddr, sync::Arc};
 
+use clap::{Args, FromArgMatches};
 use sqlx::migrate::Migrator;
 use tokio::net::TcpListener;
 
 use crate::{
-    config::SecretUrl,
+    config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{self, ConsumerSettings, Handler},
     db::{self, PoolSettings},
     health::{self, Health},
     shutdown::Shutdown,
+    topology::Endpoint,
 };
 
-/// A service that consumes one endpoint.
-pub struct Worker<H> {
-    /// Its own database.
-    pub database_url: SecretUrl,
-    /// Its migrations.
+/// Any error a binary's `main` reports.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A consuming service: the parts that differ from one service to the next.
+#[derive(Debug)]
+pub struct Worker<F, H> {
+    /// The binary's name, for `--help` and the logs, e.g. `inventory-worker`.
+    pub name: &'static str,
+    /// What it does, in one line, for `--help`.
+    pub about: &'static str,
+    /// Its version, for `--version`: `env!("CARGO_PKG_VERSION")`.
+    pub version: &'static str,
+    /// Its database: the name in the default `DATABASE_URL`, and its label in `/metrics` and
+    /// `/readyz`.
+    pub database: &'static str,
+    /// The default `HTTP_ADDR` of its health and metrics endpoints.
+    pub http_addr: &'static str,
+    /// Its own migrations (`sqlx::migrate!("./migrations")`), applied after messaging's.
     pub migrator: &'static Migrator,
-    /// The label of its database in `/metrics` and `/readyz`.
-    pub database_label: &'static str,
-    /// Its endpoint, retry policy, prefetch and broker.
-    pub consumer: ConsumerSettings,
-    /// What it does with a message.
-    pub handler: H,
+    /// What it consumes.
+    pub endpoint: Endpoint,
+    /// Its handler, made from its own flags `F` ([`NoFlags`] if it has none).
+    pub handler: fn(&F) -> H,
 }
 
-impl<H: Handler> Worker<H> {
-    /// Run until `shutdown`: health endpoints on `listener`, the consumer in the foreground. Returns
-    /// once in-flight deliveries are settled and the HTTP server has stopped.
-    pub async fn run(self, listener: TcpListener, shutdown: Shutdown) -> Result<(), sqlx::Error> {
+/// The flags of a service that has none of its own.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct NoFlags {}
+
+/// The settings every worker takes, as flags with environment fallbacks.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// Postgres URL of its database (created and migrated at start-up).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: SecretUrl,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub broker: BrokerArgs,
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "HTTP_ADDR")]
+    pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub consumer: ConsumerArgs,
+}
+
+/// A worker's parsed settings: the common ones and its own.
+#[derive(Debug, Clone)]
+pub struct Settings<F> {
+    /// What every worker takes.
+    pub common: WorkerArgs,
+    /// The service's own flags.
+    pub own: F,
+}
+
+impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
+    /// Its command line: every worker's flags and its own, with its defaults.
+    pub fn command(&self) -> clap::Command {
+        let command = clap::Command::new(self.name).about(self.about).version(self.version);
+        F::augment_args(WorkerArgs::augment_args(command))
+            .mut_arg("database_url", |arg| {
+                arg.default_value(format!("postgres://postgres@localhost:5432/{}", self.database)).required(false)
+            })
+            .mut_arg("http_addr", |arg| arg.default_value(self.http_addr).required(false))
+    }
+
+    /// Parse `args` (the first is the binary's name).
+    pub fn try_parse_from<I, T>(&self, args: I) -> Result<Settings<F>, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = self.command().try_get_matches_from(args)?;
+        Ok(Settings { common: WorkerArgs::from_arg_matches(&matches)?, own: F::from_arg_matches(&matches)? })
+    }
+
+    /// Run until `shutdown`: health endpoints on `listener`, the consumer in the foreground.
+    /// Returns once in-flight deliveries are settled and the HTTP server has stopped; an error only
+    /// if the database cannot be set up (a bad migration, bad credentials: waiting would not help).
+    pub async fn run(
+        self,
+        settings: Settings<F>,
+        listener: TcpListener,
+        shutdown: Shutdown,
+    ) -> Result<(), sqlx::Error> {
+        let Settings { common, own } = settings;
+        let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, &common.broker);
         // One connection per concurrent delivery, plus one for health checks.
         let pool_settings =
-            PoolSettings { max_connections: u32::from(self.consumer.prefetch) + 1, ..PoolSettings::default() };
-        let Some(pool) = db::open(&self.database_url, self.migrator, pool_settings, &shutdown).await? else {
+            PoolSettings { max_connections: u32::from(consumer.prefetch) + 1, ..PoolSettings::default() };
+        let Some(pool) = db::open(&common.database_url, self.migrator, pool_settings, &shutdown).await? else {
             return Ok(());
         };
-        let health = Health { databases: vec![(self.database_label.to_owned(), pool.clone())], ..Health::default() };
+        let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
         let server = tokio::spawn(health::serve(listener, health::routes(health.clone()), shutdown.clone()));
-        consumer::run(self.consumer, Arc::new(self.handler), pool.clone(), health, shutdown).await;
+        consumer::run(consumer, Arc::new((self.handler)(&own)), pool.clone(), health, shutdown).await;
         match server.await {
             Ok(Err(error)) => tracing::error!(%error, "health server failed"),
             Err(error) => tracing::error!(%error, "health server task failed"),
@@ -49,44 +124,32 @@ impl<H: Handler> Worker<H> {
         pool.close().await;
         Ok(())
     }
-}
 
-/// The exit code of a worker that a `CRASH` SKU brings down (`EX_SOFTWARE`), distinct from a
-/// panic's 101, so that a supervisor or a soak can tell the demo's crashes from real ones.
-pub const DEMO_CRASH_EXIT_CODE: i32 = 70;
-
-/// Demo fault injection (`DEMO_FAULTS=1`, DESIGN §8): a line whose SKU starts with `FLAKY` fails
-/// transiently on the first two attempts; one starting with `POISON` fails on every attempt (a
-/// simulated handler bug), so its message is parked after `MAX_ATTEMPTS`; one starting with
-/// `CRASH` makes the process exit at once, every time (a handler that crashes), so its message is
-/// parked by the crash bound (`MAX_CRASHES`). Never call it in a test process: it would exit.
-pub fn demo_fault<'a>(
-    skus: impl IntoIterator<Item = &'a str>,
-    attempt: u32,
-) -> Result<(), crate::consumer::HandlerError> {
-    use crate::consumer::HandlerError;
-    for sku in skus {
-        if sku.starts_with("CRASH") {
-            // Like a segfault or an OOM kill: no unwinding, no ack, nothing flushed but this line.
-            eprintln!("demo fault: {sku} crashes the worker (attempt {attempt})");
-            std::process::exit(DEMO_CRASH_EXIT_CODE);
-        }
-        if sku.starts_with("POISON") {
-            return Err(HandlerError::Transient(format!("demo fault: {sku} always fails (attempt {attempt})")));
-        }
-        if sku.starts_with("FLAKY") && attempt <= 2 {
-            return Err(HandlerError::Transient(format!("demo fault: {sku} fails on attempt {attempt} of 3")));
-        }
+    /// What a worker binary's `main` does: parse the flags (exit 2 with clap's message on a bad
+    /// one, before touching any server), log to stderr, and run on a multi-threaded runtime until
+    /// SIGINT or SIGTERM.
+    pub fn main(self) -> Result<(), BoxError>
+    where
+        F: Send + 'static,
+    {
+        let settings = match self.try_parse_from(std::env::args_os()) {
+            Ok(settings) => settings,
+            Err(error) => error.exit(),
+        };
+        crate::telemetry::init();
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        runtime.block_on(run_until_signal(settings.common.http_addr, |listener, shutdown| async move {
+            self.run(settings, listener, shutdown).await.map_err(BoxError::from)
+        }))
     }
-    Ok(())
 }
 
 /// What every binary's `main` does after parsing its flags: bind `addr`, turn SIGINT/SIGTERM into
 /// a shutdown, and run the service on the listener until it returns.
-pub async fn run_until_signal<F, Fut, E>(addr: std::net::SocketAddr, run: F) -> Result<(), E>
+pub async fn run_until_signal<F, Fut, E>(addr: SocketAddr, run: F) -> Result<(), E>
 where
     F: FnOnce(TcpListener, Shutdown) -> Fut,
-    Fut: std::future::Future<Output = Result<(), E>>,
+    Fut: Future<Output = Result<(), E>>,
     E: From<std::io::Error>,
 {
     let listener = TcpListener::bind(addr).await?;

@@ -1,4 +1,4 @@
-//! Broker topology (DESIGN §5): the shop's exchanges and, per consuming endpoint, its work queue,
+//! Broker topology (DESIGN §5): topic exchanges and, per consuming endpoint, its work queue,
 //! retry wait queues, parking queue, and the intake of the broker's own dead letters. Declarations
 //! are idempotent and take the same arguments on RabbitMQ 3.10 and 4.x (decision 0005); every queue
 //! is a quorum queue, so messages survive a broker node restart.
@@ -11,7 +11,10 @@ use lapin::{
     types::{AMQPValue, FieldTable, ShortString},
 };
 
-use crate::{contracts::exchanges, duration::format_duration};
+use crate::{
+    contracts::{Contract, JOBS_EXCHANGE},
+    duration::format_duration,
+};
 
 /// Returns of one message to the work queue before the broker itself dead-letters it. Every
 /// return of an unacked delivery counts, handled or not (a crash, a reconnect, a shutdown, on 3.10
@@ -99,8 +102,14 @@ impl Endpoint {
         self
     }
 
+    /// Consume contract `C`: bind its routing key on its exchange, and accept it up to its
+    /// current major version.
+    pub fn consume<C: Contract>(self) -> Self {
+        self.bind(C::EXCHANGE, C::TYPE).accept::<C>()
+    }
+
     /// Accept messages of contract `C` up to its current major version.
-    pub fn accept<C: crate::contracts::Contract>(mut self) -> Self {
+    pub fn accept<C: Contract>(mut self) -> Self {
         self.accepts.push((C::TYPE, C::VERSION));
         self
     }
@@ -136,13 +145,13 @@ impl Endpoint {
     }
 }
 
-/// Declare the shop's topic exchanges (durable). Everybody who publishes or binds declares them,
-/// so start-up order between services does not matter.
-pub async fn declare_exchanges(channel: &Channel) -> lapin::Result<()> {
-    for exchange in exchanges::ALL {
+/// Declare the topic exchanges named (durable). Everybody who publishes to one or binds to one
+/// declares it, so start-up order between services does not matter.
+pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Result<()> {
+    for exchange in names {
         channel
             .exchange_declare(
-                exchange.into(),
+                (*exchange).into(),
                 ExchangeKind::Topic,
                 ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
                 FieldTable::default(),
@@ -152,13 +161,16 @@ pub async fn declare_exchanges(channel: &Channel) -> lapin::Result<()> {
     Ok(())
 }
 
-/// Declare an endpoint's queues and bindings: parking, the intake of dead letters, the work queue,
-/// and one wait queue per retry tier.
+/// Declare an endpoint's queues and bindings: the exchanges it binds to and the job events'
+/// exchange it publishes to, parking, the intake of dead letters, the work queue, and one wait
+/// queue per retry tier.
 ///
 /// A queue that already exists with other arguments (declared by a release before decision 0005)
 /// makes this fail with `PRECONDITION_FAILED`; the decision record says how to move it.
 pub async fn declare_endpoint(channel: &Channel, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
-    declare_exchanges(channel).await?;
+    let mut exchanges: Vec<&str> = endpoint.bindings.iter().map(|binding| binding.exchange).collect();
+    exchanges.push(JOBS_EXCHANGE);
+    declare_exchanges(channel, &exchanges).await?;
     // Neither parking nor the intake has a dead-letter target, so neither may ever reach a limit.
     declare_queue(channel, &endpoint.parking_queue(), keeping()).await?;
     let dead_lettered = endpoint.dead_lettered_queue();
@@ -240,12 +252,13 @@ mod tests {
 
     #[test]
     fn endpoint_names_its_queues_and_checks_versions() {
-        let endpoint = Endpoint::new("inventory.order-placed").accept::<crate::contracts::OrderPlaced>();
-        assert_eq!(endpoint.parking_queue(), "inventory.order-placed.parking");
-        assert_eq!(endpoint.dead_lettered_queue(), "inventory.order-placed.dead-lettered");
-        assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "inventory.order-placed.wait.5s");
-        assert!(endpoint.check("order.placed", 1).is_ok());
-        assert!(endpoint.check("order.placed", 2).is_err());
-        assert!(endpoint.check("order.cancelled", 1).is_err());
+        let endpoint = Endpoint::new("status").consume::<crate::contracts::JobQuarantined>();
+        assert_eq!(endpoint.bindings, [Binding { exchange: "jobs", routing_key: "job.quarantined" }]);
+        assert_eq!(endpoint.parking_queue(), "status.parking");
+        assert_eq!(endpoint.dead_lettered_queue(), "status.dead-lettered");
+        assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "status.wait.5s");
+        assert!(endpoint.check("job.quarantined", 1).is_ok());
+        assert!(endpoint.check("job.quarantined", 2).is_err());
+        assert!(endpoint.check("job.cancelled", 1).is_err());
     }
 }

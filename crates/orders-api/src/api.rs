@@ -10,11 +10,11 @@ use axum::{
 };
 use chrono::{DateTime, Utc};
 use messaging::{
-    contracts::{OrderLine, OrderPlaced},
     db::{self, QUERY_DEADLINE},
     failpoint, outbox,
 };
 use serde::{Deserialize, Serialize};
+use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 

@@ -21,8 +21,8 @@ use messaging::{
 use sqlx::PgPool;
 use tower_http::trace::TraceLayer;
 
-/// This service's migrations (`migrations/orders`).
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/orders");
+/// This service's own migrations (`crates/orders-api/migrations`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// `orders-api`: accepts orders and reports their jobs.
 #[derive(Debug, Clone, clap::Parser)]

@@ -4,12 +4,11 @@
 
 use messaging::{
     consumer::{Handler, HandlerError},
-    contracts::{
-        Contract, InventoryRejected, InventoryReserved, InvoiceCreated, JobQuarantined, JobRetryScheduled, exchanges,
-    },
+    contracts::{Contract, JOBS_EXCHANGE, JobQuarantined, JobRetryScheduled},
     envelope::{Incoming, Unreadable},
     topology::Endpoint,
 };
+use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -21,13 +20,10 @@ const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
 /// The endpoint: every outcome of every step, and the runtime's job events.
 pub fn endpoint() -> Endpoint {
     Endpoint::new("orders.status")
-        .bind(exchanges::INVENTORY, InventoryReserved::TYPE)
-        .bind(exchanges::INVENTORY, InventoryRejected::TYPE)
-        .bind(exchanges::BILLING, InvoiceCreated::TYPE)
-        .bind(exchanges::JOBS, "job.#")
-        .accept::<InventoryReserved>()
-        .accept::<InventoryRejected>()
-        .accept::<InvoiceCreated>()
+        .consume::<InventoryReserved>()
+        .consume::<InventoryRejected>()
+        .consume::<InvoiceCreated>()
+        .bind(JOBS_EXCHANGE, "job.#")
         .accept::<JobRetryScheduled>()
         .accept::<JobQuarantined>()
 }

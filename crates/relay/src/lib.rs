@@ -10,7 +10,7 @@
 //! Crash anywhere and the worst case is a row published twice (confirmed, not yet marked): the
 //! message id is stable, so consumers' inboxes absorb it. A row is never marked without a confirm.
 
-use std::{net::SocketAddr, str::FromStr, time::Duration};
+use std::{collections::HashSet, net::SocketAddr, str::FromStr, time::Duration};
 
 use messaging::{
     backoff::Backoff,
@@ -237,7 +237,10 @@ impl Relay {
     async fn session(&self, connection: &lapin::Connection, was_up: &mut bool) -> Result<(), SessionError> {
         let (flag, shutdown) = (self.flag(), &self.shutdown);
         let publisher = Publisher::open(connection).await?;
-        topology::declare_exchanges(publisher.channel()).await?;
+        // The exchanges this session has declared: each row's exchange is declared before its
+        // first publish, so the relay needs no list of them and a new service's exchange works
+        // without a change here.
+        let mut declared = HashSet::new();
         // LISTEN before the first claim: a row committed in between still wakes us.
         let mut listener = PgListener::connect_with(&self.db.pool).await?;
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
@@ -251,11 +254,11 @@ impl Relay {
         loop {
             let next = match in_flight.take() {
                 Some(batch) => {
-                    let (settled, next) = tokio::join!(self.settle(batch), self.send_batch(&publisher));
+                    let (settled, next) = tokio::join!(self.settle(batch), self.send_batch(&publisher, &mut declared));
                     settled?;
                     next?
                 }
-                None => self.send_batch(&publisher).await?,
+                None => self.send_batch(&publisher, &mut declared).await?,
             };
             if let Some(batch) = next {
                 if shutdown.is_triggered() {
@@ -277,9 +280,14 @@ impl Relay {
         Ok(())
     }
 
-    /// Claim a batch of due rows and publish them all without waiting for confirms. `None` if
-    /// nothing is due. The batch's transaction keeps its rows locked until [`Relay::settle`].
-    async fn send_batch(&self, publisher: &Publisher) -> Result<Option<SentBatch>, SessionError> {
+    /// Claim a batch of due rows and publish them all without waiting for confirms, declaring
+    /// first any exchange not in `declared`. `None` if nothing is due. The batch's transaction
+    /// keeps its rows locked until [`Relay::settle`].
+    async fn send_batch(
+        &self,
+        publisher: &Publisher,
+        declared: &mut HashSet<String>,
+    ) -> Result<Option<SentBatch>, SessionError> {
         let (tx, rows) = db::within(db::QUERY_DEADLINE, async {
             let mut tx = self.db.pool.begin().await?;
             let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
@@ -289,6 +297,11 @@ impl Relay {
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(None);
+        }
+        let new: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).filter(|e| !declared.contains(*e)).collect();
+        if !new.is_empty() {
+            topology::declare_exchanges(publisher.channel(), &new).await?;
+            declared.extend(new.into_iter().map(str::to_owned));
         }
         let mut sent = Vec::with_capacity(rows.len());
         for row in &rows {

@@ -1,7 +1,21 @@
-//! Checks of a service binary as shipped, shared by each service crate's `tests/binary.rs`.
-//! Having such a test is also what makes `cargo test` build the binary the crash tests start.
+//! Checks of a service binary as shipped, made by [`binary_tests!`](crate::binary_tests) in each
+//! service crate's `tests/binary.rs`. Having such a test is also what makes `cargo test` build the
+//! binary the process tests start.
 
 use std::process::Command;
+
+/// The settings every worker built on `messaging::service::Worker` takes.
+pub const WORKER_VARIABLES: &[&str] = &[
+    "DATABASE_URL",
+    "AMQP_URL",
+    "HTTP_ADDR",
+    "RETRY_DELAYS",
+    "MAX_ATTEMPTS",
+    "PREFETCH",
+    "MAX_CRASHES",
+    "HANDLER_TIMEOUT",
+    "DELIVERY_LIMIT",
+];
 
 /// `--help` names every environment variable in `variables`.
 pub fn assert_help_names(binary: &str, variables: &[&str]) {
@@ -19,4 +33,33 @@ pub fn assert_bad_setting_refused(binary: &str) {
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     let error = String::from_utf8_lossy(&output.stderr);
     assert!(error.contains("invalid value 'not-an-address' for '--http-addr"), "{error}");
+}
+
+/// The checks of a service binary as shipped, as two tests: `--help` names each environment
+/// variable listed (with `worker`, also every worker's [`WORKER_VARIABLES`]), and a bad setting is
+/// refused before connecting.
+///
+/// ```ignore
+/// testkit::binary_tests!(worker "inventory-worker", ["DEMO_FAULTS"]);
+/// testkit::binary_tests!("relay", ["DATABASE_URL", "AMQP_URL", "RELAY_BATCH_SIZE"]);
+/// ```
+#[macro_export]
+macro_rules! binary_tests {
+    (worker $binary:literal, [$($variable:literal),* $(,)?]) => {
+        $crate::binary_tests!(@tests $binary, [$crate::cli::WORKER_VARIABLES, &[$($variable),*]].concat());
+    };
+    ($binary:literal, [$($variable:literal),* $(,)?]) => {
+        $crate::binary_tests!(@tests $binary, [$($variable),*]);
+    };
+    (@tests $binary:literal, $variables:expr) => {
+        #[test]
+        fn help_names_every_setting() {
+            $crate::cli::assert_help_names(env!(concat!("CARGO_BIN_EXE_", $binary)), &$variables);
+        }
+
+        #[test]
+        fn bad_setting_is_refused_before_connecting() {
+            $crate::cli::assert_bad_setting_refused(env!(concat!("CARGO_BIN_EXE_", $binary)));
+        }
+    };
 }

@@ -168,16 +168,42 @@ impl TestEnv {
         PgPoolOptions::new().max_connections(4).connect_with(options).await.expect("connect test database")
     }
 
-    /// A pool on this test's database for `service`, migrated with `migrator`.
+    /// A pool on this test's database for `service`, migrated as the service does it: messaging's
+    /// migrations, then its own `migrator`.
     pub async fn migrated_pool(&self, service: &str, migrator: &sqlx::migrate::Migrator) -> PgPool {
         let pool = self.pool(service).await;
-        migrator.run(&pool).await.expect("migrate test database");
+        messaging::schema::migrate(&pool, migrator).await.expect("migrate test database");
+        pool
+    }
+
+    /// A pool on this test's database `name` with messaging's tables only (outbox, inbox, crash
+    /// ledger): a service of the test's own making.
+    pub async fn messaging_pool(&self, name: &str) -> PgPool {
+        let pool = self.pool(name).await;
+        messaging::schema::MIGRATOR.run(&pool).await.expect("migrate test database");
         pool
     }
 
     /// A broker connection on this test's vhost.
     pub async fn amqp(&self) -> Connection {
         Connection::connect(&self.amqp_url(), ConnectionProperties::default()).await.expect("connect to test vhost")
+    }
+
+    /// Publish `body` as a message of contract `C` belonging to job `job_id`, `copies` times under
+    /// one message id (as a relay that crashed between a confirm and its mark would), each copy
+    /// confirmed. Returns the message id.
+    pub async fn publish<C: messaging::contracts::Contract>(&self, body: &C, job_id: Uuid, copies: usize) -> Uuid {
+        let connection = self.amqp().await;
+        let publisher = messaging::publisher::Publisher::open(&connection).await.expect("publisher");
+        let message_id = Uuid::now_v7();
+        let properties =
+            messaging::envelope::Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, chrono::Utc::now());
+        let payload = serde_json::to_vec(body).expect("json");
+        for _ in 0..copies {
+            publisher.publish(C::EXCHANGE, C::TYPE, &payload, properties.clone()).await.expect("confirmed");
+        }
+        let _ = connection.close(200, "bye".into()).await;
+        message_id
     }
 
     /// The broker's version, e.g. `4.0.5`, from the management API.

@@ -3,13 +3,8 @@
 
 mod common;
 
-use chrono::Utc;
 use common::{Shop, WAIT, count};
-use messaging::{
-    contracts::{Contract, InventoryReserved, OrderLine, OrderPlaced},
-    envelope::Headers,
-    publisher::Publisher,
-};
+use shop::{InventoryReserved, OrderLine, OrderPlaced};
 use testkit::eventually;
 use uuid::Uuid;
 
@@ -80,19 +75,6 @@ async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
     shop.stop().await;
 }
 
-/// Publish `body` twice with the same message id, as a relay that crashed before marking would.
-async fn publish_twice<C: Contract>(shop: &Shop, body: &C, job_id: Uuid) {
-    let connection = shop.env.amqp().await;
-    let publisher = Publisher::open(&connection).await.expect("publisher");
-    let message_id = Uuid::now_v7();
-    let properties = Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, Utc::now());
-    let payload = serde_json::to_vec(body).expect("json");
-    for _ in 0..2 {
-        publisher.publish(C::EXCHANGE, C::TYPE, &payload, properties.clone()).await.expect("confirmed");
-    }
-    let _ = connection.close(200, "bye".into()).await;
-}
-
 #[tokio::test]
 async fn duplicate_order_placed_reserves_once_and_invoices_once() {
     let shop = Shop::start().await;
@@ -103,7 +85,7 @@ async fn duplicate_order_placed_reserves_once_and_invoices_once() {
         customer_id: "c-dup".into(),
         lines: vec![OrderLine { sku: "SKU-2".into(), quantity: 4 }],
     };
-    publish_twice(&shop, &placed, placed.job_id).await;
+    shop.env.publish(&placed, placed.job_id, 2).await;
 
     let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
     eventually("inventory to skip the duplicate", WAIT, || async {
@@ -129,7 +111,7 @@ async fn duplicate_inventory_reserved_invoices_once() {
         reservation_id: Uuid::now_v7(),
         lines: vec![OrderLine { sku: "SKU-4".into(), quantity: 2 }],
     };
-    publish_twice(&shop, &reserved, reserved.job_id).await;
+    shop.env.publish(&reserved, reserved.job_id, 2).await;
 
     let series = "inbox_duplicates_skipped_total{endpoint=\"billing.inventory-reserved\"}";
     eventually("billing to skip the duplicate", WAIT, || async {

@@ -12,11 +12,11 @@ use lapin::{
     types::FieldTable,
 };
 use messaging::{
-    contracts::{OrderLine, OrderPlaced, exchanges},
     outbox,
     shutdown::{self, ShutdownTrigger},
     topology,
 };
+use shop::{OrderLine, OrderPlaced, exchanges};
 use sqlx::PgPool;
 use testkit::{TestEnv, eventually};
 use uuid::Uuid;
@@ -46,7 +46,7 @@ async fn fill_outbox(pool: &PgPool, n: usize, per_tx: usize) -> Vec<Uuid> {
 async fn bind_probe(env: &TestEnv) {
     let connection = env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
-    topology::declare_exchanges(&channel).await.expect("exchanges");
+    topology::declare_exchanges(&channel, &[exchanges::ORDERS]).await.expect("exchanges");
     channel.queue_declare(PROBE.into(), QueueDeclareOptions::durable(), FieldTable::default()).await.expect("queue");
     channel
         .queue_bind(

@@ -67,9 +67,9 @@ fn endpoint(delivery_limit: u32) -> Endpoint {
     }
 }
 
-/// A database with an inbox and an `effects` table, and the endpoint's queues declared.
+/// A database with messaging's tables and an `effects` table, and the endpoint's queues declared.
 async fn prepare(env: &TestEnv, endpoint: &Endpoint, policy: &RetryPolicy) -> PgPool {
-    let pool = env.migrated_pool("scripted", &inventory_worker::MIGRATOR).await;
+    let pool = env.messaging_pool("scripted").await;
     sqlx::query("create table effects (body text not null)").execute(&pool).await.expect("effects");
     let connection = env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");

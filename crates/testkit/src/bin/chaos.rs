@@ -16,7 +16,7 @@
 use std::{collections::BTreeMap, process::ExitCode, time::Duration};
 
 use clap::Parser;
-use messaging::service::DEMO_CRASH_EXIT_CODE;
+use shop::demo::CRASH_EXIT_CODE;
 use testkit::{
     http,
     shop::{Options, ProcessShop, Service},
@@ -88,7 +88,7 @@ impl Havoc {
     async fn supervise(&mut self, shop: &mut ProcessShop) {
         for service in Service::ALL {
             let Some(status) = shop.process(service).take_exit() else { continue };
-            if status.code() == Some(DEMO_CRASH_EXIT_CODE) {
+            if status.code() == Some(CRASH_EXIT_CODE) {
                 self.crash_exits += 1;
             } else {
                 self.self_exits.push(format!("{service:?}: {status}"));

@@ -85,20 +85,20 @@ impl Shop {
 
         let faults = ["--demo-faults".to_owned(), options.demo_faults.to_string()];
         let (l, inventory_http) = listener().await;
-        let config = inventory_worker::Config::parse_from(args(
-            "inventory-worker",
-            consumer_flags(env.database_url("inventory")),
-            &faults,
-        ));
-        tasks.push(tokio::spawn(inventory_worker::run(config, l, stop.clone())));
+        let worker = inventory_worker::worker();
+        let settings = worker
+            .try_parse_from(args("inventory-worker", consumer_flags(env.database_url("inventory")), &faults))
+            .expect("inventory flags");
+        let run = worker.run(settings, l, stop.clone());
+        tasks.push(tokio::spawn(async move { Ok(run.await?) }));
 
         let (l, billing_http) = listener().await;
-        let config = billing_worker::Config::parse_from(args(
-            "billing-worker",
-            consumer_flags(env.database_url("billing")),
-            &faults,
-        ));
-        tasks.push(tokio::spawn(billing_worker::run(config, l, stop.clone())));
+        let worker = billing_worker::worker();
+        let settings = worker
+            .try_parse_from(args("billing-worker", consumer_flags(env.database_url("billing")), &faults))
+            .expect("billing flags");
+        let run = worker.run(settings, l, stop.clone());
+        tasks.push(tokio::spawn(async move { Ok(run.await?) }));
 
         let (l, relay_http) = listener().await;
         let databases = ["orders", "inventory", "billing"].map(|s| env.database_url(s)).join(",");

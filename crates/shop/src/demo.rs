@@ -1,0 +1,45 @@
+//! Demo fault injection (`DEMO_FAULTS=1`, DESIGN §8), shared by the shop's workers: a line whose
+//! SKU starts with `FLAKY` fails transiently on the first two attempts; one starting with `POISON`
+//! fails on every attempt (a simulated handler bug), so its message is parked after
+//! `MAX_ATTEMPTS`; one starting with `CRASH` makes the process exit at once, every time (a handler
+//! that crashes), so its message is parked by the crash bound (`MAX_CRASHES`).
+
+use messaging::consumer::HandlerError;
+
+/// The exit code of a worker that a `CRASH` SKU brings down (`EX_SOFTWARE`), distinct from a
+/// panic's 101, so that a supervisor or a soak can tell the demo's crashes from real ones.
+pub const CRASH_EXIT_CODE: i32 = 70;
+
+/// The `DEMO_FAULTS` flag of a shop worker.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct DemoFaults {
+    /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
+    /// process exit (1/0, true/false).
+    #[arg(long = "demo-faults", env = "DEMO_FAULTS", value_name = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub enabled: bool,
+}
+
+impl DemoFaults {
+    /// The fault the first faulty SKU among `skus` calls for on `attempt`, if faults are on. Never
+    /// enable it in a test process with a `CRASH` SKU: the process would exit.
+    pub fn apply<'a>(self, skus: impl IntoIterator<Item = &'a str>, attempt: u32) -> Result<(), HandlerError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        for sku in skus {
+            if sku.starts_with("CRASH") {
+                // Like a segfault or an OOM kill: no unwinding, no ack, nothing flushed but this line.
+                eprintln!("demo fault: {sku} crashes the worker (attempt {attempt})");
+                std::process::exit(CRASH_EXIT_CODE);
+            }
+            if sku.starts_with("POISON") {
+                return Err(HandlerError::Transient(format!("demo fault: {sku} always fails (attempt {attempt})")));
+            }
+            if sku.starts_with("FLAKY") && attempt <= 2 {
+                return Err(HandlerError::Transient(format!("demo fault: {sku} fails on attempt {attempt} of 3")));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,79 @@
+//! Shipping, the example of `docs/adding-a-service.md`: consumes `invoice.created` (endpoint
+//! `shipping.invoice-created`), schedules one shipment per order, and announces
+//! `shipment.scheduled` through its outbox, all in the runtime's one transaction.
+//!
+//! The glue is [`worker`], [`MIGRATOR`] and `main.rs`; the rest is the handler and the contract it
+//! publishes.
+
+use messaging::{
+    consumer::{Handler, HandlerError},
+    contracts::Contract,
+    envelope::Incoming,
+    outbox,
+    service::{NoFlags, Worker},
+    topology::Endpoint,
+};
+use serde::{Deserialize, Serialize};
+use shop::InvoiceCreated;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// This service's own migrations, applied after messaging's. Named by timestamp
+/// (`sqlx migrate add`'s default), so they never take one of messaging's versions.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// The worker.
+pub fn worker() -> Worker<NoFlags, ScheduleShipment> {
+    Worker {
+        name: "shipping-worker",
+        about: "Schedules a shipment for every invoiced order.",
+        version: env!("CARGO_PKG_VERSION"),
+        database: "shipping",
+        http_addr: "0.0.0.0:8084",
+        migrator: &MIGRATOR,
+        endpoint: Endpoint::new("shipping.invoice-created").consume::<InvoiceCreated>(),
+        handler: |_| ScheduleShipment,
+    }
+}
+
+/// A shipment was scheduled for an invoiced order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShipmentScheduled {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+    /// The shipment.
+    pub shipment_id: Uuid,
+}
+
+impl Contract for ShipmentScheduled {
+    const TYPE: &'static str = "shipment.scheduled";
+    const EXCHANGE: &'static str = "shipping";
+}
+
+/// The `invoice.created` handler.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScheduleShipment;
+
+impl Handler for ScheduleShipment {
+    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let invoice: InvoiceCreated = message.json()?;
+        let shipment_id = Uuid::now_v7();
+        let inserted = sqlx::query(
+            "insert into shipments (id, order_id, job_id) values ($1, $2, $3) on conflict (order_id) do nothing",
+        )
+        .bind(shipment_id)
+        .bind(invoice.order_id)
+        .bind(invoice.job_id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted == 1 {
+            let scheduled = ShipmentScheduled { order_id: invoice.order_id, job_id: invoice.job_id, shipment_id };
+            outbox::enqueue(tx, &scheduled, message.correlation_id.or(Some(invoice.job_id))).await?;
+        }
+        Ok(())
+    }
+}

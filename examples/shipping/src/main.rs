@@ -1,0 +1,5 @@
+//! `shipping-worker`: see the library for what it does.
+
+fn main() -> Result<(), messaging::service::BoxError> {
+    shipping_worker::worker().main()
+}

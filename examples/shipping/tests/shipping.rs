@@ -1,0 +1,63 @@
+//! The example service as shipped: its binary, started as a process on a test's own database and
+//! vhost, ships each invoiced order once however often its message arrives, and stops cleanly.
+
+use std::time::Duration;
+
+use shop::InvoiceCreated;
+use testkit::{TestEnv, eventually, process};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+testkit::binary_tests!(worker "shipping-worker", []);
+
+#[tokio::test]
+async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_twice() {
+    let env = TestEnv::new().await;
+    let port = process::free_port();
+    let log_dir = std::env::temp_dir().join(format!("shipping-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&log_dir).expect("log directory");
+    let vars = [
+        ("DATABASE_URL", env.database_url("shipping")),
+        ("AMQP_URL", env.amqp_url()),
+        ("HTTP_ADDR", format!("127.0.0.1:{port}")),
+    ];
+    let mut worker = process::Process::spawn(
+        "shipping-worker",
+        env!("CARGO_BIN_EXE_shipping-worker").into(),
+        vars.map(|(name, value)| (name.to_owned(), value)).to_vec(),
+        &log_dir,
+    );
+    // Ready means its database is migrated and its queues are declared and consumed.
+    testkit::wait_ready(&format!("http://127.0.0.1:{port}"), WAIT, &format!("(log: {})", worker.log_path().display()))
+        .await;
+
+    let invoice = InvoiceCreated {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        invoice_id: Uuid::now_v7(),
+        total_cents: 1299,
+    };
+    let message_id = env.publish(&invoice, invoice.job_id, 2).await;
+
+    let pool = env.pool("shipping").await;
+    testkit::wait_processed(&pool, message_id, WAIT).await;
+    // The second copy is skipped by the inbox: wait for the worker's count of it.
+    eventually("the duplicate to be skipped", WAIT, || async {
+        let metrics =
+            testkit::http::request("GET", &format!("http://127.0.0.1:{port}/metrics"), &[], None).await.ok()?;
+        let text = String::from_utf8_lossy(&metrics.body).into_owned();
+        text.contains("inbox_duplicates_skipped_total{endpoint=\"shipping.invoice-created\"} 1").then_some(())
+    })
+    .await;
+    let shipments: Vec<Uuid> =
+        sqlx::query_scalar("select order_id from shipments").fetch_all(&pool).await.expect("shipments");
+    assert_eq!(shipments, [invoice.order_id]);
+    let announced: Vec<(String, String)> =
+        sqlx::query_as("select message_type, exchange from outbox").fetch_all(&pool).await.expect("outbox");
+    assert_eq!(announced, [("shipment.scheduled".to_owned(), "shipping".to_owned())]);
+
+    let status = worker.terminate(WAIT).await.expect("stops on SIGTERM");
+    assert!(status.success(), "{status:?}\n{}", worker.log_text());
+    std::fs::remove_dir_all(&log_dir).expect("clean up");
+}
