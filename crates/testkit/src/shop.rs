@@ -1,10 +1,18 @@
-//! The whole shop as real processes on a private [`TestEnv`], each service reaching Postgres and
-//! RabbitMQ through its own pair of fault [`Proxy`]s. The crash tests and the `chaos` soak drive it.
+//! The test harness: the whole shop on a private [`TestEnv`], with one set of helpers (place
+//! orders, read jobs, wait for states, read metrics, settle and read the books) however it runs.
+//!
+//! - [`Shop::start`]: every service as a real process, each reaching Postgres and RabbitMQ
+//!   through its own pair of fault [`Proxy`]s. The crash and fault tests and the `chaos` soak.
+//! - [`Shop::in_process`]: the services as tasks of the test process, started by the caller (the
+//!   suites' `tests/common`, which link the service crates), for tests that need no process to
+//!   die. Process-only helpers (kill, restart, proxies, logs) panic on such a shop.
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
+use messaging::{service::BoxError, shutdown::ShutdownTrigger};
 use serde_json::Value;
 use sqlx::PgPool;
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::{
@@ -42,7 +50,7 @@ impl Service {
     }
 }
 
-/// Knobs of a process shop.
+/// Knobs of a shop.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// `RETRY_DELAYS` of the consumers.
@@ -73,20 +81,61 @@ impl Default for Options {
     }
 }
 
-/// One service: its process, its HTTP base URL and its two proxies.
+impl Options {
+    /// The flags of a consumer (the API's status consumer or a worker) with these options, for a
+    /// service started in-process: `--database-url`, `--amqp-url`, retries, prefetch.
+    pub fn consumer_flags(&self, database_url: String, amqp_url: String) -> Vec<String> {
+        let mut flags = vec![
+            "--database-url".to_owned(),
+            database_url,
+            "--amqp-url".to_owned(),
+            amqp_url,
+            "--retry-delays".to_owned(),
+            self.retry_delays.clone(),
+            "--max-attempts".to_owned(),
+            self.max_attempts.to_string(),
+            "--prefetch".to_owned(),
+            self.prefetch.to_string(),
+        ];
+        for (variable, value) in &self.consumer_env {
+            flags.push(format!("--{}", variable.to_lowercase().replace('_', "-")));
+            flags.push(value.clone());
+        }
+        flags
+    }
+
+    /// The relay's flags for tests: fast polling and fast retries of returned rows.
+    pub fn relay_flags(database_urls: &str, amqp_url: &str) -> Vec<String> {
+        let [poll, initial, max] = RELAY_TIMINGS;
+        ["--database-url", database_urls, "--amqp-url", amqp_url]
+            .into_iter()
+            .chain(["--poll-interval", poll, "--retry-initial", initial, "--retry-max", max])
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// One service process and its two proxies.
 #[derive(Debug)]
 struct Running {
     process: Process,
-    http: String,
     database: Proxy,
     broker: Proxy,
 }
 
-/// A running shop of real processes. Dropping it kills them and removes the test's databases and
-/// vhost; its logs stay in [`ProcessShop::log_dir`] if the test failed.
+/// How the services run.
 #[derive(Debug)]
-pub struct ProcessShop {
-    services: BTreeMap<Service, Running>,
+enum Run {
+    Processes(BTreeMap<Service, Running>),
+    InProcess { trigger: Option<ShutdownTrigger>, tasks: Vec<(Service, JoinHandle<Result<(), BoxError>>)> },
+}
+
+/// A running shop. Dropping it kills its processes (or stops its tasks) and removes the test's
+/// databases and vhost; process logs stay in [`Shop::log_dir`] if the test failed.
+#[derive(Debug)]
+pub struct Shop {
+    run: Run,
+    http: BTreeMap<Service, String>,
     log_dir: PathBuf,
     /// Direct pools (not through the proxies) for checking the books.
     pub orders: PgPool,
@@ -100,19 +149,24 @@ pub struct ProcessShop {
     pub accepted: Vec<Uuid>,
     /// Keep the logs when dropped (they are kept anyway if a test panics).
     pub keep_logs: bool,
-    env: TestEnv,
+    /// The test's broker and databases.
+    pub env: TestEnv,
 }
+
+/// The relay's poll interval, first and longest retry wait in tests: fast.
+const RELAY_TIMINGS: [&str; 3] = ["200ms", "50ms", "500ms"];
 
 /// Generous: the machine is shared and noisy; a healthy run takes a fraction of it.
 pub const WAIT: Duration = Duration::from_secs(60);
 
-impl ProcessShop {
-    /// Start every service and wait until each is ready.
+impl Shop {
+    /// Start every service as a process and wait until each is ready.
     pub async fn start(options: Options) -> Self {
         let env = TestEnv::new().await;
         let log_dir = std::env::temp_dir().join(format!("shop-{}", Uuid::new_v4().simple()));
         std::fs::create_dir_all(&log_dir).expect("create log directory");
         let mut services = BTreeMap::new();
+        let mut http = BTreeMap::new();
         for service in Service::ALL {
             let database_url = match service {
                 Service::Api => env.database_url("orders"),
@@ -132,10 +186,11 @@ impl ProcessShop {
                 ("RUST_LOG", options.log_filter.clone()),
             ];
             if service == Service::Relay {
+                let [poll, initial, max] = RELAY_TIMINGS;
                 vars.extend([
-                    ("RELAY_POLL_INTERVAL", "200ms".to_owned()),
-                    ("RELAY_RETRY_INITIAL", "50ms".to_owned()),
-                    ("RELAY_RETRY_MAX", "500ms".to_owned()),
+                    ("RELAY_POLL_INTERVAL", poll.to_owned()),
+                    ("RELAY_RETRY_INITIAL", initial.to_owned()),
+                    ("RELAY_RETRY_MAX", max.to_owned()),
                 ]);
             } else {
                 vars.extend([
@@ -150,20 +205,40 @@ impl ProcessShop {
             }
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             let process = Process::spawn(service.binary(), process::binary(service.binary()), vars, &log_dir);
-            let running = Running { process, http: format!("http://127.0.0.1:{port}"), database, broker };
-            services.insert(service, running);
+            http.insert(service, format!("http://127.0.0.1:{port}"));
+            services.insert(service, Running { process, database, broker });
             // Each service migrates its own database; the relay needs those tables to exist.
             if service != Service::Relay {
-                wait_ready_at(&services[&service].http, &log_dir).await;
+                wait_ready_at(&http[&service], &log_dir).await;
             }
         }
-        wait_ready_at(&services[&Service::Relay].http, &log_dir).await;
+        Self::assemble(env, Run::Processes(services), http, log_dir).await
+    }
+
+    /// A shop whose services the caller started as tasks of this process, stopped by `trigger`:
+    /// `http` names each one's base URL. Waits until each is ready.
+    pub async fn in_process(
+        env: TestEnv,
+        http: BTreeMap<Service, String>,
+        trigger: ShutdownTrigger,
+        tasks: Vec<(Service, JoinHandle<Result<(), BoxError>>)>,
+    ) -> Self {
+        let log_dir = std::env::temp_dir();
+        for base in http.values() {
+            crate::wait_ready(base, WAIT, "").await;
+        }
+        Self::assemble(env, Run::InProcess { trigger: Some(trigger), tasks }, http, log_dir).await
+    }
+
+    async fn assemble(env: TestEnv, run: Run, http: BTreeMap<Service, String>, log_dir: PathBuf) -> Self {
+        wait_ready_at(&http[&Service::Relay], &log_dir).await;
         let orders = env.pool("orders").await;
         let inventory = env.pool("inventory").await;
         let billing = env.pool("billing").await;
         let initial_stock = ledger::stock_totals(&inventory).await;
         Self {
-            services,
+            run,
+            http,
             log_dir,
             orders,
             inventory,
@@ -172,6 +247,43 @@ impl ProcessShop {
             accepted: Vec::new(),
             keep_logs: false,
             env,
+        }
+    }
+
+    /// Stop every service: SIGTERM to each process, or the shutdown of every task, and wait for
+    /// them; panics if one does not stop in time or a task ended with an error.
+    pub async fn stop(mut self) {
+        match &mut self.run {
+            Run::Processes(services) => {
+                for running in services.values_mut() {
+                    running.process.terminate(WAIT).await;
+                }
+            }
+            Run::InProcess { trigger, tasks } => {
+                if let Some(trigger) = trigger.take() {
+                    trigger.trigger();
+                }
+                for (service, task) in tasks.drain(..) {
+                    let finished = tokio::time::timeout(WAIT, task).await.expect("service stops in time");
+                    if let Err(error) = finished.expect("service task") {
+                        panic!("{service:?} ended with an error: {error}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn processes(&mut self) -> &mut BTreeMap<Service, Running> {
+        match &mut self.run {
+            Run::Processes(services) => services,
+            Run::InProcess { .. } => panic!("this shop runs in-process: it has no processes or proxies"),
+        }
+    }
+
+    fn running(&self, service: Service) -> &Running {
+        match &self.run {
+            Run::Processes(services) => &services[&service],
+            Run::InProcess { .. } => panic!("this shop runs in-process: it has no processes or proxies"),
         }
     }
 
@@ -187,11 +299,6 @@ impl ProcessShop {
         self.initial_stock = ledger::stock_totals(&self.inventory).await;
     }
 
-    /// The test's broker and databases.
-    pub fn env(&self) -> &TestEnv {
-        &self.env
-    }
-
     /// Where the services' logs are.
     pub fn log_dir(&self) -> &std::path::Path {
         &self.log_dir
@@ -199,22 +306,22 @@ impl ProcessShop {
 
     /// A service's process.
     pub fn process(&mut self, service: Service) -> &mut Process {
-        &mut self.services.get_mut(&service).expect("service").process
+        &mut self.processes().get_mut(&service).expect("service").process
     }
 
     /// The proxy between a service and Postgres.
     pub fn database_proxy(&self, service: Service) -> &Proxy {
-        &self.services[&service].database
+        &self.running(service).database
     }
 
     /// The proxy between a service and RabbitMQ.
     pub fn broker_proxy(&self, service: Service) -> &Proxy {
-        &self.services[&service].broker
+        &self.running(service).broker
     }
 
     /// A service's HTTP base URL.
     pub fn http(&self, service: Service) -> &str {
-        &self.services[&service].http
+        &self.http[&service]
     }
 
     /// Wait until a service's `/readyz` says ready.
@@ -242,7 +349,7 @@ impl ProcessShop {
     /// would, without waiting for it to be ready (it may crash again first); returns how many.
     pub async fn restart_exited(&mut self) -> usize {
         let mut exited = Vec::new();
-        for (service, running) in &mut self.services {
+        for (service, running) in self.processes() {
             if running.process.check_running().is_err() {
                 exited.push(*service);
             }
@@ -264,16 +371,23 @@ impl ProcessShop {
 
     /// Panic if any service exited by itself.
     pub fn assert_all_running(&mut self) {
-        for (service, running) in &mut self.services {
+        let Run::Processes(services) = &mut self.run else { return };
+        for (service, running) in services {
             if let Err(status) = running.process.check_running() {
                 panic!("{service:?} exited by itself with {status}; logs in {}", self.log_dir.display());
             }
         }
     }
 
-    /// `POST /orders`, given up after 10 s (an API must answer, even if only 503). A 202's job
-    /// id is recorded as accepted.
-    pub async fn post_order(&mut self, lines: &[(&str, i32)]) -> std::io::Result<http::Response> {
+    /// `POST /orders` with a raw body and extra headers, as sent; nothing is recorded.
+    pub async fn post_order(&self, body: &str, headers: &[(&str, &str)]) -> http::Response {
+        let url = format!("{}/orders", self.http(Service::Api));
+        http::request("POST", &url, headers, Some(body)).await.expect("POST /orders")
+    }
+
+    /// `POST /orders` for `lines`, given up after 10 s (an API must answer, even if only 503). A
+    /// 202's job id is recorded as accepted.
+    pub async fn try_place(&mut self, lines: &[(&str, i32)]) -> std::io::Result<http::Response> {
         let lines: Vec<Value> = lines.iter().map(|(sku, q)| serde_json::json!({"sku": sku, "quantity": q})).collect();
         let body = serde_json::json!({"customerId": "chaos", "lines": lines}).to_string();
         let url = format!("{}/orders", self.http(Service::Api));
@@ -290,7 +404,7 @@ impl ProcessShop {
     /// Wait until the API accepts an order again (after an outage), placing it.
     pub async fn wait_until_accepting(&mut self) {
         let since = tokio::time::Instant::now();
-        while self.post_order(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
+        while self.try_place(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
             assert!(since.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -298,7 +412,7 @@ impl ProcessShop {
 
     /// Place an order that must be accepted; returns its job id.
     pub async fn place(&mut self, lines: &[(&str, i32)]) -> Uuid {
-        let response = self.post_order(lines).await.expect("POST /orders");
+        let response = self.try_place(lines).await.expect("POST /orders");
         assert_eq!(response.status, 202, "POST /orders: {}", String::from_utf8_lossy(&response.body));
         *self.accepted.last().expect("accepted job")
     }
@@ -318,9 +432,18 @@ impl ProcessShop {
         placed
     }
 
+    /// Wait until the job reaches `state`, and return it.
+    pub async fn wait_for_state(&self, job_id: Uuid, state: &str) -> Value {
+        eventually(&format!("job {job_id} to be {state}"), WAIT, || async {
+            let job = self.job(job_id).await;
+            (job["state"] == state).then_some(job)
+        })
+        .await
+    }
+
     /// Wait until `needle` appears in a service's log (at least `times` times in all).
     pub async fn wait_for_log(&self, service: Service, needle: &str, times: usize) {
-        let process = &self.services[&service].process;
+        let process = &self.running(service).process;
         let what = format!("{needle:?} in {}", process.log_path().display());
         eventually(&what, WAIT, || async { (process.log_count(needle) >= times).then_some(()) }).await;
     }
@@ -344,7 +467,7 @@ impl ProcessShop {
         })
     }
 
-    /// [`ProcessShop::settle`], with the unsettled books as the error.
+    /// [`Shop::settle`], with the unsettled books as the error.
     pub async fn try_settle(&self, timeout: Duration) -> Result<Ledger, Ledger> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -376,8 +499,15 @@ impl ProcessShop {
     }
 }
 
-impl Drop for ProcessShop {
+impl Drop for Shop {
     fn drop(&mut self) {
+        if let Run::InProcess { trigger, .. } = &mut self.run {
+            // Tasks still running (a test that panicked before `stop`) end with the runtime.
+            if let Some(trigger) = trigger.take() {
+                trigger.trigger();
+            }
+            return;
+        }
         if self.keep_logs || std::thread::panicking() {
             eprintln!("service logs kept in {}", self.log_dir.display());
         } else {

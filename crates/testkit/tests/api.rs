@@ -5,6 +5,7 @@ mod common;
 
 use common::{Shop, count};
 use testkit::http;
+use testkit::shop::Service;
 
 /// Every table an accepted order would touch, in every database, is still empty.
 async fn assert_nothing_written(shop: &Shop) {
@@ -30,7 +31,7 @@ fn assert_problem(response: &http::Response, status: u16, detail_contains: &str)
 
 #[tokio::test]
 async fn every_bad_input_gets_its_problem_and_writes_nothing() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     let line = r#"{"sku":"SKU-1","quantity":1}"#;
     let many_lines = vec![line; 101].join(",");
     let huge = format!(r#"{{"customerId":"{}","lines":[{line}]}}"#, "x".repeat(70 * 1024));
@@ -73,7 +74,7 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
     assert_problem(&response, 400, "Idempotency-Key");
 
     let get = |path: String| {
-        let url = format!("{}{path}", shop.api);
+        let url = format!("{}{path}", shop.http(Service::Api));
         async move { http::request("GET", &url, &[], None).await.expect("GET") }
     };
     assert_problem(&get("/jobs/not-a-uuid".into()).await, 400, "malformed job id");
@@ -88,7 +89,7 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
 
 #[tokio::test]
 async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     let body = r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":2}]}"#;
     // The same request, formatted differently: still the same request.
     let same = r#"{ "lines": [ { "quantity": 2, "sku": "SKU-1" } ], "customerId": "c-7" }"#;
@@ -107,7 +108,7 @@ async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
     // Concurrent requests with one new key: exactly one order, one job id for all.
     let mut racers = tokio::task::JoinSet::new();
     for _ in 0..8 {
-        let url = format!("{}/orders", shop.api);
+        let url = format!("{}/orders", shop.http(Service::Api));
         racers.spawn(async move { http::request("POST", &url, &[("Idempotency-Key", "key-race")], Some(body)).await });
     }
     let mut job_ids = std::collections::HashSet::new();
@@ -128,7 +129,7 @@ async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
 
 #[tokio::test]
 async fn failure_after_order_insert_before_commit_leaves_no_order_and_no_outbox_row() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     // Make the outbox insert (the last write of the transaction) fail, after the order, its
     // lines and its job were inserted.
     sqlx::query("alter table outbox add constraint refuse_orders check (message_type <> 'order.placed') not valid")

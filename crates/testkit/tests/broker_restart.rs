@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use testkit::shop::{Options, ProcessShop, Service};
+use testkit::shop::{Options, Service, Shop};
 
 async fn rabbitmqctl(command: &str) {
     let status = testkit::rabbitmqctl_command(&["-q", command]).status().await;
@@ -18,7 +18,7 @@ async fn rabbitmqctl(command: &str) {
 #[tokio::test]
 #[ignore = "restarts the shared broker; .ci/run runs it alone"]
 async fn every_service_recovers_from_a_broker_restart_mid_burst() {
-    let mut shop = ProcessShop::start(Options::default()).await;
+    let mut shop = Shop::start(Options::default()).await;
     shop.place_burst(30).await;
 
     rabbitmqctl("stop_app").await;

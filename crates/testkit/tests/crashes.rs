@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use testkit::{
     eventually,
-    shop::{Options, ProcessShop, Service, WAIT},
+    shop::{Options, Service, Shop, WAIT},
 };
 use uuid::Uuid;
 
@@ -18,24 +18,24 @@ const CONSUMING: &str = "consuming prefetch=";
 const LOST: &str = "broker connection lost";
 
 /// The parking and dead-letter intake queues of every endpoint, with their depths.
-async fn parked(shop: &ProcessShop) -> Vec<(String, Option<u32>)> {
+async fn parked(shop: &Shop) -> Vec<(String, Option<u32>)> {
     let mut depths = Vec::new();
     for endpoint in ["inventory.order-placed", "billing.inventory-reserved", "orders.status"] {
         for queue in [format!("{endpoint}.parking"), format!("{endpoint}.dead-lettered")] {
-            let depth = shop.env().queue_depth(&queue).await;
+            let depth = shop.env.queue_depth(&queue).await;
             depths.push((queue, depth));
         }
     }
     depths
 }
 
-fn log_count(shop: &mut ProcessShop, service: Service, needle: &str) -> usize {
+fn log_count(shop: &mut Shop, service: Service, needle: &str) -> usize {
     shop.process(service).log_count(needle)
 }
 
 /// Cut the inventory worker's broker connection once it holds a delivery, and wait until it has
 /// reconnected and holds one again: one return of an unacked, unhandled delivery.
-async fn return_held_delivery(shop: &mut ProcessShop) {
+async fn return_held_delivery(shop: &mut Shop) {
     let consuming = log_count(shop, Service::Inventory, CONSUMING);
     let held = log_count(shop, Service::Inventory, HELD);
     let lost = log_count(shop, Service::Inventory, LOST);
@@ -49,7 +49,7 @@ async fn return_held_delivery(shop: &mut ProcessShop) {
 #[tokio::test]
 async fn three_crashing_orders_among_200_are_quarantined_and_no_other_message_is_parked_or_stuck() {
     let options = Options { prefetch: 16, demo_faults: true, ..Options::default() };
-    let mut shop = ProcessShop::start(options).await;
+    let mut shop = Shop::start(options).await;
     let mut crashing = Vec::new();
     for i in 0..200 {
         if i % 60 == 30 {
@@ -93,7 +93,7 @@ async fn three_crashing_orders_among_200_are_quarantined_and_no_other_message_is
 
 #[tokio::test]
 async fn deliveries_held_through_a_database_outage_and_25_broker_cuts_are_applied_once_and_none_parked() {
-    let mut shop = ProcessShop::start(Options::default()).await;
+    let mut shop = Shop::start(Options::default()).await;
     shop.database_proxy(Service::Inventory).cut();
     shop.place_burst(20).await;
     shop.wait_for_log(Service::Inventory, HELD, 1).await;
@@ -116,7 +116,7 @@ async fn deliveries_held_through_a_database_outage_and_25_broker_cuts_are_applie
 async fn a_message_the_broker_dead_letters_by_its_delivery_limit_still_ends_with_its_job_quarantined() {
     // A tiny broker limit (1 return), far below the crash bound, so the broker acts first.
     let options = Options { consumer_env: vec![("DELIVERY_LIMIT", "1".to_owned())], ..Options::default() };
-    let mut shop = ProcessShop::start(options).await;
+    let mut shop = Shop::start(options).await;
     shop.database_proxy(Service::Inventory).cut();
     let job_id: Uuid = shop.place(&[("SKU-1", 1)]).await;
     shop.wait_for_log(Service::Inventory, HELD, 1).await;
@@ -134,7 +134,7 @@ async fn a_message_the_broker_dead_letters_by_its_delivery_limit_still_ends_with
     .await;
     let reason = job["lastError"].as_str().unwrap_or_default();
     assert!(reason.contains("dead-lettered by the broker") && reason.contains("delivery_limit"), "{job}");
-    let env = shop.env();
+    let env = &shop.env;
     assert_eq!(env.queue_depth("inventory.order-placed.parking").await, Some(1));
     assert_eq!(env.queue_depth("inventory.order-placed.dead-lettered").await, Some(0));
     let parked = env.drain("inventory.order-placed.parking").await;

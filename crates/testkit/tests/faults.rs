@@ -7,17 +7,17 @@ use std::time::Duration;
 use messaging::{failpoint, metrics::INBOX_DUPLICATES};
 use testkit::{
     eventually, http,
-    shop::{Options, ProcessShop, Service, WAIT},
+    shop::{Options, Service, Shop, WAIT},
 };
 
 const OUTAGE: Duration = Duration::from_secs(5);
 
-async fn shop() -> ProcessShop {
-    ProcessShop::start(Options::default()).await
+async fn shop() -> Shop {
+    Shop::start(Options::default()).await
 }
 
 /// Duplicates skipped by the inboxes of every consumer, as their `/metrics` report them.
-async fn duplicates_skipped(shop: &ProcessShop) -> u64 {
+async fn duplicates_skipped(shop: &Shop) -> u64 {
     let mut total = 0;
     for service in [Service::Api, Service::Inventory, Service::Billing] {
         total += shop.metric(service, INBOX_DUPLICATES).await;
@@ -27,7 +27,7 @@ async fn duplicates_skipped(shop: &ProcessShop) -> u64 {
 
 /// Arm `point` in `service`, place a burst, `kill -9` the service when it gets there, start it
 /// again unarmed. Returns the burst's size.
-async fn crash_at(shop: &mut ProcessShop, service: Service, point: &str) -> usize {
+async fn crash_at(shop: &mut Shop, service: Service, point: &str) -> usize {
     shop.kill(service).await;
     shop.restart_with(service, &[("FAILPOINTS", point)]).await;
     let placed = shop.place_burst(20).await.len();
@@ -123,7 +123,7 @@ async fn database_down_for_five_seconds_means_503_then_recovery_with_nothing_los
     let outage = tokio::time::Instant::now();
     let mut refused = 0;
     while outage.elapsed() < OUTAGE {
-        let response = shop.post_order(&[("SKU-1", 1)]).await.expect("the API answers during the outage");
+        let response = shop.try_place(&[("SKU-1", 1)]).await.expect("the API answers during the outage");
         assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
         assert!(response.header("retry-after").is_some(), "503 says when to retry");
         assert_eq!(response.header("content-type"), Some("application/problem+json"));
@@ -177,7 +177,7 @@ async fn stalled_database_connections_mean_503_not_a_hang_then_recovery() {
         shop.database_proxy(service).stall();
     }
     for _ in 0..2 {
-        let response = shop.post_order(&[("SKU-1", 1)]).await.expect("the API answers within 10 s during a stall");
+        let response = shop.try_place(&[("SKU-1", 1)]).await.expect("the API answers within 10 s during a stall");
         assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
     }
     for service in Service::ALL {

@@ -3,9 +3,10 @@
 
 mod common;
 
-use common::{Shop, WAIT, count};
+use common::{Shop, count};
 use shop::{InventoryReserved, OrderLine, OrderPlaced};
 use testkit::eventually;
+use testkit::shop::{Service, WAIT};
 use uuid::Uuid;
 
 async fn stock(shop: &Shop, sku: &str) -> (i32, i32) {
@@ -18,12 +19,12 @@ async fn stock(shop: &Shop, sku: &str) -> (i32, i32) {
 
 #[tokio::test]
 async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
-    let shop = Shop::start().await;
+    let mut shop = common::start().await;
     let (sku1_before, _) = stock(&shop, "SKU-1").await;
     let (sku3_before, _) = stock(&shop, "SKU-3").await;
 
     let job_id = shop.place(&[("SKU-1", 2), ("SKU-3", 1), ("SKU-1", 1)]).await;
-    let job = shop.wait_for_state(&job_id, "succeeded").await;
+    let job = shop.wait_for_state(job_id, "succeeded").await;
 
     let invoice_id: Uuid = job["resultKey"].as_str().expect("resultKey").parse().expect("invoice id is a UUID");
     let total: i64 = sqlx::query_scalar("select total_cents from invoices where id = $1")
@@ -37,10 +38,10 @@ async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
 
     assert_eq!(stock(&shop, "SKU-1").await, (sku1_before - 3, 3));
     assert_eq!(stock(&shop, "SKU-3").await, (sku3_before - 1, 1));
-    let order_url = format!("{}/orders/{}", shop.api, job["orderId"].as_str().expect("orderId"));
+    let order_url = format!("{}/orders/{}", shop.http(Service::Api), job["orderId"].as_str().expect("orderId"));
     let order = testkit::http::request("GET", &order_url, &[], None).await.expect("GET order").json();
     assert_eq!(order["status"], "invoiced", "{order}");
-    assert_eq!(order["jobId"].as_str(), Some(job_id.as_str()));
+    assert_eq!(order["jobId"].as_str(), Some(job_id.to_string().as_str()));
     assert_eq!(
         order["lines"],
         serde_json::json!([{"sku": "SKU-1", "quantity": 2}, {"sku": "SKU-3", "quantity": 1}, {"sku": "SKU-1", "quantity": 1}])
@@ -50,7 +51,7 @@ async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
 
 #[tokio::test]
 async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
-    let shop = Shop::start().await;
+    let mut shop = common::start().await;
     let before: Vec<(String, i32, i32)> = sqlx::query_as("select sku, available, reserved from stock order by sku")
         .fetch_all(&shop.inventory)
         .await
@@ -60,9 +61,9 @@ async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
     let too_many = shop.place(&[("SKU-1", 1), ("SKU-5", 11)]).await;
     let unknown = shop.place(&[("SKU-2", 1), ("NOPE-9", 1)]).await;
 
-    let job = shop.wait_for_state(&too_many, "rejected").await;
+    let job = shop.wait_for_state(too_many, "rejected").await;
     assert!(job["lastError"].as_str().expect("reason").contains("insufficient stock for SKU-5"), "{job}");
-    let job = shop.wait_for_state(&unknown, "rejected").await;
+    let job = shop.wait_for_state(unknown, "rejected").await;
     assert!(job["lastError"].as_str().expect("reason").contains("unknown SKU NOPE-9"), "{job}");
 
     let after: Vec<(String, i32, i32)> = sqlx::query_as("select sku, available, reserved from stock order by sku")
@@ -77,7 +78,7 @@ async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
 
 #[tokio::test]
 async fn duplicate_order_placed_reserves_once_and_invoices_once() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     let (before, _) = stock(&shop, "SKU-2").await;
     let placed = OrderPlaced {
         order_id: Uuid::now_v7(),
@@ -89,7 +90,7 @@ async fn duplicate_order_placed_reserves_once_and_invoices_once() {
 
     let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
     eventually("inventory to skip the duplicate", WAIT, || async {
-        (shop.metric(&shop.inventory_http, series).await == 1).then_some(())
+        (shop.metric(Service::Inventory, series).await == 1).then_some(())
     })
     .await;
     eventually("the order to be invoiced", WAIT, || async {
@@ -104,7 +105,7 @@ async fn duplicate_order_placed_reserves_once_and_invoices_once() {
 
 #[tokio::test]
 async fn duplicate_inventory_reserved_invoices_once() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     let reserved = InventoryReserved {
         order_id: Uuid::now_v7(),
         job_id: Uuid::now_v7(),
@@ -115,7 +116,7 @@ async fn duplicate_inventory_reserved_invoices_once() {
 
     let series = "inbox_duplicates_skipped_total{endpoint=\"billing.inventory-reserved\"}";
     eventually("billing to skip the duplicate", WAIT, || async {
-        (shop.metric(&shop.billing_http, series).await == 1).then_some(())
+        (shop.metric(Service::Billing, series).await == 1).then_some(())
     })
     .await;
     let totals: Vec<i64> =

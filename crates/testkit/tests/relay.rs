@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashSet;
 
 use clap::Parser;
-use common::{WAIT, count, relay_args, wait_ready};
+use common::count;
 use lapin::{
     options::{QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
@@ -18,6 +18,7 @@ use messaging::{
 };
 use shop::{OrderLine, OrderPlaced, exchanges};
 use sqlx::PgPool;
+use testkit::shop::{Options, WAIT};
 use testkit::{TestEnv, eventually};
 use uuid::Uuid;
 
@@ -69,7 +70,7 @@ async fn start_relay(
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));
     let task = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
-    wait_ready(&base).await;
+    testkit::wait_ready(&base, WAIT, "").await;
     (task, base)
 }
 
@@ -174,9 +175,15 @@ async fn a_relay_started_before_its_database_exists_waits_then_publishes() {
     // Its service arrives: creates and migrates the database, and writes.
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let expected = fill_outbox(&pool, 5, 5).await;
-    wait_ready(&base).await;
+    testkit::wait_ready(&base, WAIT, "").await;
     wait_all_published(&pool).await;
     assert_eq!(message_ids(&env.drain(PROBE).await), expected);
     trigger.trigger();
     relay.await.expect("relay task").expect("relay ran");
+}
+
+fn relay_args(databases: &str, amqp: &str) -> Vec<String> {
+    let mut args = vec!["relay".to_owned()];
+    args.extend(Options::relay_flags(databases, amqp));
+    args
 }

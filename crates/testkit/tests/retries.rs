@@ -9,7 +9,7 @@ use std::{
 };
 
 use chrono::Utc;
-use common::{Options, Shop, WAIT, count};
+use common::count;
 use lapin::types::AMQPValue;
 use messaging::{
     backoff::Backoff,
@@ -22,6 +22,7 @@ use messaging::{
     topology::{self, Binding, Endpoint, RetryPolicy},
 };
 use sqlx::{PgConnection, PgPool};
+use testkit::shop::{Options, Service, WAIT};
 use testkit::{TestEnv, eventually};
 use uuid::Uuid;
 
@@ -124,7 +125,7 @@ fn header_text(delivery: &lapin::message::Delivery, name: &str) -> String {
 
 #[tokio::test]
 async fn poison_at_the_head_is_tried_max_attempts_times_then_parked_while_good_messages_pass() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     // A real job for the poison message, so the status consumer has something to quarantine.
     let job_id = Uuid::now_v7();
     let order_id = Uuid::now_v7();
@@ -167,7 +168,7 @@ async fn poison_at_the_head_is_tried_max_attempts_times_then_parked_while_good_m
     assert_eq!(header_text(&parked[0], "endpoint"), ENDPOINT);
     assert_eq!(envelope::retry_count(&parked[0]), 4);
 
-    let job = shop.wait_for_state(&job_id.to_string(), "quarantined").await;
+    let job = shop.wait_for_state(job_id, "quarantined").await;
     assert!(job["lastError"].as_str().expect("lastError").contains("boom"), "{job}");
     assert_eq!(job["attempt"], 5);
     trigger.trigger();
@@ -313,7 +314,7 @@ async fn publish_raw(env: &TestEnv, body: &[u8], properties: lapin::BasicPropert
 
 #[tokio::test]
 async fn unreadable_messages_are_parked_after_one_delivery_and_change_nothing() {
-    let shop = Shop::start().await;
+    let shop = common::start().await;
     let before: Vec<(String, i32)> = sqlx::query_as("select sku, available from stock order by sku")
         .fetch_all(&shop.inventory)
         .await
@@ -334,8 +335,8 @@ async fn unreadable_messages_are_parked_after_one_delivery_and_change_nothing() 
 
     let series =
         |outcome: &str| format!("messages_handled_total{{endpoint=\"inventory.order-placed\",outcome=\"{outcome}\"}}");
-    assert_eq!(shop.metric(&shop.inventory_http, &series("parked")).await, 2);
-    assert_eq!(shop.metric(&shop.inventory_http, &series("retried")).await, 0);
+    assert_eq!(shop.metric(Service::Inventory, &series("parked")).await, 2);
+    assert_eq!(shop.metric(Service::Inventory, &series("retried")).await, 0);
     let after: Vec<(String, i32)> = sqlx::query_as("select sku, available from stock order by sku")
         .fetch_all(&shop.inventory)
         .await
@@ -352,10 +353,10 @@ async fn unreadable_messages_are_parked_after_one_delivery_and_change_nothing() 
 
 #[tokio::test]
 async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_orders_succeed() {
-    let shop = Shop::start_with(Options { demo_faults: true, ..Options::default() }).await;
+    let mut shop = common::start_with(Options { demo_faults: true, ..Options::default() }).await;
     let flaky = shop.place(&[("FLAKY-1", 1)]).await;
     let poison = shop.place(&[("POISON-1", 1)]).await;
-    let plain: Vec<String> = {
+    let plain: Vec<Uuid> = {
         let mut jobs = Vec::new();
         for quantity in 1..=3 {
             jobs.push(shop.place(&[("SKU-1", quantity)]).await);
@@ -363,13 +364,13 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
         jobs
     };
 
-    let job = shop.wait_for_state(&flaky, "succeeded").await;
+    let job = shop.wait_for_state(flaky, "succeeded").await;
     assert_eq!(job["attempt"], 3, "{job}");
-    let job = shop.wait_for_state(&poison, "quarantined").await;
+    let job = shop.wait_for_state(poison, "quarantined").await;
     assert_eq!(job["attempt"], 5, "{job}");
     assert!(job["lastError"].as_str().expect("lastError").contains("POISON-1"), "{job}");
     for job_id in &plain {
-        let job = shop.wait_for_state(job_id, "succeeded").await;
+        let job = shop.wait_for_state(*job_id, "succeeded").await;
         assert_eq!(job["attempt"], 1);
     }
     assert_eq!(count(&shop.billing, "select count(*) from invoices").await, 4, "flaky + 3 plain, each once");
@@ -378,16 +379,16 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
     // Billing retried its copy of inventory.reserved twice; the copies went through billing's own
     // wait queues, so the status consumer (also bound to inventory.reserved) never saw a duplicate.
     let billing_retried = "messages_handled_total{endpoint=\"billing.inventory-reserved\",outcome=\"retried\"}";
-    assert_eq!(shop.metric(&shop.billing_http, billing_retried).await, 2);
+    assert_eq!(shop.metric(Service::Billing, billing_retried).await, 2);
     let status_duplicates = "inbox_duplicates_skipped_total{endpoint=\"orders.status\"}";
-    assert_eq!(shop.metric(&shop.api, status_duplicates).await, 0);
+    assert_eq!(shop.metric(Service::Api, status_duplicates).await, 0);
     let status_reserved: i64 =
         count(&shop.orders, "select count(*) from inbox where message_type = 'inventory.reserved'").await;
     assert_eq!(status_reserved, 4, "one inventory.reserved per reserved order, no fan-out of retries");
 
     // A retry event that arrives after success (reordered, or late) changes nothing.
     let late = JobRetryScheduled {
-        job_id: flaky.parse().expect("job id"),
+        job_id: flaky,
         endpoint: "billing.inventory-reserved".into(),
         message_id: Uuid::now_v7(),
         message_type: "inventory.reserved".into(),
@@ -407,7 +408,7 @@ async fn demo_faults_flaky_succeeds_on_attempt_3_poison_is_quarantined_plain_ord
         .await
         .expect("confirmed");
     testkit::wait_processed(&shop.orders, event_id, WAIT).await;
-    let job = shop.job(&flaky).await;
+    let job = shop.job(flaky).await;
     assert_eq!((job["state"].as_str(), job["attempt"].as_i64()), (Some("succeeded"), Some(3)), "{job}");
     shop.stop().await;
 }

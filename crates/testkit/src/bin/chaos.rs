@@ -19,7 +19,7 @@ use clap::Parser;
 use shop::demo::CRASH_EXIT_CODE;
 use testkit::{
     http,
-    shop::{Options, ProcessShop, Service},
+    shop::{Options, Service, Shop},
 };
 use tokio::{task::JoinSet, time::Instant};
 use uuid::Uuid;
@@ -85,7 +85,7 @@ struct Havoc {
 impl Havoc {
     /// Restart every service that exited by itself, as a supervisor would: a demo crash is
     /// expected, any other exit is recorded as a failure.
-    async fn supervise(&mut self, shop: &mut ProcessShop) {
+    async fn supervise(&mut self, shop: &mut Shop) {
         for service in Service::ALL {
             let Some(status) = shop.process(service).take_exit() else { continue };
             if status.code() == Some(CRASH_EXIT_CODE) {
@@ -98,7 +98,7 @@ impl Havoc {
     }
 
     /// Supervise for `duration`.
-    async fn supervise_for(&mut self, shop: &mut ProcessShop, duration: Duration) {
+    async fn supervise_for(&mut self, shop: &mut Shop, duration: Duration) {
         let until = Instant::now() + duration;
         while Instant::now() < until {
             self.supervise(shop).await;
@@ -121,7 +121,7 @@ async fn main() -> ExitCode {
         log_filter: "warn,messaging::consumer=info".into(),
         ..Options::default()
     };
-    let mut shop = ProcessShop::start(options).await;
+    let mut shop = Shop::start(options).await;
     // Ample stock for the everyday SKUs; SKU-5 keeps its 10 so that some orders are refused.
     shop.restock("SKU-_", 1_000_000).await;
     shop.restock("SKU-5", 10).await;
@@ -306,7 +306,7 @@ fn random_order(rng: &mut fastrand::Rng) -> (String, Kind) {
 
 /// Spread `kills` and `cuts` evenly over the expected duration of the load, in random order, on
 /// random services.
-async fn wreak(shop: &mut ProcessShop, args: &Args, expected: Duration) -> Havoc {
+async fn wreak(shop: &mut Shop, args: &Args, expected: Duration) -> Havoc {
     let mut havoc = Havoc::default();
     let mut faults: Vec<bool> =
         std::iter::repeat_n(true, args.kills).chain(std::iter::repeat_n(false, args.cuts)).collect();
