@@ -4,13 +4,7 @@
 
 use std::collections::HashMap;
 
-use messaging::{
-    consumer::{Handler, HandlerError},
-    envelope::Incoming,
-    outbox,
-    service::Worker,
-    topology::Endpoint,
-};
+use messaging::prelude::*;
 use shop::{InventoryReserved, InvoiceCreated, demo::DemoFaults};
 use sqlx::PgConnection;
 use uuid::Uuid;

@@ -4,13 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use messaging::{
-    consumer::{Handler, HandlerError},
-    envelope::Incoming,
-    outbox,
-    service::Worker,
-    topology::Endpoint,
-};
+use messaging::prelude::*;
 use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
 use sqlx::{Acquire, PgConnection};
 use uuid::Uuid;

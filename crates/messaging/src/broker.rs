@@ -15,7 +15,7 @@ use crate::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Sh
 pub struct Link {
     /// The broker.
     pub url: SecretUrl,
-    /// e.g. `consumer:inventory.order-placed`, `relay:orders`.
+    /// e.g. `consumer:accounts.user-registered`, `relay:accounts`.
     pub name: String,
     /// Between connection attempts.
     pub backoff: Backoff,

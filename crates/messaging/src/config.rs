@@ -72,8 +72,8 @@ pub struct ConsumerArgs {
     pub max_attempts: u32,
 
     /// Unacknowledged deliveries per consumer; also how many are handled concurrently. The
-    /// default is the fastest of 8 to 64 in `just bench` here, where every order touches the
-    /// same few stock rows; a workload without hot rows may gain from more.
+    /// default is the fastest of 8 to 64 in `just bench` here, where every message touches the
+    /// same few hot rows; a workload without hot rows may gain from more.
     #[arg(long, env = "PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
 
@@ -128,8 +128,8 @@ mod tests {
         assert_eq!(url.to_string(), "amqp://guest:***@localhost:5672/%2f");
         assert!(!format!("{url:?}").contains("hunter2"));
         assert_eq!(
-            SecretUrl::new("postgres://postgres@localhost/orders").to_string(),
-            "postgres://postgres@localhost/orders"
+            SecretUrl::new("postgres://postgres@localhost/accounts").to_string(),
+            "postgres://postgres@localhost/accounts"
         );
     }
 

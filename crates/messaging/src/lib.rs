@@ -2,8 +2,8 @@
 //! the message envelope and what a contract is, broker topology, a confirmed publisher, the
 //! consumer runtime (inbox, retries, parking, the crash bound), the outbox, its own database
 //! tables ([`schema`]), and the worker skeleton every consuming binary is made of ([`service`]:
-//! flags, database start-up, health, metrics, shutdown). It knows nothing of the shop that shows
-//! it off (`crates/shop`).
+//! flags, database start-up, health, metrics, shutdown). It knows nothing of the services built on
+//! it: they bring their own contracts, handlers and tables.
 //!
 //! The guarantees live here, once, so that a service only writes its handler: see
 //! `docs/adding-a-service.md` for a service built on it, `docs/architecture.md` for the flow and
@@ -29,3 +29,15 @@ pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 pub mod topology;
+
+/// What a service's code uses most: `use messaging::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        consumer::{Handler, HandlerError},
+        contracts::Contract,
+        envelope::Incoming,
+        outbox,
+        service::{NoFlags, Worker},
+        topology::Endpoint,
+    };
+}

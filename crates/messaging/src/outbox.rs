@@ -48,7 +48,7 @@ pub struct OutboxRow {
     pub id: i64,
     /// Stable message id.
     pub message_id: Uuid,
-    /// e.g. `order.placed`.
+    /// e.g. `user.registered`.
     pub message_type: String,
     /// Target exchange.
     pub exchange: String,

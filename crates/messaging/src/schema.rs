@@ -5,8 +5,8 @@
 //! Both sets share sqlx's one `_sqlx_migrations` table, so their versions must differ: messaging
 //! owns versions 1 and 3 (kept from when every service carried a copy of these files, so that
 //! existing databases recognise them) and numbers its later migrations from 101 on; a service
-//! numbers its own by timestamp (`sqlx migrate add`'s default) or, as the shop's do, sequentially
-//! below 100 avoiding 1 and 3. A clash is refused before anything is applied.
+//! numbers its own by timestamp (`sqlx migrate add`'s default) or sequentially below 100, avoiding
+//! 1 and 3. A clash is refused before anything is applied.
 
 use futures_util::future::BoxFuture;
 use sqlx::{
@@ -87,7 +87,7 @@ mod tests {
     async fn a_service_migration_with_one_of_messagings_versions_is_refused() {
         let service = Migrator::new(Migrations(vec![Migration::new(
             3,
-            "orders".into(),
+            "accounts".into(),
             sqlx::migrate::MigrationType::Simple,
             "select 1".into(),
             false,
@@ -95,6 +95,6 @@ mod tests {
         .await
         .expect("migrator");
         let error = combined(&service).await.expect_err("clash");
-        assert!(error.to_string().contains("migration version 3 (orders) is messaging's own"), "{error}");
+        assert!(error.to_string().contains("migration version 3 (accounts) is messaging's own"), "{error}");
     }
 }

@@ -26,7 +26,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// A consuming service: the parts that differ from one service to the next.
 #[derive(Debug)]
 pub struct Worker<F, H> {
-    /// The binary's name, for `--help` and the logs, e.g. `inventory-worker`.
+    /// The binary's name, for `--help` and the logs, e.g. `accounts-worker`.
     pub name: &'static str,
     /// What it does, in one line, for `--help`.
     pub about: &'static str,

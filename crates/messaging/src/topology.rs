@@ -80,7 +80,7 @@ pub struct Binding {
 /// types and major versions it accepts (anything else is parked on arrival).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    /// e.g. `inventory.order-placed`: the work queue's name and the prefix of its other queues.
+    /// e.g. `accounts.user-registered`: the work queue's name and the prefix of its other queues.
     pub name: &'static str,
     /// Where its messages come from.
     pub bindings: Vec<Binding>,
@@ -138,7 +138,7 @@ impl Endpoint {
         format!("{}.dead-lettered", self.name)
     }
 
-    /// `<endpoint>.wait.<delay>`, e.g. `inventory.order-placed.wait.5s`. The delay is part of the
+    /// `<endpoint>.wait.<delay>`, e.g. `accounts.user-registered.wait.5s`. The delay is part of the
     /// name, so a changed tier list declares new queues instead of clashing with old arguments.
     pub fn wait_queue(&self, delay: Duration) -> String {
         format!("{}.wait.{}", self.name, format_duration(delay))

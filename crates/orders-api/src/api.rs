@@ -27,6 +27,9 @@ pub const MAX_LINES: usize = 100;
 /// Accepted quantities per line.
 pub const QUANTITY: std::ops::RangeInclusive<i32> = 1..=1000;
 const MAX_ID_CHARS: usize = 200;
+/// Failpoint (`messaging::failpoint`): the API has written an order in its transaction but not
+/// committed it.
+pub const BEFORE_COMMIT: &str = "api.before-commit";
 
 /// The API's routes.
 pub fn router(pool: PgPool) -> Router {
@@ -138,7 +141,7 @@ async fn accept(pool: &PgPool, order: &PlaceOrder, key: Option<&str>) -> Result<
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
     let mut tx = pool.begin().await?;
     insert_order(&mut tx, &accepted, order).await?;
-    failpoint::hit(failpoint::API_BEFORE_COMMIT).await;
+    failpoint::hit(BEFORE_COMMIT).await;
     let Some(key) = key else {
         tx.commit().await?;
         return Ok(accepted);

@@ -5,14 +5,7 @@
 //! The glue is [`worker`], [`MIGRATOR`] and `main.rs`; the rest is the handler and the contract it
 //! publishes.
 
-use messaging::{
-    consumer::{Handler, HandlerError},
-    contracts::Contract,
-    envelope::Incoming,
-    outbox,
-    service::{NoFlags, Worker},
-    topology::Endpoint,
-};
+use messaging::prelude::*;
 use serde::{Deserialize, Serialize};
 use shop::InvoiceCreated;
 use sqlx::PgConnection;
