@@ -1,7 +1,7 @@
 //! What a message type is ([`Contract`]: its name, exchange and schema major version), and the
 //! contracts of the consumer runtime's own job events (DESIGN §4), which it publishes to
-//! [`JOBS_EXCHANGE`] with the job id as correlation id. A service defines its own contracts in its
-//! own crate (the shop's are in `crates/shop`). Bodies are camelCase JSON; unknown fields are
+//! [`JOBS_EXCHANGE`] with the job id as correlation id. Services define their own contracts in
+//! a crate they share. Bodies are camelCase JSON; unknown fields are
 //! ignored, so adding an optional field is a compatible (minor) change, while removing or retyping
 //! one needs a new major version.
 
@@ -84,6 +84,29 @@ pub struct JobQuarantined {
     pub error: String,
 }
 contract!(JobQuarantined, "job.quarantined", JOBS_EXCHANGE);
+
+/// An operator sent a step's parked message back to its work queue (`msgctl parked redrive`): the
+/// job leaves `quarantined` and ends as the new attempts go. Published, confirmed, before the message
+/// itself leaves parking.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobRedriven {
+    /// The job (the message's correlation id).
+    pub job_id: Uuid,
+    /// The endpoint it goes back to.
+    pub endpoint: String,
+    /// The message.
+    pub message_id: Uuid,
+    /// How many times it has been redriven, this time included.
+    pub redrive_count: u32,
+}
+contract!(JobRedriven, "job.redriven", JOBS_EXCHANGE);
+
+impl JobEvent for JobRedriven {
+    fn job_id(&self) -> Uuid {
+        self.job_id
+    }
+}
 
 impl JobEvent for JobQuarantined {
     fn job_id(&self) -> Uuid {

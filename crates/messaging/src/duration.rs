@@ -1,9 +1,9 @@
 //! Durations as `RETRY_DELAYS`, the other flags and queue names spell them: `250ms`, `5s`, `2m`,
-//! `1h`. A leaf module: everything else may use it.
+//! `1h` (and `14d` for retention). A leaf module: everything else may use it.
 
 use std::time::Duration;
 
-/// Parse `250ms`, `5s`, `2m` or `1h`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
+/// Parse `250ms`, `5s`, `2m`, `1h` or `14d`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
 /// zero timeout fails everything.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -14,7 +14,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => Duration::from_secs(value),
         "m" => Duration::from_secs(value * 60),
         "h" => Duration::from_secs(value * 3600),
-        _ => return Err(format!("`{s}` has no unit: use ms, s, m or h")),
+        "d" => Duration::from_secs(value * 86_400),
+        _ => return Err(format!("`{s}` has no unit: use ms, s, m, h or d")),
     };
     if duration.is_zero() {
         return Err(format!("`{s}`: must be greater than zero"));

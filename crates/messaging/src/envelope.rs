@@ -26,6 +26,8 @@ pub const HEADER_LAST_ERROR: &str = "last-error";
 pub const HEADER_ENDPOINT: &str = "endpoint";
 /// Header on parked messages: when it was parked (RFC 3339).
 pub const HEADER_PARKED_AT: &str = "parked-at";
+/// Header: how many times an operator sent the message back from parking (`msgctl`).
+pub const HEADER_REDRIVE_COUNT: &str = "redrive-count";
 
 /// AMQP `delivery_mode` for persistent messages.
 const PERSISTENT: u8 = 2;
@@ -114,7 +116,7 @@ pub enum Unreadable {
 pub struct Incoming {
     /// Stable id of the message across every republish: the inbox key.
     pub message_id: Uuid,
-    /// e.g. `order.placed`.
+    /// e.g. `user.registered`.
     pub message_type: String,
     /// Schema major version.
     pub version: u32,
@@ -198,17 +200,33 @@ pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
 /// message look like a dead-letter cycle, and 4.0.0-4.0.4 fail to upgrade queues holding such
 /// messages. What they said is carried in our own headers instead (`last-error`).
 pub fn with_headers(properties: &BasicProperties, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+    let mut table = own_headers(properties, &[]);
+    for (key, value) in extra {
+        table.insert(ShortString::from(*key), value.clone());
+    }
+    properties.clone().with_headers(table)
+}
+
+/// The headers of `properties` that are ours (not the broker's `x-*`), less those in `except`.
+fn own_headers(properties: &BasicProperties, except: &[&str]) -> FieldTable {
     let mut table = FieldTable::default();
     if let Some(original) = properties.headers() {
         for (key, value) in original.inner() {
-            if !key.as_str().starts_with("x-") {
+            if !key.as_str().starts_with("x-") && !except.contains(&key.as_str()) {
                 table.insert(key.clone(), value.clone());
             }
         }
     }
-    for (key, value) in extra {
-        table.insert(ShortString::from(*key), value.clone());
-    }
+    table
+}
+
+/// The properties of a parked message sent back to its work queue (`msgctl parked redrive`): as
+/// parked, without the parking headers and the retry count (its attempts start again at 1), and
+/// with `redrive-count` set to `redrive_count`.
+pub fn redriven(properties: &BasicProperties, redrive_count: u32) -> BasicProperties {
+    let parking = [HEADER_LAST_ERROR, HEADER_ENDPOINT, HEADER_PARKED_AT, HEADER_RETRY_COUNT];
+    let mut table = own_headers(properties, &parking);
+    table.insert(HEADER_REDRIVE_COUNT.into(), AMQPValue::LongLongInt(i64::from(redrive_count)));
     properties.clone().with_headers(table)
 }
 
@@ -251,7 +269,7 @@ mod tests {
         let id = Uuid::new_v4();
         let mut headers = Headers::raw(Some(job), 2);
         headers.traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
-        let properties = headers.properties(id, "order.placed", Utc::now());
+        let properties = headers.properties(id, "user.registered", Utc::now());
         assert_eq!(properties.message_id().as_ref().map(|s| s.as_str()), Some(id.to_string().as_str()));
         assert_eq!(properties.correlation_id().as_ref().map(|s| s.as_str()), Some(job.to_string().as_str()));
         assert_eq!(properties.delivery_mode(), &Some(PERSISTENT));
@@ -301,11 +319,11 @@ mod tests {
         let mut table = FieldTable::default();
         table.insert("x-death".into(), AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()));
         table.insert("x-first-death-reason".into(), string_value("delivery_limit"));
-        table.insert("x-first-death-queue".into(), string_value("inventory.order-placed"));
+        table.insert("x-first-death-queue".into(), string_value("accounts.user-registered"));
         let properties = BasicProperties::default().with_headers(table);
         assert_eq!(
             broker_death(&properties).as_deref(),
-            Some("dead-lettered by the broker from `inventory.order-placed` (delivery_limit)")
+            Some("dead-lettered by the broker from `accounts.user-registered` (delivery_limit)")
         );
         assert_eq!(broker_death(&BasicProperties::default()), None);
     }

@@ -4,11 +4,14 @@
 //! queued ──(order.placed confirmed: outbox trigger, or a later step's result)──▶ published
 //! queued | published | retry_wait ──(a step's retry scheduled)──▶ retry_wait
 //! retry_wait ──(that same step succeeds)──▶ published
-//! any non-terminal ──▶ succeeded | rejected | quarantined   (terminal: never change again)
+//! any non-terminal ──▶ succeeded | rejected | quarantined
+//! quarantined ──(job.redriven: an operator sent the message back, `msgctl parked redrive`)──▶ published
+//! quarantined ──(a step's result arrives after all)──▶ succeeded | rejected
 //! ```
 //!
-//! Every move is monotonic, so late or reordered events are harmless: a terminal state never
-//! changes, attempt numbers only grow, and a late retry event of a step that has already
+//! Every move is monotonic, so late or reordered events are harmless: `succeeded` and `rejected`
+//! never change, `quarantined` only by a redrive or by a result that proves the step was applied
+//! after all (a redriven copy, or one the broker parked after its commit), attempt numbers only grow, and a late retry event of a step that has already
 //! succeeded changes nothing. The move to `published` made by the broker's confirm is the outbox
 //! trigger of migration 0005, keyed on the job's `order_placed_message_id` column.
 
@@ -31,7 +34,7 @@ pub enum JobState {
     Succeeded,
     /// Refused by inventory (terminal).
     Rejected,
-    /// A step's message was parked (terminal).
+    /// A step's message was parked: terminal until an operator redrives it.
     Quarantined,
 }
 
@@ -39,8 +42,10 @@ impl JobState {
     /// Every state.
     pub const ALL: [Self; 6] =
         [Self::Queued, Self::Published, Self::RetryWait, Self::Succeeded, Self::Rejected, Self::Quarantined];
-    /// The states that never change again.
+    /// The states a job ends in: nothing moves it on by itself.
     pub const TERMINAL: [Self; 3] = [Self::Succeeded, Self::Rejected, Self::Quarantined];
+    /// The outcomes that never change again.
+    pub const FINAL: [Self; 2] = [Self::Succeeded, Self::Rejected];
 
     /// The name stored in `jobs.state` and shown by the API.
     pub fn as_str(self) -> &'static str {
@@ -54,7 +59,7 @@ impl JobState {
         }
     }
 
-    /// Whether the state never changes again.
+    /// Whether the job has ended (see [`JobState::TERMINAL`]).
     pub fn is_terminal(self) -> bool {
         Self::TERMINAL.contains(&self)
     }
@@ -70,6 +75,11 @@ impl TryFrom<String> for JobState {
 /// The terminal states' names, for `state <> all($n)`.
 fn terminal() -> Vec<&'static str> {
     JobState::TERMINAL.map(JobState::as_str).to_vec()
+}
+
+/// The final states' names, for `state <> all($n)`.
+fn final_states() -> Vec<&'static str> {
+    JobState::FINAL.map(JobState::as_str).to_vec()
 }
 
 /// A new job for `order_id`, whose `order.placed` is outbox row `order_placed_message_id`.
@@ -150,7 +160,7 @@ pub async fn quarantined(tx: &mut PgConnection, job_id: Uuid, attempt: u32, erro
 }
 
 /// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
-/// unless it already ended.
+/// unless it already has one; a quarantined job takes it (its step was applied after all).
 pub async fn ended(
     tx: &mut PgConnection,
     job_id: Uuid,
@@ -168,10 +178,25 @@ pub async fn ended(
     .bind(outcome.as_str())
     .bind(result_key)
     .bind(error)
-    .bind(terminal())
+    .bind(final_states())
     .execute(tx)
     .await
     .map(drop)
+}
+
+/// An operator sent the job's parked message back (`job.redriven`): a quarantined job is in
+/// progress again, and ends as the new attempts go. Any other state stays.
+pub async fn redriven(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
+    let moved = sqlx::query(
+        "update jobs set state = $2, retry_endpoint = null, updated_at = now() where id = $1 and state = $3",
+    )
+    .bind(job_id)
+    .bind(JobState::Published.as_str())
+    .bind(JobState::Quarantined.as_str())
+    .execute(tx)
+    .await?
+    .rows_affected();
+    Ok(moved == 1)
 }
 
 #[cfg(test)]

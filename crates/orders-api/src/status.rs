@@ -4,7 +4,7 @@
 
 use messaging::{
     consumer::{Handler, HandlerError},
-    contracts::{Contract, JOBS_EXCHANGE, JobQuarantined, JobRetryScheduled},
+    contracts::{Contract, JOBS_EXCHANGE, JobQuarantined, JobRedriven, JobRetryScheduled},
     envelope::{Incoming, Unreadable},
     topology::Endpoint,
 };
@@ -26,6 +26,7 @@ pub fn endpoint() -> Endpoint {
         .bind(JOBS_EXCHANGE, "job.#")
         .accept::<JobRetryScheduled>()
         .accept::<JobQuarantined>()
+        .accept::<JobRedriven>()
 }
 
 /// The handler.
@@ -68,6 +69,19 @@ impl Handler for JobStatus {
                 .bind(event.job_id)
                 .execute(&mut *tx)
                 .await?;
+            }
+            JobRedriven::TYPE => {
+                let event: JobRedriven = message.json()?;
+                // The order starts over from `accepted`: the redriven step's result moves it on.
+                if jobs::redriven(tx, event.job_id).await? {
+                    sqlx::query(
+                        "update orders set status = 'accepted', updated_at = now()
+                          where id = (select order_id from jobs where id = $1) and status = 'failed'",
+                    )
+                    .bind(event.job_id)
+                    .execute(&mut *tx)
+                    .await?;
+                }
             }
             // The runtime only hands over accepted types; this is a programming error.
             other => return Err(Unreadable::UnknownType(other.to_owned()).into()),

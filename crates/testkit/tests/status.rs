@@ -7,13 +7,13 @@ use std::time::Duration;
 use chrono::Utc;
 use clap::Parser;
 use messaging::{
-    contracts::{Contract, JobRetryScheduled},
+    contracts::{Contract, JobQuarantined, JobRedriven, JobRetryScheduled},
     envelope::Headers,
     publisher::Publisher,
     shutdown,
 };
 use serde_json::Value;
-use shop::{InventoryReserved, OrderLine};
+use shop::{InventoryReserved, InvoiceCreated, OrderLine};
 use testkit::{TestEnv, http};
 use uuid::Uuid;
 
@@ -59,16 +59,7 @@ fn retry(job_id: Uuid, endpoint: &str, attempt: u32) -> JobRetryScheduled {
 
 #[tokio::test]
 async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_move_it_back() {
-    let env = TestEnv::new().await;
-    let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let (trigger, stop) = shutdown::channel();
-    let flags = ["orders-api", "--database-url", &env.database_url("orders"), "--amqp-url", &env.amqp_url()];
-    let config = orders_api::Config::parse_from(flags);
-    let task = tokio::spawn(orders_api::run(config, listener, stop));
-    testkit::wait_ready(&base, WAIT, "").await;
-    let api = Api { env, base, orders };
+    let (api, trigger, task) = start_api().await;
 
     // No relay runs: the order stays as the API wrote it, and the events below are all it sees.
     let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
@@ -103,6 +94,61 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     assert_eq!(overview["jobs"][0]["state"], "retry_wait", "{overview}");
     assert_eq!(overview["jobs"][0]["lines"], "1 × SKU-1", "{overview}");
     assert_eq!(overview["quarantined"], serde_json::json!([]), "{overview}");
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}
+
+/// The API and its status consumer, in-process on a test's own database and vhost, without a relay.
+async fn start_api() -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let env = TestEnv::new().await;
+    let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let (trigger, stop) = shutdown::channel();
+    let flags = ["orders-api", "--database-url", &env.database_url("orders"), "--amqp-url", &env.amqp_url()];
+    let config = orders_api::Config::parse_from(flags);
+    let task = tokio::spawn(orders_api::run(config, listener, stop));
+    testkit::wait_ready(&base, WAIT, "").await;
+    (Api { env, base, orders }, trigger, task)
+}
+
+#[tokio::test]
+async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
+    let (api, trigger, task) = start_api().await;
+    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let placed = http::request("POST", &format!("{}/orders", api.base), &[], Some(body)).await.expect("POST");
+    let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
+    let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
+    let job: Uuid = job_id.parse().expect("uuid");
+    let quarantined = JobQuarantined {
+        job_id: job,
+        endpoint: "inventory.order-placed".into(),
+        message_id: Some(Uuid::now_v7()),
+        message_type: Some("order.placed".into()),
+        attempt: 2,
+        error: "boom".into(),
+    };
+    api.send(job, &quarantined).await;
+    assert_eq!(api.job(&job_id).await["state"], "quarantined");
+
+    let redriven =
+        JobRedriven { job_id: job, endpoint: "inventory.order-placed".into(), message_id: Uuid::now_v7(), redrive_count: 1 };
+    api.send(job, &redriven).await;
+    let seen = api.job(&job_id).await;
+    assert_eq!(seen["state"], "published", "the one way out of quarantined: {seen}");
+    let status: String = sqlx::query_scalar("select status from orders where id = $1")
+        .bind(order_id)
+        .fetch_one(&api.orders)
+        .await
+        .expect("order");
+    assert_eq!(status, "accepted", "the order starts over");
+
+    api.send(job, &InvoiceCreated { order_id, job_id: job, invoice_id: Uuid::now_v7(), total_cents: 1299 }).await;
+    assert_eq!(api.job(&job_id).await["state"], "succeeded");
+    // A copy of the redrive event (redelivered, or sent twice) cannot reopen an ended job.
+    api.send(job, &redriven).await;
+    assert_eq!(api.job(&job_id).await["state"], "succeeded");
 
     trigger.trigger();
     task.await.expect("api task").expect("api ran");

@@ -1,0 +1,82 @@
+//! `msgctl`: operate what `messaging` leaves for people. Parked messages (list, show, redrive,
+//! purge) and outbox rows the broker keeps refusing (stuck, retry). See `docs/operations.md`.
+//!
+//! Nothing is lost if it is killed at any point: parked messages are read unacked and only the ones
+//! it has dealt with are acked, after the broker confirmed their copy; the rest go back to parking
+//! in their order when it ends, or when its connection dies.
+
+mod outbox;
+mod parked;
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::{Parser, Subcommand};
+use messaging::{
+    config::{BrokerArgs, SecretUrl},
+    duration::parse_duration,
+};
+
+/// Operate messaging: parked messages and stuck outbox rows.
+#[derive(Debug, Parser)]
+#[command(name = "msgctl", version, about)]
+struct Cli {
+    #[command(flatten)]
+    broker: BrokerArgs,
+    /// Outbox databases for the `outbox` commands, comma-separated (the relay's list).
+    #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true, value_delimiter = ',')]
+    database_urls: Vec<SecretUrl>,
+    /// How long the consumers keep inbox rows (their INBOX_RETENTION): a message parked longer ago
+    /// than that may have been applied and forgotten, so `redrive` refuses it without `--force`.
+    #[arg(long, env = "INBOX_RETENTION", default_value = "14d", value_parser = parse_duration)]
+    inbox_retention: Duration,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Messages in the endpoints' parking queues.
+    Parked {
+        #[command(subcommand)]
+        action: parked::Action,
+    },
+    /// Outbox rows the broker keeps refusing.
+    Outbox {
+        #[command(subcommand)]
+        action: outbox::Action,
+    },
+}
+
+/// A failure, reported as one line.
+#[derive(Debug)]
+struct Failure(String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self(error.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("msgctl: cannot start: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Command::Parked { action } => parked::run(action, &cli.broker.amqp_url, cli.inbox_retention).await,
+            Command::Outbox { action } => outbox::run(action, &cli.database_urls).await,
+        }
+    });
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(message)) => {
+            eprintln!("msgctl: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! `msgctl parked …`: what is in `<endpoint>.parking`, and sending it back or away.
+//!
+//! Every command reads the whole parking queue unacked (`basic.get`, in queue order), acts on the
+//! selected messages one at a time, and returns every message it did not ack with one
+//! `basic.nack(multiple, requeue)`, which puts them back in their order (pinned on RabbitMQ 3.10
+//! and 4.0 by `tests/msgctl.rs`). A redriven message is acked only after the broker confirmed its
+//! copy in the work queue: killed in between, it is in both (the inbox absorbs the second), never
+//! in neither.
+
+use std::{cell::RefCell, collections::HashSet, time::Duration};
+
+use chrono::{DateTime, Utc};
+use lapin::{
+    BasicProperties, Channel, Connection,
+    message::Delivery,
+    options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions},
+    types::{AMQPValue, FieldTable},
+};
+use messaging::{
+    broker,
+    config::SecretUrl,
+    contracts::{Contract, JobRedriven},
+    duration::{format_duration, parse_duration},
+    envelope::{self, Headers},
+    failpoint,
+    publisher::{PublishError, Publisher},
+};
+use regex::Regex;
+use uuid::Uuid;
+
+use crate::Failure;
+
+/// Failpoint: a redriven message's copy is confirmed in the work queue, the parked one not yet
+/// acked.
+pub const AFTER_REDRIVE_PUBLISH: &str = "msgctl.after-redrive-publish";
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Action {
+    /// List parked messages: message id, type, job id, attempts, parked at, reason.
+    List {
+        #[command(flatten)]
+        filter: Filter,
+        /// One JSON object per message, one per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One parked message: its properties, headers and body.
+    Show {
+        /// Its message id.
+        message_id: Uuid,
+        /// The endpoint whose parking holds it.
+        #[arg(long, required = true)]
+        endpoint: Vec<String>,
+    },
+    /// Send the selected messages back to their endpoint's work queue, attempts reset, with a
+    /// `redrive-count` header, and a `job.redriven` event for their job; each leaves parking once
+    /// its copy is confirmed. Messages parked before the inbox's horizon are refused unless --force.
+    Redrive {
+        #[command(flatten)]
+        filter: Filter,
+        /// Say what would be redriven; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Redrive messages parked longer ago than INBOX_RETENTION too: their inbox rows may be
+        /// gone, so one already applied could be applied again.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Delete the selected parked messages for good.
+    Purge {
+        #[command(flatten)]
+        filter: Filter,
+        /// Yes, delete them.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+/// Which parked messages a command acts on.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Filter {
+    /// The endpoint (work queue name, e.g. `billing.inventory-reserved`); repeat for several.
+    #[arg(long, required = true)]
+    endpoint: Vec<String>,
+    /// Only messages of this type (e.g. `order.placed`).
+    #[arg(long = "type")]
+    message_type: Option<String>,
+    /// Only messages whose parking reason matches this regular expression.
+    #[arg(long)]
+    reason: Option<Regex>,
+    /// Only messages parked within this long (e.g. 30m, 2h, 7d).
+    #[arg(long, value_parser = parse_duration)]
+    since: Option<Duration>,
+    /// At most this many messages (the first ones in parking order).
+    #[arg(long)]
+    limit: Option<usize>,
+}
+
+/// A parked message, read from its delivery.
+#[derive(Debug)]
+struct Parked {
+    delivery: Delivery,
+    message_id: Option<Uuid>,
+    message_type: Option<String>,
+    job_id: Option<Uuid>,
+    attempts: u32,
+    reason: String,
+    parked_at: Option<DateTime<Utc>>,
+    redrive_count: u32,
+}
+
+impl Parked {
+    fn read(delivery: Delivery) -> Self {
+        let properties = &delivery.properties;
+        let headers = properties.headers().clone().unwrap_or_default();
+        let text = |key: &str| match headers.inner().get(key) {
+            Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+            _ => None,
+        };
+        Self {
+            message_id: envelope::message_id(properties),
+            message_type: properties.kind().as_ref().map(ToString::to_string),
+            job_id: envelope::correlation_id(properties),
+            attempts: envelope::header_u32(&headers, envelope::HEADER_RETRY_COUNT).unwrap_or(0) + 1,
+            reason: text(envelope::HEADER_LAST_ERROR).unwrap_or_default(),
+            parked_at: text(envelope::HEADER_PARKED_AT)
+                .and_then(|at| DateTime::parse_from_rfc3339(&at).ok())
+                .map(|at| at.with_timezone(&Utc)),
+            redrive_count: envelope::header_u32(&headers, envelope::HEADER_REDRIVE_COUNT).unwrap_or(0),
+            delivery,
+        }
+    }
+
+    fn json(&self, endpoint: &str) -> serde_json::Value {
+        serde_json::json!({
+            "endpoint": endpoint,
+            "messageId": self.message_id,
+            "type": self.message_type,
+            "jobId": self.job_id,
+            "attempts": self.attempts,
+            "redriveCount": self.redrive_count,
+            "parkedAt": self.parked_at.map(|at| at.to_rfc3339()),
+            "reason": self.reason,
+        })
+    }
+
+    fn line(&self) -> String {
+        let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
+        format!(
+            "{}  {}  job {}  attempts {}  parked {}  {}",
+            or_dash(self.message_id.map(|id| id.to_string())),
+            or_dash(self.message_type.clone()),
+            or_dash(self.job_id.map(|id| id.to_string())),
+            self.attempts,
+            or_dash(self.parked_at.map(|at| at.to_rfc3339())),
+            self.reason
+        )
+    }
+}
+
+impl Filter {
+    fn matches(&self, parked: &Parked, now: DateTime<Utc>) -> bool {
+        self.message_type.as_ref().is_none_or(|wanted| parked.message_type.as_ref() == Some(wanted))
+            && self.reason.as_ref().is_none_or(|reason| reason.is_match(&parked.reason))
+            && self.since.is_none_or(|since| {
+                parked.parked_at.is_some_and(|at| now.signed_duration_since(at).to_std().unwrap_or_default() <= since)
+            })
+    }
+}
+
+/// One endpoint's parking queue, read whole and held unacked.
+struct Held {
+    endpoint: String,
+    channel: Channel,
+    messages: Vec<Parked>,
+    /// Delivery tags acked so far.
+    acked: RefCell<HashSet<u64>>,
+}
+
+impl Held {
+    async fn read(connection: &Connection, endpoint: &str) -> Result<Self, Failure> {
+        let queue = format!("{endpoint}.parking");
+        // A passive declare on a channel of its own: a missing queue closes that channel only.
+        let probe = connection.create_channel().await?;
+        if let Err(error) = probe.queue_declare(queue.as_str().into(), passive(), FieldTable::default()).await {
+            return Err(Failure(format!("unknown endpoint `{endpoint}`: the broker has no queue `{queue}` ({error})")));
+        }
+        let _ = probe.close(200, "bye".into()).await;
+        let channel = connection.create_channel().await?;
+        let mut messages = Vec::new();
+        while let Some(message) = channel.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false }).await? {
+            messages.push(Parked::read(message.delivery));
+        }
+        Ok(Self { endpoint: endpoint.to_owned(), channel, messages, acked: RefCell::default() })
+    }
+
+    /// The messages `filter` selects, in parking order, at most `limit`.
+    fn selected(&self, filter: &Filter) -> Vec<usize> {
+        let now = Utc::now();
+        let chosen = self.messages.iter().enumerate().filter(|(_, parked)| filter.matches(parked, now));
+        chosen.map(|(index, _)| index).take(filter.limit.unwrap_or(usize::MAX)).collect()
+    }
+
+    async fn ack(&self, index: usize) -> Result<(), Failure> {
+        let tag = self.messages[index].delivery.delivery_tag;
+        self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
+        self.acked.borrow_mut().insert(tag);
+        Ok(())
+    }
+
+    /// Put back every message not acked, in its order: one nack of them all, up to the last one.
+    async fn give_back(self) -> Result<(), Failure> {
+        let acked = self.acked.borrow().clone();
+        let last =
+            self.messages.iter().map(|parked| parked.delivery.delivery_tag).filter(|tag| !acked.contains(tag)).max();
+        if let Some(last) = last {
+            let options = BasicNackOptions { multiple: true, requeue: true };
+            self.channel.basic_nack(last, options).await?;
+        }
+        let _ = self.channel.close(200, "bye".into()).await;
+        Ok(())
+    }
+}
+
+fn passive() -> QueueDeclareOptions {
+    QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() }
+}
+
+pub async fn run(action: Action, amqp_url: &SecretUrl, inbox_retention: Duration) -> Result<(), Failure> {
+    let connection = broker::connect(amqp_url, "msgctl")
+        .await
+        .map_err(|error| Failure(format!("cannot reach the broker at {amqp_url}: {error}")))?;
+    let outcome = match action {
+        Action::List { filter, json } => list(&connection, &filter, json).await,
+        Action::Show { message_id, endpoint } => show(&connection, message_id, &endpoint).await,
+        Action::Redrive { filter, dry_run, force } => {
+            let horizon = if force { None } else { Some(inbox_retention) };
+            redrive(&connection, &filter, dry_run, horizon).await
+        }
+        Action::Purge { filter, yes } => purge(&connection, &filter, yes).await,
+    };
+    let _ = connection.close(200, "bye".into()).await;
+    outcome
+}
+
+async fn list(connection: &Connection, filter: &Filter, json: bool) -> Result<(), Failure> {
+    let mut total = 0;
+    for endpoint in &filter.endpoint {
+        let held = Held::read(connection, endpoint).await?;
+        for index in held.selected(filter) {
+            let parked = &held.messages[index];
+            if json {
+                println!("{}", parked.json(endpoint));
+            } else {
+                println!("{endpoint}  {}", parked.line());
+            }
+            total += 1;
+        }
+        held.give_back().await?;
+    }
+    if !json {
+        println!("{total} parked message(s) selected");
+    }
+    Ok(())
+}
+
+async fn show(connection: &Connection, message_id: Uuid, endpoints: &[String]) -> Result<(), Failure> {
+    for endpoint in endpoints {
+        let held = Held::read(connection, endpoint).await?;
+        let found = held.messages.iter().find(|parked| parked.message_id == Some(message_id));
+        if let Some(parked) = found {
+            println!("endpoint: {endpoint}");
+            print_properties(&parked.delivery.properties);
+            let body = &parked.delivery.data;
+            match serde_json::from_slice::<serde_json::Value>(body) {
+                Ok(json) => println!("body:\n{}", serde_json::to_string_pretty(&json)?),
+                Err(_) => println!("body ({} bytes, not JSON):\n{}", body.len(), String::from_utf8_lossy(body)),
+            }
+        }
+        let shown = found.is_some();
+        held.give_back().await?;
+        if shown {
+            return Ok(());
+        }
+    }
+    Err(Failure(format!("no parked message {message_id} in {}", endpoints.join(", "))))
+}
+
+fn print_properties(properties: &BasicProperties) {
+    let text = |value: &Option<lapin::types::ShortString>| value.as_ref().map_or("-".into(), ToString::to_string);
+    println!("message id: {}", text(properties.message_id()));
+    println!("type: {}", text(properties.kind()));
+    println!("correlation id (job): {}", text(properties.correlation_id()));
+    println!("headers:");
+    if let Some(headers) = properties.headers() {
+        for (key, value) in headers.inner() {
+            let value = match value {
+                AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+                other => format!("{other:?}"),
+            };
+            println!("  {key}: {value}");
+        }
+    }
+}
+
+/// Redrive, refusing messages parked before `horizon` ago (`None`: `--force`).
+async fn redrive(
+    connection: &Connection,
+    filter: &Filter,
+    dry_run: bool,
+    horizon: Option<Duration>,
+) -> Result<(), Failure> {
+    let publisher = Publisher::open(connection).await?;
+    let (mut redriven, mut refused) = (0, 0);
+    for endpoint in &filter.endpoint {
+        let held = Held::read(connection, endpoint).await?;
+        let outcome = redrive_held(&held, filter, dry_run, horizon, &publisher, (&mut redriven, &mut refused)).await;
+        // Whatever happened, the rest goes back in its order.
+        held.give_back().await?;
+        outcome?;
+    }
+    publisher.close().await;
+    let verb = if dry_run { "would be redriven" } else { "redriven" };
+    println!("{redriven} message(s) {verb}, {refused} refused");
+    match (redriven, refused) {
+        (_, refused) if refused > 0 => Err(Failure(format!("{refused} message(s) refused (see above)"))),
+        (0, _) => Err(Failure("nothing selected".into())),
+        _ => Ok(()),
+    }
+}
+
+async fn redrive_held(
+    held: &Held,
+    filter: &Filter,
+    dry_run: bool,
+    horizon: Option<Duration>,
+    publisher: &Publisher,
+    (redriven, refused): (&mut usize, &mut usize),
+) -> Result<(), Failure> {
+    let now = Utc::now();
+    for index in held.selected(filter) {
+        let parked = &held.messages[index];
+        if let Some(horizon) = horizon {
+            let age = parked.parked_at.map(|at| now.signed_duration_since(at).to_std().unwrap_or_default());
+            if age.is_none_or(|age| age > horizon) {
+                let when = age.map_or("at an unknown time".into(), |age| format!("{} ago", format_duration(age)));
+                println!(
+                    "refused {}: parked {when}, beyond the inbox retention of {} (INBOX_RETENTION): its inbox row may \
+                     be gone, so it could be applied twice; --force redrives it anyway",
+                    parked.line(),
+                    format_duration(horizon)
+                );
+                *refused += 1;
+                continue;
+            }
+        }
+        if dry_run {
+            println!("would redrive {}  {}", held.endpoint, parked.line());
+            *redriven += 1;
+            continue;
+        }
+        let redrive_count = parked.redrive_count + 1;
+        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
+            let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
+            send_job_event(publisher, &event).await?;
+        }
+        let properties = envelope::redriven(&parked.delivery.properties, redrive_count);
+        publisher
+            .publish("", &held.endpoint, &parked.delivery.data, properties)
+            .await
+            .map_err(|error| Failure(format!("cannot send {} back to `{}`: {error}", parked.line(), held.endpoint)))?;
+        failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
+        held.ack(index).await?;
+        println!("redriven {}  {}", held.endpoint, parked.line());
+        *redriven += 1;
+    }
+    Ok(())
+}
+
+/// Publish `event` (confirmed). Unroutable (no status consumer bound) is only a warning: the
+/// message itself still goes back.
+async fn send_job_event(publisher: &Publisher, event: &JobRedriven) -> Result<(), Failure> {
+    let body = serde_json::to_vec(event)?;
+    let properties =
+        Headers::of::<JobRedriven>(Some(event.job_id)).properties(Uuid::now_v7(), JobRedriven::TYPE, Utc::now());
+    match publisher.publish(JobRedriven::EXCHANGE, JobRedriven::TYPE, &body, properties).await {
+        Ok(()) => Ok(()),
+        Err(PublishError::Returned(reason)) => {
+            eprintln!("msgctl: warning: job.redriven for job {} went nowhere ({reason})", event.job_id);
+            Ok(())
+        }
+        Err(error) => Err(Failure(format!("cannot publish job.redriven: {error}"))),
+    }
+}
+
+async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<(), Failure> {
+    let mut purged = 0;
+    for endpoint in &filter.endpoint {
+        let held = Held::read(connection, endpoint).await?;
+        let selected = held.selected(filter);
+        if !yes {
+            held.give_back().await?;
+            return Err(Failure(format!(
+                "purge deletes {} parked message(s) of `{endpoint}` for good: add --yes",
+                selected.len()
+            )));
+        }
+        for index in selected {
+            held.ack(index).await?;
+            println!("purged {endpoint}  {}", held.messages[index].line());
+            purged += 1;
+        }
+        held.give_back().await?;
+    }
+    if purged == 0 {
+        return Err(Failure("nothing selected".into()));
+    }
+    println!("{purged} message(s) purged");
+    Ok(())
+}

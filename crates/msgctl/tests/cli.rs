@@ -1,0 +1,48 @@
+//! The `msgctl` binary as shipped: its settings, and a clear one-line refusal, with a non-zero
+//! exit, for a bad filter, an unknown endpoint and an unreachable broker.
+
+use std::process::Output;
+
+use testkit::TestEnv;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_msgctl");
+
+fn msgctl(amqp_url: &str, args: &[&str]) -> Output {
+    std::process::Command::new(BINARY).env("AMQP_URL", amqp_url).args(args).output().expect("run msgctl")
+}
+
+fn one_line_error(output: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    stderr
+}
+
+#[test]
+fn help_names_every_setting() {
+    testkit::cli::assert_help_names(BINARY, &["AMQP_URL", "DATABASE_URL", "INBOX_RETENTION"]);
+}
+
+#[test]
+fn a_bad_filter_is_refused_before_connecting() {
+    let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list", "--endpoint", "e", "--reason", "("]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("invalid value '(' for '--reason"), "{output:?}");
+    let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list"]);
+    assert_eq!(output.status.code(), Some(2), "an endpoint is required: {output:?}");
+}
+
+#[test]
+fn an_unreachable_broker_is_one_line_and_exit_1() {
+    let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list", "--endpoint", "e"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(one_line_error(&output).starts_with("msgctl: cannot reach the broker at amqp://guest:***@127.0.0.1:1"));
+}
+
+#[tokio::test]
+async fn an_unknown_endpoint_is_one_line_and_exit_1() {
+    let env = TestEnv::new().await;
+    let output = msgctl(&env.amqp_url(), &["parked", "redrive", "--endpoint", "no.such-endpoint"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let error = one_line_error(&output);
+    assert!(error.contains("unknown endpoint `no.such-endpoint`: the broker has no queue `no.such-endpoint.parking`"));
+}
