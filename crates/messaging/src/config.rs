@@ -3,7 +3,17 @@
 
 use std::{fmt, str::FromStr, time::Duration};
 
-use crate::{duration::parse_duration, topology::RetryPolicy};
+use crate::{
+    duration::{describe, parse_duration},
+    topology::RetryPolicy,
+};
+
+/// Added to the retry horizon to get the shortest inbox retention a consumer accepts. A copy of
+/// a message can arrive later than its last retry: the relay republishes a row that was confirmed
+/// but not marked when its session ended (a relay, broker or database outage), and a consumer
+/// takes back a delivery it held through a database outage. A day covers outages that long;
+/// redrives from parking, which can come any time later, are guarded by `msgctl` itself.
+pub const LATE_COPY_MARGIN: Duration = Duration::from_secs(24 * 3600);
 
 /// A connection URL whose password is masked whenever it is printed or logged.
 #[derive(Clone, PartialEq, Eq)]
@@ -93,12 +103,38 @@ pub struct ConsumerArgs {
     #[arg(long, env = "DELIVERY_LIMIT", default_value_t = crate::topology::DEFAULT_DELIVERY_LIMIT,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub delivery_limit: u32,
+
+    /// How long a processed message's inbox row (its protection against a second delivery) is
+    /// kept. Must cover the retry horizon (the sum of the retry waits) plus a day for late copies;
+    /// a shorter one is refused at start-up.
+    #[arg(long, env = "INBOX_RETENTION", default_value = "14d", value_parser = parse_duration)]
+    pub inbox_retention: Duration,
 }
 
 impl ConsumerArgs {
     /// The retry policy these flags describe.
     pub fn retry_policy(&self) -> RetryPolicy {
         RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts)
+    }
+
+    /// Refuse an inbox retention shorter than the latest a copy of a message can still arrive (the
+    /// retry horizon plus [`LATE_COPY_MARGIN`]): such a copy would find no inbox row and be applied
+    /// a second time. The message names both values.
+    pub fn check_inbox_retention(&self) -> Result<(), String> {
+        let retries = self.retry_policy().horizon();
+        let needed = retries + LATE_COPY_MARGIN;
+        if self.inbox_retention >= needed {
+            return Ok(());
+        }
+        Err(format!(
+            "INBOX_RETENTION={} is shorter than the {} a copy of a message can still arrive ({} of retry waits \
+             for RETRY_DELAYS over MAX_ATTEMPTS={}, plus {} for late copies): a late copy would be applied twice",
+            describe(self.inbox_retention),
+            describe(needed),
+            describe(retries),
+            self.max_attempts,
+            describe(LATE_COPY_MARGIN),
+        ))
     }
 }
 
@@ -131,6 +167,25 @@ mod tests {
             SecretUrl::new("postgres://postgres@localhost/accounts").to_string(),
             "postgres://postgres@localhost/accounts"
         );
+    }
+
+    #[test]
+    fn an_inbox_retention_must_cover_the_retries_and_a_day() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            consumer: ConsumerArgs,
+        }
+        let parse = |args: &[&str]| Flags::parse_from([&["test"], args].concat()).consumer;
+        // 1s + 5s + 30s + 2m between five attempts; the last wait (10m) is never taken.
+        assert_eq!(parse(&[]).retry_policy().horizon(), Duration::from_secs(156));
+        assert!(parse(&[]).check_inbox_retention().is_ok(), "the defaults fit");
+        assert!(parse(&["--inbox-retention", "24h"]).check_inbox_retention().is_err());
+        let refusal = parse(&["--inbox-retention", "1h"]).check_inbox_retention().expect_err("too short");
+        assert!(refusal.starts_with("INBOX_RETENTION=1h is shorter than the 1d 2m 36s"), "{refusal}");
+        let long_retries = ["--retry-delays", "1d", "--max-attempts", "20", "--inbox-retention", "14d"];
+        assert!(parse(&long_retries).check_inbox_retention().is_err(), "19 days of retries need more");
     }
 
     #[test]

@@ -135,6 +135,8 @@ pub struct ConsumerSettings {
     /// transaction rolls back): a database that answers a ping makes it a transient failure of the
     /// message, one that does not an outage (no attempt spent).
     pub handler_timeout: Duration,
+    /// How long inbox rows are kept (`INBOX_RETENTION`): older ones are deleted hourly.
+    pub inbox_retention: Duration,
 }
 
 impl ConsumerSettings {
@@ -149,6 +151,7 @@ impl ConsumerSettings {
             reconnect: Backoff::default(),
             max_crashes: args.max_crashes,
             handler_timeout: args.handler_timeout,
+            inbox_retention: args.inbox_retention,
         }
     }
 }
@@ -170,10 +173,20 @@ pub async fn run<H: Handler>(
         backoff: settings.reconnect,
         readiness: Arc::clone(&health.readiness),
     };
+    let retention = settings.inbox_retention;
+    let prune = crate::retention::run("inbox", shutdown.clone(), {
+        let pool = pool.clone();
+        move || {
+            let pool = pool.clone();
+            async move { crate::inbox::delete_received_before(&pool, retention, crate::retention::BATCH).await }
+        }
+    });
     let mut runtime = Arc::new(Runtime { settings, handler, pool, health, flag: link.name.clone(), shutdown });
     let shutdown = runtime.shutdown.clone();
     async {
+        let pruning = tokio::spawn(prune.in_current_span());
         broker::run_sessions(&link, &shutdown, &mut runtime).await;
+        let _ = pruning.await;
         tracing::info!("consumer stopped");
     }
     .instrument(tracing::info_span!("consumer", endpoint = name))

@@ -23,6 +23,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(duration)
 }
 
+/// A duration for people, in whole units from days to milliseconds: `1d 2m 36s`.
+pub fn describe(duration: Duration) -> String {
+    let ms = duration.as_millis();
+    let units = [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1_000, "s"), (1, "ms")];
+    let mut rest = ms;
+    let mut parts = Vec::new();
+    for (size, unit) in units {
+        if rest >= size {
+            parts.push(format!("{}{unit}", rest / size));
+            rest %= size;
+        }
+    }
+    if parts.is_empty() { "0s".to_owned() } else { parts.join(" ") }
+}
+
 /// Format a duration the way queue names and `RETRY_DELAYS` spell it: the largest whole unit.
 pub fn format_duration(duration: Duration) -> String {
     let ms = duration.as_millis();

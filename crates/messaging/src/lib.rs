@@ -24,6 +24,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod outbox;
 pub mod publisher;
+pub mod retention;
 pub mod schema;
 pub mod service;
 pub mod shutdown;

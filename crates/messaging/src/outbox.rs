@@ -126,14 +126,13 @@ pub async fn delete_published_before<'e>(
     retention: Duration,
     batch: i64,
 ) -> sqlx::Result<u64> {
-    let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
     sqlx::query(
         "delete from outbox
           where id in (select id from outbox
                         where published_at < now() - $1 * interval '1 millisecond'
                         limit $2)",
     )
-    .bind(retention_ms)
+    .bind(crate::retention::millis(retention))
     .bind(batch)
     .execute(db)
     .await

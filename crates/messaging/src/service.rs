@@ -92,8 +92,13 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let matches = self.command().try_get_matches_from(args)?;
-        Ok(Settings { common: WorkerArgs::from_arg_matches(&matches)?, own: F::from_arg_matches(&matches)? })
+        let mut command = self.command();
+        let matches = command.try_get_matches_from_mut(args)?;
+        let common = WorkerArgs::from_arg_matches(&matches)?;
+        if let Err(refusal) = common.consumer.check_inbox_retention() {
+            return Err(command.error(clap::error::ErrorKind::ValueValidation, refusal));
+        }
+        Ok(Settings { common, own: F::from_arg_matches(&matches)? })
     }
 
     /// Run until `shutdown`: health endpoints on `listener`, the consumer in the foreground.

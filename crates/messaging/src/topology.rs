@@ -56,6 +56,12 @@ impl RetryPolicy {
         &self.delays
     }
 
+    /// How long after its first delivery a message's last retry can still arrive: the sum of the
+    /// waits of every retry it may get.
+    pub fn horizon(&self) -> Duration {
+        (0..self.max_attempts).map_while(|retry_count| self.next_delay(retry_count)).sum()
+    }
+
     /// The wait before retrying a message that has been retried `retry_count` times already, or
     /// `None` if it has used up its attempts (attempt = `retry_count + 1` = `max_attempts`).
     pub fn next_delay(&self, retry_count: u32) -> Option<Duration> {

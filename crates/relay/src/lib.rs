@@ -374,28 +374,10 @@ struct SentBatch {
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
 }
 
-/// Delete published rows past retention, in small batches so no long lock is held; hourly.
+/// Delete published rows past retention, in small batches, at start-up and hourly.
 async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown) {
-    const BATCH: i64 = 10_000;
-    loop {
-        loop {
-            match outbox::delete_published_before(&db.pool, retention, BATCH).await {
-                Ok(deleted) if deleted == BATCH as u64 => continue,
-                Ok(deleted) => {
-                    if deleted > 0 {
-                        tracing::info!(deleted, "old published outbox rows deleted");
-                    }
-                    break;
-                }
-                // Table not there yet, database down: try again next round.
-                Err(error) => {
-                    tracing::debug!(%error, "outbox retention skipped");
-                    break;
-                }
-            }
-        }
-        if !shutdown.sleep(Duration::from_secs(3600)).await {
-            return;
-        }
-    }
+    messaging::retention::run("published outbox rows", shutdown, || {
+        outbox::delete_published_before(&db.pool, retention, messaging::retention::BATCH)
+    })
+    .await;
 }

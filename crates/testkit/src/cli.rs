@@ -15,6 +15,7 @@ pub const WORKER_VARIABLES: &[&str] = &[
     "MAX_CRASHES",
     "HANDLER_TIMEOUT",
     "DELIVERY_LIMIT",
+    "INBOX_RETENTION",
 ];
 
 /// `--help` names every environment variable in `variables`.
@@ -25,6 +26,14 @@ pub fn assert_help_names(binary: &str, variables: &[&str]) {
     for variable in variables {
         assert!(help.contains(&format!("env: {variable}")), "--help does not name {variable}:\n{help}");
     }
+}
+
+/// An `INBOX_RETENTION` shorter than the retry horizon stops the binary at once, naming both values.
+pub fn assert_short_inbox_retention_refused(binary: &str) {
+    let output = Command::new(binary).env("INBOX_RETENTION", "1h").output().expect("run");
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let error = String::from_utf8_lossy(&output.stderr);
+    assert!(error.contains("INBOX_RETENTION=1h is shorter than the 1d 2m 36s"), "{error}");
 }
 
 /// A bad setting stops the binary at once, before it touches a server: exit 2, naming the flag.
@@ -47,6 +56,11 @@ pub fn assert_bad_setting_refused(binary: &str) {
 macro_rules! binary_tests {
     (worker $binary:literal, [$($variable:literal),* $(,)?]) => {
         $crate::binary_tests!(@tests $binary, [$crate::cli::WORKER_VARIABLES, &[$($variable),*]].concat());
+
+        #[test]
+        fn an_inbox_retention_shorter_than_the_retries_is_refused() {
+            $crate::cli::assert_short_inbox_retention_refused(env!(concat!("CARGO_BIN_EXE_", $binary)));
+        }
     };
     ($binary:literal, [$($variable:literal),* $(,)?]) => {
         $crate::binary_tests!(@tests $binary, [$($variable),*]);

@@ -99,6 +99,7 @@ fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u1
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         max_crashes: 3,
         handler_timeout: Duration::from_secs(10),
+        inbox_retention: Duration::from_secs(14 * 86_400),
     }
 }
 

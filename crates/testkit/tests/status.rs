@@ -132,8 +132,12 @@ async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
     api.send(job, &quarantined).await;
     assert_eq!(api.job(&job_id).await["state"], "quarantined");
 
-    let redriven =
-        JobRedriven { job_id: job, endpoint: "inventory.order-placed".into(), message_id: Uuid::now_v7(), redrive_count: 1 };
+    let redriven = JobRedriven {
+        job_id: job,
+        endpoint: "inventory.order-placed".into(),
+        message_id: Uuid::now_v7(),
+        redrive_count: 1,
+    };
     api.send(job, &redriven).await;
     let seen = api.job(&job_id).await;
     assert_eq!(seen["state"], "published", "the one way out of quarantined: {seen}");
