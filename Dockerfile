@@ -1,5 +1,6 @@
-# One image with the four service binaries; compose picks the binary per service (`command`), and
-# `docker run reliable-orders:local` starts the API. Needs BuildKit (`RUN --mount`): compose v2
+# One image with the four service binaries and `msgctl`; compose picks the binary per service
+# (`command`), `docker compose exec relay msgctl …` operates parking and the outboxes with the
+# relay's settings, and `docker run reliable-orders:local` starts the API. Needs BuildKit (`RUN --mount`): compose v2
 # uses it; for `docker build`, set DOCKER_BUILDKIT=1.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
@@ -8,9 +9,10 @@ COPY . .
 # takes 2.5 times as long).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p orders-api -p relay -p inventory-worker -p billing-worker --bins \
+    cargo build --release --locked -p orders-api -p relay -p inventory-worker -p billing-worker -p msgctl --bins \
     && mkdir /out \
-    && cp target/release/orders-api target/release/relay target/release/inventory-worker target/release/billing-worker /out/
+    && cp target/release/orders-api target/release/relay target/release/inventory-worker target/release/billing-worker \
+       target/release/msgctl /out/
 
 FROM debian:bookworm-slim
 RUN useradd --system --uid 10001 shop
