@@ -52,7 +52,7 @@ use crate::{
     failpoint,
     health::Health,
     inbox,
-    metrics::{INBOX_DUPLICATES, MESSAGES_HANDLED},
+    metrics::{ByEndpoint, ByOutcome},
     publisher::{PublishError, Publisher},
     shutdown::Shutdown,
     topology::{self, Endpoint, RetryPolicy},
@@ -447,7 +447,7 @@ impl<H: Handler> Runtime<H> {
             Some(Ok(Applied::Duplicate)) => {
                 delivery.ack().await?;
                 self.count("duplicate");
-                self.health.metrics.increment(INBOX_DUPLICATES, &[("endpoint", endpoint.name)]);
+                self.health.metrics.duplicates.get_or_create(&ByEndpoint { endpoint: endpoint.name.to_owned() }).inc();
                 tracing::info!("duplicate skipped by the inbox");
             }
             // `Unavailable` is waited out above; were one to get here, it would be retried.
@@ -495,6 +495,20 @@ impl<H: Handler> Runtime<H> {
     /// [`Self::apply_unbounded`] within `handler_timeout`. An abandoned transaction rolls back with
     /// its connection; whose fault the wait was decides what it costs.
     async fn apply(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let started = std::time::Instant::now();
+        let applied = self.apply_within_timeout(message).await;
+        let outcome = match &applied {
+            Ok(Applied::Done) => "succeeded",
+            Ok(Applied::Duplicate) => "duplicate",
+            Err(HandlerError::Unavailable(_)) => "unavailable",
+            Err(_) => "failed",
+        };
+        let labels = ByOutcome { endpoint: self.settings.endpoint.name.to_owned(), outcome: outcome.to_owned() };
+        self.health.metrics.handling.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+        applied
+    }
+
+    async fn apply_within_timeout(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let limit = self.settings.handler_timeout;
         match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
             Ok(outcome) => outcome,
@@ -634,9 +648,7 @@ impl<H: Handler> Runtime<H> {
     }
 
     fn count(&self, outcome: &str) {
-        self.health
-            .metrics
-            .increment(MESSAGES_HANDLED, &[("endpoint", self.settings.endpoint.name), ("outcome", outcome)]);
+        self.health.metrics.count_handled(self.settings.endpoint.name, outcome);
     }
 }
 

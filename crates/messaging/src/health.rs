@@ -14,7 +14,7 @@ use axum::{
 use sqlx::PgPool;
 
 use crate::{
-    metrics::{Metrics, render_gauge},
+    metrics::{self, ByDatabase, ByDatabaseState, Metrics},
     outbox,
     shutdown::Shutdown,
 };
@@ -75,29 +75,27 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
 }
 
 async fn metrics(State(health): State<Health>) -> impl IntoResponse {
-    let mut out = String::new();
-    health.metrics.render(&mut out);
-    // A database that is down only loses its gauges; the counters still render.
-    let mut outboxes = Vec::new();
+    // The outbox gauges are read at scrape time. A database that is down loses its gauges (they
+    // would be stale); the counters and histograms still render.
+    let metrics = &health.metrics;
     for (name, pool) in &health.databases {
-        if let Ok(Ok(counts)) = tokio::time::timeout(Duration::from_secs(2), outbox::counts(pool)).await {
-            outboxes.push((name.as_str(), counts));
+        let database = ByDatabase { database: name.clone() };
+        let by_state = |state: &str| ByDatabaseState { database: name.clone(), state: state.to_owned() };
+        match tokio::time::timeout(Duration::from_secs(2), outbox::counts(pool)).await {
+            Ok(Ok(counts)) => {
+                for (state, rows) in [("published", counts.published), ("unpublished", counts.unpublished)] {
+                    metrics.outbox_rows.get_or_create(&by_state(state)).set(rows);
+                }
+                metrics.oldest_unpublished.get_or_create(&database).set(counts.oldest_unpublished_age_seconds);
+            }
+            _ => {
+                metrics.outbox_rows.remove(&by_state("published"));
+                metrics.outbox_rows.remove(&by_state("unpublished"));
+                metrics.oldest_unpublished.remove(&database);
+            }
         }
     }
-    // Each metric family's samples together, as the exposition format requires.
-    let help = "Outbox rows by state (published rows are kept until retention deletes them).";
-    for (i, (name, counts)) in outboxes.iter().enumerate() {
-        for (state, rows) in [("published", counts.published), ("unpublished", counts.unpublished)] {
-            let labels = [("database", *name), ("state", state)];
-            render_gauge(&mut out, "outbox_rows", help, &labels, rows as f64, i == 0 && state == "published");
-        }
-    }
-    let help = "Seconds the oldest unpublished outbox row has waited (0 when none waits).";
-    for (i, (database, counts)) in outboxes.iter().enumerate() {
-        let (name, labels) = ("outbox_oldest_unpublished_age_seconds", [("database", *database)]);
-        render_gauge(&mut out, name, help, &labels, counts.oldest_unpublished_age_seconds, i == 0);
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+    ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], metrics.render())
 }
 
 /// Serve `router` on `listener` until shutdown, then finish in-flight requests.

@@ -1,7 +1,21 @@
-//! Prometheus counters, rendered in the text exposition format. Deliberately tiny: a handful of
-//! labelled counters does not justify a metrics framework in a reference that people read.
+//! The metrics every service exposes on `/metrics`, through `prometheus-client` in the OpenMetrics
+//! text format. One registry per service instance ([`Metrics::default`]), not a global one, so that
+//! services started in one test process keep their figures apart. Names and units follow the
+//! Prometheus conventions: counters end in `_total`, durations are histograms in seconds.
+//! `docs/operations.md` says what each one means and which alerts are worth setting.
 
-use std::{collections::BTreeMap, fmt::Write, sync::Mutex};
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::{Registry, Unit},
+};
 
 /// Deliveries handled, by `endpoint` and `outcome` (succeeded, duplicate, retried, parked).
 pub const MESSAGES_HANDLED: &str = "messages_handled_total";
@@ -12,94 +26,192 @@ pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Outbox publishes returned or nacked by the broker, by `database`.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
 
-fn help(name: &str) -> &'static str {
-    match name {
-        MESSAGES_HANDLED => "Deliveries handled, by endpoint and outcome.",
-        INBOX_DUPLICATES => "Redelivered messages skipped because the inbox had already processed them.",
-        OUTBOX_PUBLISHED => "Outbox rows published with a broker confirm.",
-        OUTBOX_PUBLISH_FAILURES => "Outbox publishes returned (unroutable) or nacked; the rows are retried.",
-        _ => "",
-    }
+/// Labels: an endpoint.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByEndpoint {
+    /// e.g. `accounts.user-registered`.
+    pub endpoint: String,
 }
 
-/// A set of labelled counters.
-#[derive(Debug, Default)]
+/// Labels: an endpoint and what became of a message there.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByOutcome {
+    /// The endpoint.
+    pub endpoint: String,
+    /// e.g. `succeeded`.
+    pub outcome: String,
+}
+
+/// Labels: an outbox database.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByDatabase {
+    /// Its name, e.g. `accounts`.
+    pub database: String,
+}
+
+/// Labels: an outbox database and a row state (`published`, `unpublished`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByDatabaseState {
+    /// The database.
+    pub database: String,
+    /// The rows' state.
+    pub state: String,
+}
+
+/// Labels: how a job ended.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByJobState {
+    /// e.g. `succeeded`.
+    pub state: String,
+}
+
+/// A family of histograms sharing one set of buckets.
+pub type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// 1 ms to about 16 s, doubling: a message's transaction, a publish's lag.
+fn short_durations() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// 10 ms to about 5.5 min, doubling: a job's life, retries included.
+fn job_durations() -> Histogram {
+    Histogram::new(exponential_buckets(0.01, 2.0, 16))
+}
+
+/// Every metric of a service instance, and the registry that renders them.
+#[derive(Debug)]
 pub struct Metrics {
-    // (metric name, rendered label set) -> value; BTreeMap keeps the output stable and grouped.
-    counters: Mutex<BTreeMap<(&'static str, String), u64>>,
+    registry: Registry,
+    /// [`MESSAGES_HANDLED`].
+    pub handled: Family<ByOutcome, Counter>,
+    /// [`INBOX_DUPLICATES`].
+    pub duplicates: Family<ByEndpoint, Counter>,
+    /// [`OUTBOX_PUBLISHED`].
+    pub published: Family<ByDatabase, Counter>,
+    /// [`OUTBOX_PUBLISH_FAILURES`].
+    pub publish_failures: Family<ByDatabase, Counter>,
+    /// `message_handling_duration_seconds`: one message's transaction (inbox row, handler,
+    /// commit), by endpoint and outcome (succeeded, duplicate, failed, unavailable).
+    pub handling: Histograms<ByOutcome>,
+    /// `outbox_publish_lag_seconds`: from an outbox row's commit to its broker confirm.
+    pub publish_lag: Histograms<ByDatabase>,
+    /// `job_duration_seconds`: from a job's creation (the POST) to its end, by final state.
+    pub job_duration: Histograms<ByJobState>,
+    /// `outbox_rows`: rows by state, read from each database at scrape time.
+    pub outbox_rows: Family<ByDatabaseState, Gauge>,
+    /// `outbox_oldest_unpublished_age_seconds`: how long the oldest unpublished row has waited.
+    pub oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let handled = Family::default();
+        registry.register("messages_handled", "Deliveries handled, by endpoint and outcome", handled.clone());
+        let duplicates = Family::default();
+        registry.register(
+            "inbox_duplicates_skipped",
+            "Redelivered messages skipped because the inbox had already processed them",
+            duplicates.clone(),
+        );
+        let published = Family::default();
+        registry.register("outbox_published", "Outbox rows published with a broker confirm", published.clone());
+        let publish_failures = Family::default();
+        registry.register(
+            "outbox_publish_failures",
+            "Outbox publishes returned (unroutable) or nacked; the rows are retried",
+            publish_failures.clone(),
+        );
+        let handling: Histograms<ByOutcome> = Family::new_with_constructor(short_durations);
+        registry.register_with_unit(
+            "message_handling_duration",
+            "One message's transaction (inbox row, handler, commit), by endpoint and outcome",
+            Unit::Seconds,
+            handling.clone(),
+        );
+        let publish_lag: Histograms<ByDatabase> = Family::new_with_constructor(short_durations);
+        registry.register_with_unit(
+            "outbox_publish_lag",
+            "From an outbox row's commit to its broker confirm",
+            Unit::Seconds,
+            publish_lag.clone(),
+        );
+        let job_duration: Histograms<ByJobState> = Family::new_with_constructor(job_durations);
+        registry.register_with_unit(
+            "job_duration",
+            "From a job's creation (POST /orders) to its end, by final state",
+            Unit::Seconds,
+            job_duration.clone(),
+        );
+        let outbox_rows = Family::default();
+        registry.register(
+            "outbox_rows",
+            "Outbox rows by state (published rows are kept until retention deletes them)",
+            outbox_rows.clone(),
+        );
+        let oldest_unpublished = Family::default();
+        registry.register_with_unit(
+            "outbox_oldest_unpublished_age",
+            "How long the oldest unpublished outbox row has waited (0 when none waits)",
+            Unit::Seconds,
+            oldest_unpublished.clone(),
+        );
+        Self {
+            registry,
+            handled,
+            duplicates,
+            published,
+            publish_failures,
+            handling,
+            publish_lag,
+            job_duration,
+            outbox_rows,
+            oldest_unpublished,
+        }
+    }
 }
 
 impl Metrics {
-    /// Add `by` to counter `name` with `labels`.
-    pub fn add(&self, name: &'static str, labels: &[(&str, &str)], by: u64) {
-        let key = (name, render_labels(labels));
-        let mut counters = self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        *counters.entry(key).or_default() += by;
+    /// Count a delivery's outcome at `endpoint`.
+    pub fn count_handled(&self, endpoint: &str, outcome: &str) {
+        self.handled.get_or_create(&ByOutcome { endpoint: endpoint.to_owned(), outcome: outcome.to_owned() }).inc();
     }
 
-    /// Add one.
-    pub fn increment(&self, name: &'static str, labels: &[(&str, &str)]) {
-        self.add(name, labels, 1);
-    }
-
-    /// The current value (0 if never incremented), mainly for tests.
-    pub fn get(&self, name: &'static str, labels: &[(&str, &str)]) -> u64 {
-        let counters = self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        counters.get(&(name, render_labels(labels))).copied().unwrap_or(0)
-    }
-
-    /// Append every counter to `out` in the Prometheus text format.
-    pub fn render(&self, out: &mut String) {
-        let counters = self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut last = "";
-        for ((name, labels), value) in counters.iter() {
-            if *name != last {
-                let _ = writeln!(out, "# HELP {name} {}\n# TYPE {name} counter", help(name));
-                last = name;
-            }
-            let _ = writeln!(out, "{name}{labels} {value}");
-        }
+    /// Every metric in the OpenMetrics text format (served as `CONTENT_TYPE`).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
     }
 }
 
-/// Append a gauge sample (with its HELP/TYPE lines when `first`).
-pub fn render_gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], value: f64, first: bool) {
-    if first {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-    }
-    let _ = writeln!(out, "{name}{} {value}", render_labels(labels));
-}
-
-fn render_labels(labels: &[(&str, &str)]) -> String {
-    if labels.is_empty() {
-        return String::new();
-    }
-    let mut out = String::from("{");
-    for (i, (key, value)) in labels.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        let escaped = value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
-        let _ = write!(out, "{key}=\"{escaped}\"");
-    }
-    out.push('}');
-    out
-}
+/// The content type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn renders_prometheus_text() {
+    fn renders_openmetrics_text_with_conventional_names() {
         let metrics = Metrics::default();
-        metrics.increment(MESSAGES_HANDLED, &[("endpoint", "a"), ("outcome", "succeeded")]);
-        metrics.add(MESSAGES_HANDLED, &[("endpoint", "a"), ("outcome", "succeeded")], 2);
-        metrics.increment(INBOX_DUPLICATES, &[("endpoint", "a\"b")]);
-        let mut out = String::new();
-        metrics.render(&mut out);
-        assert!(out.contains("messages_handled_total{endpoint=\"a\",outcome=\"succeeded\"} 3\n"), "{out}");
-        assert!(out.contains("inbox_duplicates_skipped_total{endpoint=\"a\\\"b\"} 1\n"), "{out}");
-        assert_eq!(out.matches("# TYPE messages_handled_total counter").count(), 1);
+        metrics.count_handled("a", "succeeded");
+        metrics.count_handled("a", "succeeded");
+        metrics.duplicates.get_or_create(&ByEndpoint { endpoint: "a".into() }).inc();
+        let outcome = ByOutcome { endpoint: "a".into(), outcome: "succeeded".into() };
+        metrics.handling.get_or_create(&outcome).observe(0.003);
+        let out = metrics.render();
+        assert!(out.contains("messages_handled_total{endpoint=\"a\",outcome=\"succeeded\"} 2\n"), "{out}");
+        assert!(out.contains("inbox_duplicates_skipped_total{endpoint=\"a\"} 1\n"), "{out}");
+        assert!(out.contains("# HELP messages_handled Deliveries handled, by endpoint and outcome.\n"), "{out}");
+        assert!(out.contains("# TYPE message_handling_duration_seconds histogram"), "{out}");
+        assert!(
+            out.contains(
+                "message_handling_duration_seconds_bucket{le=\"0.004\",endpoint=\"a\",outcome=\"succeeded\"} 1"
+            ),
+            "{out}"
+        );
+        assert!(out.ends_with("# EOF\n"), "{out}");
     }
 }

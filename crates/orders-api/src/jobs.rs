@@ -15,6 +15,7 @@
 //! succeeded changes nothing. The move to `published` made by the broker's confirm is the outbox
 //! trigger of migration 0005, keyed on the job's `order_placed_message_id` column.
 
+use chrono::{DateTime, Utc};
 use messaging::contracts::JobRetryScheduled;
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -142,21 +143,24 @@ pub async fn retry_scheduled(
     .map(drop)
 }
 
+/// When a job that has just ended was created, for its duration; `None` if nothing moved.
+pub type Ended = Option<DateTime<Utc>>;
+
 /// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
 /// grows.
-pub async fn quarantined(tx: &mut PgConnection, job_id: Uuid, attempt: u32, error: &str) -> Result<(), sqlx::Error> {
-    sqlx::query(
+pub async fn quarantined(tx: &mut PgConnection, job_id: Uuid, attempt: u32, error: &str) -> Result<Ended, sqlx::Error> {
+    sqlx::query_scalar(
         "update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
-          where id = $1 and state <> all($5)",
+          where id = $1 and state <> all($5)
+          returning created_at",
     )
     .bind(job_id)
     .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
     .bind(error)
     .bind(JobState::Quarantined.as_str())
     .bind(terminal())
-    .execute(tx)
+    .fetch_optional(tx)
     .await
-    .map(drop)
 }
 
 /// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
@@ -167,21 +171,21 @@ pub async fn ended(
     outcome: JobState,
     result_key: Option<&str>,
     error: Option<&str>,
-) -> Result<(), sqlx::Error> {
+) -> Result<Ended, sqlx::Error> {
     debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
-    sqlx::query(
+    sqlx::query_scalar(
         "update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
                 published_at = coalesce(published_at, now()), updated_at = now()
-          where id = $1 and state <> all($5)",
+          where id = $1 and state <> all($5)
+          returning created_at",
     )
     .bind(job_id)
     .bind(outcome.as_str())
     .bind(result_key)
     .bind(error)
     .bind(final_states())
-    .execute(tx)
+    .fetch_optional(tx)
     .await
-    .map(drop)
 }
 
 /// An operator sent the job's parked message back (`job.redriven`): a quarantined job is in

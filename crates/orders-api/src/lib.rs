@@ -85,7 +85,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let status = consumer::ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
     let consumer = tokio::spawn(consumer::run(
         status,
-        Arc::new(status::JobStatus),
+        Arc::new(status::JobStatus { metrics: Arc::clone(&health.metrics) }),
         pool.clone(),
         health.clone(),
         shutdown.clone(),

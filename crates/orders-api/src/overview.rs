@@ -158,9 +158,7 @@ async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiE
     let mut unavailable = Vec::new();
 
     let mut samples = Vec::new();
-    let mut own = String::new();
-    sources.health.metrics.render(&mut own);
-    samples.extend(parse_samples(&own));
+    samples.extend(parse_samples(&sources.health.metrics.render()));
     for url in &sources.metrics {
         match sources.get(url).await {
             Ok(text) => samples.extend(parse_samples(&text)),

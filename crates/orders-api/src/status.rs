@@ -9,6 +9,10 @@ use messaging::{
     topology::Endpoint,
 };
 use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
+use std::sync::Arc;
+
+use chrono::Utc;
+use messaging::metrics::{ByJobState, Metrics};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -31,7 +35,20 @@ pub fn endpoint() -> Endpoint {
 
 /// The handler.
 #[derive(Debug, Clone, Default)]
-pub struct JobStatus;
+pub struct JobStatus {
+    /// Where each job's duration is recorded when it ends.
+    pub metrics: Arc<Metrics>,
+}
+
+impl JobStatus {
+    /// Record the duration of a job that has just ended in `state`.
+    fn ended(&self, state: JobState, created_at: jobs::Ended) {
+        if let Some(created_at) = created_at {
+            let seconds = (Utc::now() - created_at).to_std().unwrap_or_default().as_secs_f64();
+            self.metrics.job_duration.get_or_create(&ByJobState { state: state.as_str().to_owned() }).observe(seconds);
+        }
+    }
+}
 
 impl Handler for JobStatus {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
@@ -46,13 +63,15 @@ impl Handler for JobStatus {
             }
             InventoryRejected::TYPE => {
                 let event: InventoryRejected = message.json()?;
-                jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason)).await?;
+                let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason)).await?;
+                self.ended(JobState::Rejected, ended);
                 set_order_status(tx, event.order_id, "rejected", &["accepted", "reserved"]).await?;
             }
             InvoiceCreated::TYPE => {
                 let event: InvoiceCreated = message.json()?;
                 let invoice_id = event.invoice_id.to_string();
-                jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None).await?;
+                let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None).await?;
+                self.ended(JobState::Succeeded, ended);
                 set_order_status(tx, event.order_id, "invoiced", &["accepted", "reserved"]).await?;
             }
             JobRetryScheduled::TYPE => {
@@ -61,7 +80,8 @@ impl Handler for JobStatus {
             }
             JobQuarantined::TYPE => {
                 let event: JobQuarantined = message.json()?;
-                jobs::quarantined(tx, event.job_id, event.attempt, &event.error).await?;
+                let ended = jobs::quarantined(tx, event.job_id, event.attempt, &event.error).await?;
+                self.ended(JobState::Quarantined, ended);
                 sqlx::query(
                     "update orders set status = 'failed', updated_at = now()
                       where id = (select order_id from jobs where id = $1) and status in ('accepted', 'reserved')",

@@ -20,7 +20,7 @@ use messaging::{
     duration::parse_duration,
     failpoint,
     health::{self, Health},
-    metrics::{OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED},
+    metrics::ByDatabase,
     outbox,
     publisher::{PublishError, Publisher},
     shutdown::Shutdown,
@@ -174,6 +174,11 @@ impl Session for Relay {
 }
 
 impl Relay {
+    /// Its database's metric labels.
+    fn database(&self) -> ByDatabase {
+        ByDatabase { database: self.db.label.clone() }
+    }
+
     /// Its link's name and readiness flag.
     fn flag(&self) -> String {
         format!("relay:{}", self.db.label)
@@ -324,6 +329,8 @@ impl Relay {
     async fn settle_batch(&self, batch: SentBatch) -> Result<(), SessionError> {
         let SentBatch { mut tx, rows, sent } = batch;
         let mut confirmed = Vec::with_capacity(rows.len());
+        // When each confirmed row was committed, for the commit -> confirm lag.
+        let mut committed_at = Vec::with_capacity(rows.len());
         let mut broken = None;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
         for (row, sent) in rows.iter().zip(sent) {
@@ -332,7 +339,10 @@ impl Relay {
                 Err(error) => Err(error),
             };
             match outcome {
-                Ok(()) => confirmed.push(row.id),
+                Ok(()) => {
+                    confirmed.push(row.id);
+                    committed_at.push(row.created_at);
+                }
                 // The channel is gone: the outcome of this and later rows is unknown. They stay
                 // unpublished and are republished by the next session.
                 Err(error) if error.is_connection() => {
@@ -346,7 +356,7 @@ impl Relay {
                     let reason = error.to_string();
                     let failed = outbox::record_failure(&mut tx, row.id, &reason, retry_after);
                     db::within(db::QUERY_DEADLINE, failed).await?;
-                    self.health.metrics.increment(OUTBOX_PUBLISH_FAILURES, &[("database", &self.db.label)]);
+                    self.health.metrics.publish_failures.get_or_create(&self.database()).inc();
                 }
             }
         }
@@ -358,7 +368,13 @@ impl Relay {
             tx.commit().await
         })
         .await?;
-        self.health.metrics.add(OUTBOX_PUBLISHED, &[("database", &self.db.label)], confirmed.len() as u64);
+        let metrics = &self.health.metrics;
+        metrics.published.get_or_create(&self.database()).inc_by(confirmed.len() as u64);
+        let lag = metrics.publish_lag.get_or_create(&self.database());
+        let now = chrono::Utc::now();
+        for committed in committed_at {
+            lag.observe((now - committed).to_std().unwrap_or_default().as_secs_f64());
+        }
         match broken {
             Some(error) => Err(error.into()),
             None => Ok(()),

@@ -450,12 +450,18 @@ impl Shop {
 
     /// A counter's value (summed over its label sets) from a service's `/metrics`; 0 if absent.
     pub async fn metric(&self, service: Service, series: &str) -> u64 {
+        self.metric_value(service, series).await as u64
+    }
+
+    /// A series' value (summed over its label sets, e.g. a gauge or a histogram's `_count`) from
+    /// a service's `/metrics`; 0 if absent. `series` may name some labels: `name{endpoint="e"`.
+    pub async fn metric_value(&self, service: Service, series: &str) -> f64 {
         let url = format!("{}/metrics", self.http(service));
-        let Ok(response) = http::request("GET", &url, &[], None).await else { return 0 };
+        let Ok(response) = http::request("GET", &url, &[], None).await else { return 0.0 };
         let text = String::from_utf8_lossy(&response.body).into_owned();
         text.lines()
-            .filter(|line| line.starts_with(series) && line[series.len()..].starts_with([' ', '{']))
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .filter(|line| line.starts_with(series) && line[series.len()..].starts_with([' ', '{', ',', '}']))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
 
