@@ -56,6 +56,7 @@ use crate::{
     publisher::{PublishError, Publisher},
     shutdown::Shutdown,
     topology::{self, Endpoint, RetryPolicy},
+    trace::{self, TraceContext},
 };
 
 /// How a handler failed. Business refusals are not errors: they commit an outcome like any result.
@@ -358,8 +359,16 @@ impl<H: Handler> Runtime<H> {
             endpoint.check(&message.message_type, message.version)?;
             Ok(message)
         });
+        // The delivery's span continues the trace the message carries (or starts one): what the
+        // handler writes to its outbox, and the job events about it, name this span as parent.
+        let traceparent = envelope::traceparent(&delivery.properties);
+        let context = TraceContext::continuing(traceparent.as_deref());
         let span = delivery_span("delivery", endpoint.name, &delivery, decoded.as_ref().ok());
-        self.handle_delivery(delivery, decoded, publisher, session_ended).instrument(span).await
+        span.record("trace_id", context.trace_hex());
+        span.record("span_id", format!("{:016x}", context.span_id));
+        span.record("parent_id", context.parent_id.map(|id| format!("{id:016x}")));
+        let handled = self.handle_delivery(delivery, decoded, publisher, session_ended).instrument(span);
+        trace::scope(context, handled).await
     }
 
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
@@ -649,6 +658,8 @@ impl<H: Handler> Runtime<H> {
 
     fn count(&self, outcome: &str) {
         self.health.metrics.count_handled(self.settings.endpoint.name, outcome);
+        // In the delivery's span: with its trace and span ids, for whoever follows a trace in logs.
+        tracing::debug!(outcome, "delivery settled");
     }
 }
 
@@ -678,7 +689,10 @@ fn delivery_span(kind: &'static str, endpoint: &str, delivery: &Delivery, messag
         message_type,
         attempt,
         job_id = %job_id,
-        redelivered
+        redelivered,
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        parent_id = tracing::field::Empty,
     )
 }
 

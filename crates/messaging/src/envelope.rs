@@ -54,8 +54,11 @@ fn default_version() -> u32 {
 impl Headers {
     /// Headers for a message of contract `C` belonging to job `correlation_id`: the version is
     /// the contract's, never chosen by hand.
+    /// It carries the current trace context ([`crate::trace::current`]) if there is one: a message
+    /// written while handling a delivery or a request continues its trace.
     pub fn of<C: crate::contracts::Contract>(correlation_id: Option<Uuid>) -> Self {
-        Self::raw(correlation_id, C::VERSION)
+        let traceparent = crate::trace::current().map(|context| context.traceparent());
+        Self { traceparent, ..Self::raw(correlation_id, C::VERSION) }
     }
 
     /// Headers for a message that is no contract of this code (tests and tools that forge one),
@@ -166,6 +169,14 @@ pub fn message_id(properties: &BasicProperties) -> Option<Uuid> {
 /// The `correlation_id` property (the job id) as a UUID, if present and well-formed.
 pub fn correlation_id(properties: &BasicProperties) -> Option<Uuid> {
     properties.correlation_id().as_ref().and_then(|id| Uuid::parse_str(id.as_str()).ok())
+}
+
+/// The `traceparent` header of a message, if any.
+pub fn traceparent(properties: &BasicProperties) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(HEADER_TRACEPARENT)? {
+        AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        _ => None,
+    }
 }
 
 /// Our `retry-count` header of a delivery (0 when absent).

@@ -30,6 +30,7 @@ pub mod service;
 pub mod shutdown;
 pub mod telemetry;
 pub mod topology;
+pub mod trace;
 
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {

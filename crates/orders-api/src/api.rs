@@ -11,7 +11,9 @@ use axum::{
 use chrono::{DateTime, Utc};
 use messaging::{
     db::{self, QUERY_DEADLINE},
+    envelope::HEADER_TRACEPARENT as TRACEPARENT,
     failpoint, outbox,
+    trace::{self, TraceContext},
 };
 use serde::{Deserialize, Serialize};
 use shop::{OrderLine, OrderPlaced};
@@ -104,9 +106,13 @@ async fn place_order(State(pool): State<PgPool>, headers: HeaderMap, body: Body)
     let order = read_json::<PlaceOrder>(&headers, body).await?;
     order.validate()?;
     let key = idempotency_key(&headers)?;
+    // The request starts the order's trace, or continues the caller's: the `order.placed` row
+    // names this request's span as its parent (W3C trace context, `messaging::trace`).
+    let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
+    let context = TraceContext::continuing(caller);
     // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
     // the request for the kernel's TCP timeout.
-    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref())).await?;
+    let accepted = trace::scope(context, db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref()))).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }
