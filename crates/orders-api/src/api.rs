@@ -20,7 +20,7 @@ use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::problem::ApiError;
+use crate::problem::{ApiError, Problem};
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -43,22 +43,35 @@ pub fn router(pool: PgPool) -> Router {
 }
 
 /// `POST /orders` body. Unknown fields are refused: a typo must not silently drop data.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PlaceOrder {
-    /// Who orders.
+    /// Who orders: 1 to 200 characters, not all blank, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]*\\S[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+    )]
     pub customer_id: String,
-    /// What.
+    /// What: 1 to 100 lines.
+    #[schema(min_items = 1, max_items = 100)]
     pub lines: Vec<OrderLineRequest>,
 }
 
 /// One requested line.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OrderLineRequest {
-    /// Stock keeping unit.
+    /// Stock keeping unit: 1 to 200 characters, not all blank, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]*\\S[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+    )]
     pub sku: String,
-    /// How many.
+    /// How many: 1 to 1000.
+    #[schema(minimum = 1, maximum = 1000)]
+    #[serde(deserialize_with = "whole_number")]
     pub quantity: i32,
 }
 
@@ -66,8 +79,10 @@ impl PlaceOrder {
     /// Check what the type system cannot.
     fn validate(&self) -> Result<(), ApiError> {
         let bad = |detail: String| Err(ApiError::BadRequest(detail));
-        if self.customer_id.trim().is_empty() || self.customer_id.chars().count() > MAX_ID_CHARS {
-            return bad(format!("customerId must be 1 to {MAX_ID_CHARS} characters"));
+        if !is_name(&self.customer_id) {
+            return bad(format!(
+                "customerId must be 1 to {MAX_ID_CHARS} characters, not all blank, no control characters"
+            ));
         }
         if self.lines.is_empty() {
             return bad("lines must not be empty".into());
@@ -76,8 +91,10 @@ impl PlaceOrder {
             return bad(format!("at most {MAX_LINES} lines per order, got {}", self.lines.len()));
         }
         for (i, line) in self.lines.iter().enumerate() {
-            if line.sku.trim().is_empty() || line.sku.chars().count() > MAX_ID_CHARS {
-                return bad(format!("lines[{i}].sku must be 1 to {MAX_ID_CHARS} characters"));
+            if !is_name(&line.sku) {
+                return bad(format!(
+                    "lines[{i}].sku must be 1 to {MAX_ID_CHARS} characters, not all blank, no control characters"
+                ));
             }
             if !QUANTITY.contains(&line.quantity) {
                 return bad(format!(
@@ -92,8 +109,25 @@ impl PlaceOrder {
     }
 }
 
+/// A JSON integer, written `3` or `3.0` (both are the integer 3 to JSON Schema, and so to clients
+/// generated from the OpenAPI document); anything else is refused.
+fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32, D::Error> {
+    let number = serde_json::Number::deserialize(deserializer)?;
+    let whole =
+        number.as_i64().or_else(|| number.as_f64().filter(|n| n.fract() == 0.0 && n.abs() < 1e15).map(|n| n as i64));
+    whole
+        .and_then(|n| i32::try_from(n).ok())
+        .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number, got {number}")))
+}
+
+/// A customer id or a SKU: 1 to [`MAX_ID_CHARS`] characters, not all blank, and no control
+/// characters (Postgres cannot store NUL in text; the others have no place in an identifier).
+fn is_name(value: &str) -> bool {
+    !value.trim().is_empty() && value.chars().count() <= MAX_ID_CHARS && !value.chars().any(char::is_control)
+}
+
 /// `202` body.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Accepted {
     /// Poll `/jobs/{jobId}`.
@@ -102,7 +136,34 @@ pub struct Accepted {
     pub order_id: Uuid,
 }
 
-async fn place_order(State(pool): State<PgPool>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+/// Accept an order: the order, its lines, its job and its `order.placed` message are written in
+/// one transaction, all or nothing.
+#[utoipa::path(
+    post,
+    path = "/orders",
+    tag = "orders",
+    request_body(content = PlaceOrder, content_type = "application/json"),
+    params(
+        ("Idempotency-Key" = Option<String>, Header, pattern = "^[!-~]{1,255}$",
+         description = "Retries with the same key and body get the same job; another body gets 422."),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context to continue."),
+    ),
+    responses(
+        (status = 202, description = "Accepted: poll the job.", body = Accepted,
+         headers(("Location" = String, description = "`/jobs/{jobId}`"))),
+        (status = 400, description = "Malformed or invalid input: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over 64 KiB: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Not `application/json`: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "The Idempotency-Key was used with another body.", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds"))),
+    )
+)]
+pub(crate) async fn place_order(
+    State(pool): State<PgPool>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let order = read_json::<PlaceOrder>(&headers, body).await?;
     order.validate()?;
     let key = idempotency_key(&headers)?;
@@ -213,7 +274,7 @@ pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOr
 }
 
 /// `GET /jobs/{jobId}`.
-#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Job {
     /// The job.
@@ -237,7 +298,21 @@ pub struct Job {
     pub updated_at: DateTime<Utc>,
 }
 
-async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Result<Json<Job>, ApiError> {
+/// A job: what a client polls after `POST /orders`.
+#[utoipa::path(
+    get,
+    path = "/jobs/{jobId}",
+    tag = "orders",
+    params(("jobId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
+    responses(
+        (status = 200, description = "The job.", body = Job),
+        (status = 400, description = "Not a UUID.", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such job.", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds"))),
+    )
+)]
+pub(crate) async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Result<Json<Job>, ApiError> {
     let job_id = parse_id("job", &job_id)?;
     let job = sqlx::query_as(
         "select id as job_id, order_id, state, attempt, result_key, last_error, published_at, created_at, updated_at
@@ -250,7 +325,7 @@ async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Resu
 }
 
 /// `GET /orders/{orderId}`.
-#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Order {
     /// The order.
@@ -263,6 +338,7 @@ pub struct Order {
     pub status: String,
     /// What.
     #[sqlx(json)]
+    #[schema(value_type = Vec<OrderLineRequest>)]
     pub lines: Vec<OrderLine>,
     /// Accepted at.
     pub created_at: DateTime<Utc>,
@@ -270,7 +346,24 @@ pub struct Order {
     pub updated_at: DateTime<Utc>,
 }
 
-async fn get_order(State(pool): State<PgPool>, Path(order_id): Path<String>) -> Result<Json<Order>, ApiError> {
+/// An order, with its lines and its job.
+#[utoipa::path(
+    get,
+    path = "/orders/{orderId}",
+    tag = "orders",
+    params(("orderId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
+    responses(
+        (status = 200, description = "The order.", body = Order),
+        (status = 400, description = "Not a UUID.", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such order.", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = String, description = "Seconds"))),
+    )
+)]
+pub(crate) async fn get_order(
+    State(pool): State<PgPool>,
+    Path(order_id): Path<String>,
+) -> Result<Json<Order>, ApiError> {
     let order_id = parse_id("order", &order_id)?;
     let order = sqlx::query_as(
         "select o.id as order_id, j.id as job_id, o.customer_id, o.status, o.created_at, o.updated_at,

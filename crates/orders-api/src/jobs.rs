@@ -22,7 +22,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 /// The state of a job (DESIGN §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     /// Accepted; its `order.placed` is not yet confirmed by the broker.

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod jobs;
+pub mod openapi;
 pub mod overview;
 pub mod problem;
 pub mod status;
@@ -63,6 +64,7 @@ pub struct Config {
 pub fn app(pool: PgPool, health: Health, page: overview::Sources) -> Router {
     api::router(pool)
         .merge(overview::routes(page))
+        .merge(openapi::routes())
         .merge(health::routes(health))
         .fallback(api::no_route)
         .layer(axum::middleware::from_fn(problem::log_failures))

@@ -81,7 +81,7 @@ pub fn routes(sources: Sources) -> Router {
 }
 
 /// What `GET /overview` answers.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Overview {
     /// The latest jobs, newest first.
@@ -99,7 +99,7 @@ pub struct Overview {
 }
 
 /// A job, as the page lists it.
-#[derive(Debug, Serialize, sqlx::FromRow)]
+#[derive(Debug, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct JobRow {
     /// The job.
@@ -117,7 +117,7 @@ pub struct JobRow {
 }
 
 /// Deliveries handled by one endpoint, by outcome.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 pub struct EndpointCounts {
     /// e.g. `inventory.order-placed`.
     pub endpoint: String,
@@ -132,7 +132,7 @@ pub struct EndpointCounts {
 }
 
 /// One outbox's backlog.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct OutboxBacklog {
     /// Its database.
@@ -144,7 +144,7 @@ pub struct OutboxBacklog {
 }
 
 /// One parking queue.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ParkingQueue {
     /// `<endpoint>.parking`.
     pub queue: String,

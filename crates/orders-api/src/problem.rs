@@ -43,13 +43,17 @@ impl From<sqlx::Error> for ApiError {
     }
 }
 
-/// An RFC 9457 problem document.
-#[derive(Debug, Serialize)]
-struct Problem {
+/// An RFC 9457 problem document (`application/problem+json`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Problem {
+    /// Always `about:blank`: the status says what kind of problem it is.
     #[serde(rename = "type")]
     kind: &'static str,
+    /// The status's reason phrase, e.g. `Bad Request`.
     title: &'static str,
+    /// The HTTP status.
     status: u16,
+    /// What exactly was wrong, for people.
     detail: String,
 }
 
