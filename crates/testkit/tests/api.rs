@@ -60,6 +60,14 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
         ("quantity 1001", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1001}]}"#.into(), 400, "got 1001"),
         ("101 lines", format!(r#"{{"customerId":"c","lines":[{many_lines}]}}"#), 400, "at most 100 lines"),
         ("wrong type", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":"2"}]}"#.into(), 400, "invalid type"),
+        ("quantity 2.5", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":2.5}]}"#.into(), 400, "whole number"),
+        (
+            "NUL in the customer id",
+            r#"{"customerId":"c\u0000d","lines":[{"sku":"SKU-1","quantity":1}]}"#.into(),
+            400,
+            "customerId must be 1 to 200 characters, not all blank, no control characters",
+        ),
+        ("blank SKU", r#"{"customerId":"c","lines":[{"sku":"  ","quantity":1}]}"#.into(), 400, "lines[0].sku must be"),
         ("too large", huge, 413, "exceeds 65536 bytes"),
     ];
     for (name, body, status, detail) in &cases {
