@@ -31,6 +31,16 @@ impl Api {
         response.json()
     }
 
+    /// Place an order of one SKU-1: its job id as text and as a UUID, and its order id.
+    async fn place(&self) -> (String, Uuid, Uuid) {
+        let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+        let placed = http::request("POST", &format!("{}/orders", self.base), &[], Some(body)).await.expect("POST");
+        let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
+        let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
+        let job = job_id.parse().expect("uuid");
+        (job_id, job, order_id)
+    }
+
     /// Publish `event` as `C` and wait until the status consumer has applied it.
     async fn send<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) {
         let connection = self.env.amqp().await;
@@ -62,11 +72,7 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     let (api, trigger, task) = start_api().await;
 
     // No relay runs: the order stays as the API wrote it, and the events below are all it sees.
-    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
-    let placed = http::request("POST", &format!("{}/orders", api.base), &[], Some(body)).await.expect("POST");
-    let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
-    let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
-    let job: Uuid = job_id.parse().expect("uuid");
+    let (job_id, job, order_id) = api.place().await;
 
     api.send(job, &retry(job, "inventory.order-placed", 1)).await;
     let seen = api.job(&job_id).await;
@@ -116,11 +122,7 @@ async fn start_api() -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle
 #[tokio::test]
 async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
     let (api, trigger, task) = start_api().await;
-    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
-    let placed = http::request("POST", &format!("{}/orders", api.base), &[], Some(body)).await.expect("POST");
-    let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
-    let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
-    let job: Uuid = job_id.parse().expect("uuid");
+    let (job_id, job, order_id) = api.place().await;
     let quarantined = JobQuarantined {
         job_id: job,
         endpoint: "inventory.order-placed".into(),

@@ -7,13 +7,18 @@
 use std::collections::BTreeMap;
 
 use clap::Parser;
-use messaging::{service::BoxError, shutdown};
+use messaging::{
+    consumer::Handler,
+    service::{BoxError, Worker},
+    shutdown::{self, Shutdown},
+};
+use shop::demo::DemoFaults;
 use sqlx::PgPool;
 use testkit::{
     TestEnv,
     shop::{Options, Service},
 };
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, task::JoinHandle};
 
 pub use testkit::shop::Shop;
 
@@ -48,18 +53,15 @@ pub async fn start_with(options: Options) -> Shop {
     http.insert(Service::Api, url);
 
     let faults = ["--demo-faults".to_owned(), options.demo_faults.to_string()];
-    let (l, url) = listener().await;
-    let worker = inventory_worker::worker();
-    let settings = worker.try_parse_from(flags("inventory-worker", "inventory").iter().chain(&faults)).expect("flags");
-    let run = worker.run(settings, l, stop.clone());
-    tasks.push((Service::Inventory, tokio::spawn(async move { run.await.map_err(BoxError::from) })));
+    let inventory = inventory_worker::worker();
+    let args = [flags(inventory.name, inventory.database), faults.to_vec()].concat();
+    let (url, task) = spawn_worker(inventory, args, stop.clone()).await;
+    tasks.push((Service::Inventory, task));
     http.insert(Service::Inventory, url);
-
-    let (l, url) = listener().await;
-    let worker = billing_worker::worker();
-    let settings = worker.try_parse_from(flags("billing-worker", "billing").iter().chain(&faults)).expect("flags");
-    let run = worker.run(settings, l, stop.clone());
-    tasks.push((Service::Billing, tokio::spawn(async move { run.await.map_err(BoxError::from) })));
+    let billing = billing_worker::worker();
+    let args = [flags(billing.name, billing.database), faults.to_vec()].concat();
+    let (url, task) = spawn_worker(billing, args, stop.clone()).await;
+    tasks.push((Service::Billing, task));
     http.insert(Service::Billing, url);
 
     let (l, url) = listener().await;
@@ -71,6 +73,19 @@ pub async fn start_with(options: Options) -> Shop {
     http.insert(Service::Relay, url);
 
     Shop::in_process(env, http, trigger, tasks).await
+}
+
+/// Start a worker built on `messaging::service::Worker` as a task of this process, with `args`;
+/// its base URL and its task.
+async fn spawn_worker<H: Handler>(
+    worker: Worker<DemoFaults, H>,
+    args: Vec<String>,
+    stop: Shutdown,
+) -> (String, JoinHandle<Result<(), BoxError>>) {
+    let (listener, url) = listener().await;
+    let settings = worker.try_parse_from(args).expect("flags");
+    let run = worker.run(settings, listener, stop);
+    (url, tokio::spawn(async move { run.await.map_err(BoxError::from) }))
 }
 
 pub async fn count(pool: &PgPool, sql: &str) -> i64 {
