@@ -19,7 +19,7 @@ use lapin::{
 use messaging::{
     broker,
     config::SecretUrl,
-    contracts::{Contract, JobRedriven},
+    contracts::{JobEvent, JobQuarantined, JobRedriven},
     duration::{format_duration, parse_duration},
     envelope::{self, Headers},
     failpoint,
@@ -365,10 +365,22 @@ async fn redrive_held(
             send_job_event(publisher, &event).await?;
         }
         let properties = envelope::redriven(&parked.delivery.properties, redrive_count);
-        publisher
-            .publish("", &held.endpoint, &parked.delivery.data, properties)
-            .await
-            .map_err(|error| Failure(format!("cannot send {} back to `{}`: {error}", parked.line(), held.endpoint)))?;
+        if let Err(error) = publisher.publish("", &held.endpoint, &parked.delivery.data, properties).await {
+            // The message stays parked: its job, already told it was redriven, is quarantined
+            // again with the same reason, so that it does not wait for a message that never comes.
+            if let Some(job_id) = parked.job_id {
+                let event = JobQuarantined {
+                    job_id,
+                    endpoint: held.endpoint.clone(),
+                    message_id: parked.message_id,
+                    message_type: parked.message_type.clone(),
+                    attempt: parked.attempts,
+                    error: parked.reason.clone(),
+                };
+                send_job_event(publisher, &event).await?;
+            }
+            return Err(Failure(format!("cannot send {} back to `{}`: {error}", parked.line(), held.endpoint)));
+        }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
         println!("redriven {}  {}", held.endpoint, parked.line());
@@ -377,19 +389,17 @@ async fn redrive_held(
     Ok(())
 }
 
-/// Publish `event` (confirmed). Unroutable (no status consumer bound) is only a warning: the
-/// message itself still goes back.
-async fn send_job_event(publisher: &Publisher, event: &JobRedriven) -> Result<(), Failure> {
+/// Publish a job event (confirmed). Unroutable (no status consumer bound) is only a warning.
+async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C) -> Result<(), Failure> {
     let body = serde_json::to_vec(event)?;
-    let properties =
-        Headers::of::<JobRedriven>(Some(event.job_id)).properties(Uuid::now_v7(), JobRedriven::TYPE, Utc::now());
-    match publisher.publish(JobRedriven::EXCHANGE, JobRedriven::TYPE, &body, properties).await {
+    let properties = Headers::of::<C>(Some(event.job_id())).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+    match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
         Ok(()) => Ok(()),
         Err(PublishError::Returned(reason)) => {
-            eprintln!("msgctl: warning: job.redriven for job {} went nowhere ({reason})", event.job_id);
+            eprintln!("msgctl: warning: {} for job {} went nowhere ({reason})", C::TYPE, event.job_id());
             Ok(())
         }
-        Err(error) => Err(Failure(format!("cannot publish job.redriven: {error}"))),
+        Err(error) => Err(Failure(format!("cannot publish {}: {error}", C::TYPE))),
     }
 }
 

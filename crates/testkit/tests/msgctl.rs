@@ -187,3 +187,32 @@ async fn eventually_parked(env: &TestEnv, expected: usize) -> Vec<Uuid> {
     })
     .await
 }
+
+#[tokio::test]
+async fn a_redrive_the_broker_refuses_leaves_the_message_parked_and_its_job_quarantined() {
+    let options = Options { demo_faults: true, max_attempts: 1, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let job = shop.place(&[("POISON-1", 1)]).await;
+    shop.wait_for_state(job, "quarantined").await;
+    // The work queue is gone (and its worker with it): the copy has nowhere to go.
+    shop.kill(Service::Inventory).await;
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    channel.queue_delete(INVENTORY.into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete");
+    let _ = connection.close(200, "bye".into()).await;
+
+    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY]).await;
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot send"), "{output:?}");
+    assert_eq!(parked_jobs(&shop.env).await, [job], "still parked");
+    // job.redriven, then job.quarantined again: once the status consumer has applied both, the job
+    // is where it was, not waiting for a message that will not come.
+    let applied = "select count(*) filter (where message_type = 'job.redriven') * 10
+                        + count(*) filter (where message_type = 'job.quarantined') from inbox";
+    eventually("the status consumer to apply both events", WAIT, || async {
+        let seen: i64 = sqlx::query_scalar(applied).fetch_one(&shop.orders).await.expect("inbox");
+        (seen == 12).then_some(())
+    })
+    .await;
+    assert_eq!(shop.job(job).await["state"], "quarantined");
+}
