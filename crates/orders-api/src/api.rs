@@ -298,19 +298,29 @@ pub struct Job {
     pub updated_at: DateTime<Utc>,
 }
 
+/// How looking up a job or an order by id can fail (OpenAPI only: the handlers return [`ApiError`]).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+enum LookupFailure {
+    /// Not a UUID.
+    #[response(status = 400, content_type = "application/problem+json")]
+    MalformedId(Problem),
+    /// No such job or order.
+    #[response(status = 404, content_type = "application/problem+json")]
+    NotFound(Problem),
+    /// The database is unreachable: retry later (`Retry-After`, in seconds).
+    #[response(status = 503, content_type = "application/problem+json",
+               headers(("Retry-After" = String, description = "Seconds")))]
+    Unavailable(Problem),
+}
+
 /// A job: what a client polls after `POST /orders`.
 #[utoipa::path(
     get,
     path = "/jobs/{jobId}",
     tag = "orders",
     params(("jobId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
-    responses(
-        (status = 200, description = "The job.", body = Job),
-        (status = 400, description = "Not a UUID.", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "No such job.", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = String, description = "Seconds"))),
-    )
+    responses((status = 200, description = "The job.", body = Job), LookupFailure)
 )]
 pub(crate) async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<String>) -> Result<Json<Job>, ApiError> {
     let job_id = parse_id("job", &job_id)?;
@@ -352,13 +362,7 @@ pub struct Order {
     path = "/orders/{orderId}",
     tag = "orders",
     params(("orderId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
-    responses(
-        (status = 200, description = "The order.", body = Order),
-        (status = 400, description = "Not a UUID.", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "No such order.", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = String, description = "Seconds"))),
-    )
+    responses((status = 200, description = "The order.", body = Order), LookupFailure)
 )]
 pub(crate) async fn get_order(
     State(pool): State<PgPool>,
