@@ -607,6 +607,11 @@ impl<H: Handler> Runtime<H> {
             message_type: properties.kind().as_ref().map(|kind| kind.to_string()),
             attempt: retry_count + 1,
             error: reason.to_owned(),
+            redrive_count: properties
+                .headers()
+                .as_ref()
+                .and_then(|headers| envelope::header_u32(headers, envelope::HEADER_REDRIVE_COUNT))
+                .unwrap_or(0),
         });
         let event = self.send_event(publisher, event).await;
         parked.confirmed().await?;

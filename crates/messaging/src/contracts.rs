@@ -82,6 +82,10 @@ pub struct JobQuarantined {
     pub attempt: u32,
     /// Why it was parked.
     pub error: String,
+    /// How many times the message had been redriven when it was parked (its `redrive-count`
+    /// header; 0 if never). Optional in the body: a minor, compatible addition.
+    #[serde(default)]
+    pub redrive_count: u32,
 }
 contract!(JobQuarantined, "job.quarantined", JOBS_EXCHANGE);
 

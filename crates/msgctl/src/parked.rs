@@ -376,6 +376,9 @@ async fn redrive_held(
                     message_type: parked.message_type.clone(),
                     attempt: parked.attempts,
                     error: parked.reason.clone(),
+                    // This redrive's count: the job.redriven just sent loses to it, whichever the
+                    // status consumer applies first.
+                    redrive_count,
                 };
                 send_job_event(publisher, &event).await?;
             }

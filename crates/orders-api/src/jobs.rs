@@ -147,8 +147,20 @@ pub async fn retry_scheduled(
 pub type Ended = Option<DateTime<Utc>>;
 
 /// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
-/// grows.
-pub async fn quarantined(tx: &mut PgConnection, job_id: Uuid, attempt: u32, error: &str) -> Result<Ended, sqlx::Error> {
+/// grows. `redrive_count` is how often the message had been redriven: a `job.redriven` that is not
+/// newer than that is stale (see [`redriven`]), whichever is applied first.
+pub async fn quarantined(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    attempt: u32,
+    error: &str,
+    redrive_count: u32,
+) -> Result<Ended, sqlx::Error> {
+    sqlx::query("update jobs set redrives = greatest(redrives, $2) where id = $1")
+        .bind(job_id)
+        .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
+        .execute(&mut *tx)
+        .await?;
     sqlx::query_scalar(
         "update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
           where id = $1 and state <> all($5)
@@ -188,15 +200,19 @@ pub async fn ended(
     .await
 }
 
-/// An operator sent the job's parked message back (`job.redriven`): a quarantined job is in
-/// progress again, and ends as the new attempts go. Any other state stays.
-pub async fn redriven(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
+/// An operator sent the job's parked message back (`job.redriven`, its `redrive_count`-th
+/// redrive): a quarantined job is in progress again, and ends as the new attempts go. Any other
+/// state stays, and so does a job whose quarantine already knew of this redrive (the two events
+/// are applied concurrently, so the quarantine that follows a failed redrive can come first).
+pub async fn redriven(tx: &mut PgConnection, job_id: Uuid, redrive_count: u32) -> Result<bool, sqlx::Error> {
     let moved = sqlx::query(
-        "update jobs set state = $2, retry_endpoint = null, updated_at = now() where id = $1 and state = $3",
+        "update jobs set state = $2, retry_endpoint = null, redrives = $4, updated_at = now()
+          where id = $1 and state = $3 and redrives < $4",
     )
     .bind(job_id)
     .bind(JobState::Published.as_str())
     .bind(JobState::Quarantined.as_str())
+    .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .execute(tx)
     .await?
     .rows_affected();

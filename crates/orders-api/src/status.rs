@@ -80,7 +80,8 @@ impl Handler for JobStatus {
             }
             JobQuarantined::TYPE => {
                 let event: JobQuarantined = message.json()?;
-                let ended = jobs::quarantined(tx, event.job_id, event.attempt, &event.error).await?;
+                let ended =
+                    jobs::quarantined(tx, event.job_id, event.attempt, &event.error, event.redrive_count).await?;
                 self.ended(JobState::Quarantined, ended);
                 sqlx::query(
                     "update orders set status = 'failed', updated_at = now()
@@ -93,7 +94,7 @@ impl Handler for JobStatus {
             JobRedriven::TYPE => {
                 let event: JobRedriven = message.json()?;
                 // The order starts over from `accepted`: the redriven step's result moves it on.
-                if jobs::redriven(tx, event.job_id).await? {
+                if jobs::redriven(tx, event.job_id, event.redrive_count).await? {
                     sqlx::query(
                         "update orders set status = 'accepted', updated_at = now()
                           where id = (select order_id from jobs where id = $1) and status = 'failed'",

@@ -130,6 +130,7 @@ async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
         message_type: Some("order.placed".into()),
         attempt: 2,
         error: "boom".into(),
+        redrive_count: 0,
     };
     api.send(job, &quarantined).await;
     assert_eq!(api.job(&job_id).await["state"], "quarantined");
@@ -155,6 +156,38 @@ async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
     // A copy of the redrive event (redelivered, or sent twice) cannot reopen an ended job.
     api.send(job, &redriven).await;
     assert_eq!(api.job(&job_id).await["state"], "succeeded");
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}
+
+#[tokio::test]
+async fn a_redrive_event_applied_after_the_quarantine_that_followed_it_changes_nothing() {
+    let (api, trigger, task) = start_api().await;
+    let (job_id, job, _) = api.place().await;
+    let quarantined = |redrive_count| JobQuarantined {
+        job_id: job,
+        endpoint: "inventory.order-placed".into(),
+        message_id: Some(Uuid::now_v7()),
+        message_type: Some("order.placed".into()),
+        attempt: 1,
+        error: "boom".into(),
+        redrive_count,
+    };
+    let redriven = |redrive_count| JobRedriven {
+        job_id: job,
+        endpoint: "inventory.order-placed".into(),
+        message_id: Uuid::now_v7(),
+        redrive_count,
+    };
+    api.send(job, &quarantined(0)).await;
+    // Redrive 1 failed at once: its quarantine is applied before its redrive event.
+    api.send(job, &quarantined(1)).await;
+    api.send(job, &redriven(1)).await;
+    assert_eq!(api.job(&job_id).await["state"], "quarantined", "the stale redrive loses");
+    // Redrive 2 is newer than anything the job has seen.
+    api.send(job, &redriven(2)).await;
+    assert_eq!(api.job(&job_id).await["state"], "published");
 
     trigger.trigger();
     task.await.expect("api task").expect("api ran");
