@@ -173,7 +173,12 @@ pub fn correlation_id(properties: &BasicProperties) -> Option<Uuid> {
 
 /// The `traceparent` header of a message, if any.
 pub fn traceparent(properties: &BasicProperties) -> Option<String> {
-    match properties.headers().as_ref()?.inner().get(HEADER_TRACEPARENT)? {
+    header_text(properties.headers().as_ref()?, HEADER_TRACEPARENT)
+}
+
+/// A text header (an AMQP long string), if present.
+pub fn header_text(table: &FieldTable, key: &str) -> Option<String> {
+    match table.inner().get(key)? {
         AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
         _ => None,
     }
@@ -246,10 +251,7 @@ pub fn redriven(properties: &BasicProperties, redrive_count: u32) -> BasicProper
 /// `tests/broker_semantics.rs`. `None` if the message carries no such headers.
 pub fn broker_death(properties: &BasicProperties) -> Option<String> {
     let headers = properties.headers().as_ref()?;
-    let text = |key: &str| match headers.inner().get(key) {
-        Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
-        _ => None,
-    };
+    let text = |key: &str| header_text(headers, key);
     let reason = text("x-first-death-reason")?;
     let queue = text("x-first-death-queue").unwrap_or_else(|| "?".into());
     let count = match headers.inner().get("x-death") {

@@ -14,7 +14,7 @@ use lapin::{
     BasicProperties, Channel, Connection,
     message::Delivery,
     options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions},
-    types::{AMQPValue, FieldTable},
+    types::FieldTable,
 };
 use messaging::{
     broker,
@@ -113,10 +113,7 @@ impl Parked {
     fn read(delivery: Delivery) -> Self {
         let properties = &delivery.properties;
         let headers = properties.headers().clone().unwrap_or_default();
-        let text = |key: &str| match headers.inner().get(key) {
-            Some(AMQPValue::LongString(value)) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
-            _ => None,
-        };
+        let text = |key: &str| envelope::header_text(&headers, key);
         Self {
             message_id: envelope::message_id(properties),
             message_type: properties.kind().as_ref().map(ToString::to_string),
@@ -294,10 +291,7 @@ fn print_properties(properties: &BasicProperties) {
     println!("headers:");
     if let Some(headers) = properties.headers() {
         for (key, value) in headers.inner() {
-            let value = match value {
-                AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
-                other => format!("{other:?}"),
-            };
+            let value = envelope::header_text(headers, key.as_str()).unwrap_or_else(|| format!("{value:?}"));
             println!("  {key}: {value}");
         }
     }

@@ -224,7 +224,8 @@ impl Shop {
         tasks: Vec<(Service, JoinHandle<Result<(), BoxError>>)>,
     ) -> Self {
         let log_dir = std::env::temp_dir();
-        for base in http.values() {
+        // The relay last, in `assemble`: it needs the others' tables.
+        for (_, base) in http.iter().filter(|(service, _)| **service != Service::Relay) {
             crate::wait_ready(base, WAIT, "").await;
         }
         Self::assemble(env, Run::InProcess { trigger: Some(trigger), tasks }, http, log_dir).await

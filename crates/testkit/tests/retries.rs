@@ -118,10 +118,8 @@ fn header(delivery: &lapin::message::Delivery, name: &str) -> Option<AMQPValue> 
 }
 
 fn header_text(delivery: &lapin::message::Delivery, name: &str) -> String {
-    match header(delivery, name) {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        other => panic!("header {name}: {other:?}"),
-    }
+    let headers = delivery.properties.headers().clone().unwrap_or_default();
+    envelope::header_text(&headers, name).unwrap_or_else(|| panic!("header {name}: {:?}", header(delivery, name)))
 }
 
 #[tokio::test]
