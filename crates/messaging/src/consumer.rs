@@ -52,7 +52,7 @@ use crate::{
     failpoint,
     health::Health,
     inbox,
-    metrics::{ByEndpoint, ByOutcome},
+    metrics::{EndpointMetrics, Handled, Handling},
     publisher::{PublishError, Publisher},
     shutdown::Shutdown,
     topology::{self, Endpoint, RetryPolicy},
@@ -182,7 +182,8 @@ pub async fn run<H: Handler>(
             async move { crate::inbox::delete_received_before(&pool, retention, crate::retention::BATCH).await }
         }
     });
-    let mut runtime = Arc::new(Runtime { settings, handler, pool, health, flag: link.name.clone(), shutdown });
+    let metrics = health.metrics.endpoint(name);
+    let mut runtime = Arc::new(Runtime { settings, handler, pool, health, metrics, flag: link.name.clone(), shutdown });
     let shutdown = runtime.shutdown.clone();
     async {
         let pruning = tokio::spawn(prune.in_current_span());
@@ -205,6 +206,8 @@ struct Runtime<H> {
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
+    /// Its endpoint's series, looked up once.
+    metrics: EndpointMetrics,
     /// The readiness flag of its link.
     flag: String,
     shutdown: Shutdown,
@@ -443,7 +446,6 @@ impl<H: Handler> Runtime<H> {
         message: &Incoming,
         session_ended: &Shutdown,
     ) -> Result<(), PublishError> {
-        let endpoint = &self.settings.endpoint;
         match self.when_reachable(session_ended, || self.apply(message)).await {
             None => {
                 tracing::info!("session ended during a database outage; the broker will redeliver");
@@ -451,12 +453,12 @@ impl<H: Handler> Runtime<H> {
             }
             Some(Ok(Applied::Done)) => {
                 delivery.ack().await?;
-                self.count("succeeded");
+                self.count(Handled::Succeeded);
             }
             Some(Ok(Applied::Duplicate)) => {
                 delivery.ack().await?;
-                self.count("duplicate");
-                self.health.metrics.duplicates.get_or_create(&ByEndpoint { endpoint: endpoint.name.to_owned() }).inc();
+                self.count(Handled::Duplicate);
+                self.metrics.duplicate();
                 tracing::info!("duplicate skipped by the inbox");
             }
             // `Unavailable` is waited out above; were one to get here, it would be retried.
@@ -507,13 +509,12 @@ impl<H: Handler> Runtime<H> {
         let started = std::time::Instant::now();
         let applied = self.apply_within_timeout(message).await;
         let outcome = match &applied {
-            Ok(Applied::Done) => "succeeded",
-            Ok(Applied::Duplicate) => "duplicate",
-            Err(HandlerError::Unavailable(_)) => "unavailable",
-            Err(_) => "failed",
+            Ok(Applied::Done) => Handling::Succeeded,
+            Ok(Applied::Duplicate) => Handling::Duplicate,
+            Err(HandlerError::Unavailable(_)) => Handling::Unavailable,
+            Err(_) => Handling::Failed,
         };
-        let labels = ByOutcome { endpoint: self.settings.endpoint.name.to_owned(), outcome: outcome.to_owned() };
-        self.health.metrics.handling.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+        self.metrics.handling(outcome, started.elapsed().as_secs_f64());
         applied
     }
 
@@ -575,7 +576,7 @@ impl<H: Handler> Runtime<H> {
         copy.confirmed().await?;
         self.settle_event(event).await;
         delivery.ack().await?;
-        self.count("retried");
+        self.count(Handled::Retried);
         tracing::warn!(?delay, error, "transient failure; retry scheduled");
         Ok(())
     }
@@ -617,7 +618,7 @@ impl<H: Handler> Runtime<H> {
         parked.confirmed().await?;
         self.settle_event(event).await;
         delivery.ack().await?;
-        self.count("parked");
+        self.count(Handled::Parked);
         tracing::error!(reason, "message parked");
         Ok(())
     }
@@ -661,10 +662,10 @@ impl<H: Handler> Runtime<H> {
         }
     }
 
-    fn count(&self, outcome: &str) {
-        self.health.metrics.count_handled(self.settings.endpoint.name, outcome);
+    fn count(&self, outcome: Handled) {
+        self.metrics.handled(outcome);
         // In the delivery's span: with its trace and span ids, for whoever follows a trace in logs.
-        tracing::debug!(outcome, "delivery settled");
+        tracing::debug!(outcome = outcome.as_str(), "delivery settled");
     }
 }
 
