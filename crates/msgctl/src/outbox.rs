@@ -53,7 +53,7 @@ pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure>
     }
     let mut pools = Vec::new();
     for url in databases {
-        pools.push((label(url)?, connect(url).await?));
+        pools.push(connect(url).await?);
     }
     match action {
         Action::Stuck { json } => stuck(&pools, json).await,
@@ -61,20 +61,17 @@ pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure>
     }
 }
 
-/// The database's name, as the relay labels it.
-fn label(url: &SecretUrl) -> Result<String, Failure> {
+/// A one-connection pool on `url`, with the database's name as the relay labels it.
+async fn connect(url: &SecretUrl) -> Result<(String, PgPool), Failure> {
     let options = PgConnectOptions::from_str(url.expose()).map_err(|error| Failure(format!("{url}: {error}")))?;
-    Ok(options.get_database().unwrap_or("postgres").to_owned())
-}
-
-async fn connect(url: &SecretUrl) -> Result<PgPool, Failure> {
-    let options = PgConnectOptions::from_str(url.expose()).map_err(|error| Failure(format!("{url}: {error}")))?;
-    PgPoolOptions::new()
+    let label = options.get_database().unwrap_or("postgres").to_owned();
+    let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(std::time::Duration::from_secs(5))
         .connect_with(options)
         .await
-        .map_err(|error| Failure(format!("cannot reach the database at {url}: {error}")))
+        .map_err(|error| Failure(format!("cannot reach the database at {url}: {error}")))?;
+    Ok((label, pool))
 }
 
 async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
