@@ -20,6 +20,7 @@ pub mod duration;
 pub mod envelope;
 pub mod failpoint;
 pub mod health;
+pub mod http;
 pub mod inbox;
 pub mod metrics;
 pub mod outbox;

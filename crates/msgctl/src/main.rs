@@ -25,6 +25,10 @@ struct Cli {
     /// Outbox databases for the `outbox` commands, comma-separated (the relay's list).
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true, value_delimiter = ',')]
     database_urls: Vec<SecretUrl>,
+    /// The RabbitMQ management API (`http://user:pass@host:15672`), used only to find the parking
+    /// queues when no `--endpoint` is given. Default: the AMQP URL's host and user on port 15672.
+    #[arg(long, env = "RABBITMQ_MANAGEMENT_URL", hide_env_values = true)]
+    management_url: Option<SecretUrl>,
     /// How long the consumers keep inbox rows (their INBOX_RETENTION): a message parked longer ago
     /// than that may have been applied and forgotten, so `redrive` refuses it without `--force`.
     #[arg(long, env = "INBOX_RETENTION", default_value = "14d", value_parser = parse_duration)]
@@ -68,7 +72,10 @@ fn main() -> ExitCode {
     };
     let outcome = runtime.block_on(async {
         match cli.command {
-            Command::Parked { action } => parked::run(action, &cli.broker.amqp_url, cli.inbox_retention).await,
+            Command::Parked { action } => {
+                let broker = parked::Broker { amqp_url: cli.broker.amqp_url, management_url: cli.management_url };
+                parked::run(action, &broker, cli.inbox_retention).await
+            }
             Command::Outbox { action } => outbox::run(action, &cli.database_urls).await,
         }
     });

@@ -7,7 +7,7 @@
 //! copy in the work queue: killed in between, it is in both (the inbox absorbs the second), never
 //! in neither.
 
-use std::{cell::RefCell, collections::HashSet, time::Duration};
+use std::{cell::RefCell, collections::HashSet, str::FromStr, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lapin::{
@@ -22,7 +22,7 @@ use messaging::{
     contracts::{JobEvent, JobQuarantined, JobRedriven},
     duration::{format_duration, parse_duration},
     envelope::{self, Headers},
-    failpoint,
+    failpoint, http,
     publisher::{PublishError, Publisher},
 };
 use regex::Regex;
@@ -48,8 +48,8 @@ pub enum Action {
     Show {
         /// Its message id.
         message_id: Uuid,
-        /// The endpoint whose parking holds it.
-        #[arg(long, required = true)]
+        /// The endpoint whose parking holds it; repeat for several. Default: every endpoint.
+        #[arg(long)]
         endpoint: Vec<String>,
     },
     /// Send the selected messages back to their endpoint's work queue, attempts reset, with a
@@ -80,7 +80,9 @@ pub enum Action {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Filter {
     /// The endpoint (work queue name, e.g. `billing.inventory-reserved`); repeat for several.
-    #[arg(long, required = true)]
+    /// Default: every endpoint with a parking queue in the vhost (found through the management
+    /// API).
+    #[arg(long)]
     endpoint: Vec<String>,
     /// Only messages of this type (e.g. `order.placed`).
     #[arg(long = "type")]
@@ -223,21 +225,85 @@ fn passive() -> QueueDeclareOptions {
     QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() }
 }
 
-pub async fn run(action: Action, amqp_url: &SecretUrl, inbox_retention: Duration) -> Result<(), Failure> {
+/// Where the broker is: AMQP for the messages, the management API to find the parking queues.
+#[derive(Debug)]
+pub struct Broker {
+    /// The AMQP URL (its path is the vhost).
+    pub amqp_url: SecretUrl,
+    /// The management API, if not the AMQP URL's host on port 15672.
+    pub management_url: Option<SecretUrl>,
+}
+
+pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> Result<(), Failure> {
+    let amqp_url = &broker.amqp_url;
     let connection = broker::connect(amqp_url, "msgctl")
         .await
         .map_err(|error| Failure(format!("cannot reach the broker at {amqp_url}: {error}")))?;
-    let outcome = match action {
-        Action::List { filter, json } => list(&connection, &filter, json).await,
-        Action::Show { message_id, endpoint } => show(&connection, message_id, &endpoint).await,
-        Action::Redrive { filter, dry_run, force } => {
-            let horizon = if force { None } else { Some(inbox_retention) };
-            redrive(&connection, &filter, dry_run, horizon).await
+    let outcome = async {
+        match action {
+            Action::List { mut filter, json } => {
+                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                list(&connection, &filter, json).await
+            }
+            Action::Show { message_id, endpoint } => {
+                show(&connection, message_id, &endpoints(broker, endpoint).await?).await
+            }
+            Action::Redrive { mut filter, dry_run, force } => {
+                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                let horizon = if force { None } else { Some(inbox_retention) };
+                redrive(&connection, &filter, dry_run, horizon).await
+            }
+            Action::Purge { mut filter, yes } => {
+                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                purge(&connection, &filter, yes).await
+            }
         }
-        Action::Purge { filter, yes } => purge(&connection, &filter, yes).await,
-    };
+    }
+    .await;
     let _ = connection.close(200, "bye".into()).await;
     outcome
+}
+
+/// The endpoints named, or else every endpoint that has a parking queue (`<endpoint>.parking`) in
+/// the AMQP URL's vhost, by name. AMQP cannot list queues: the management API can.
+async fn endpoints(broker: &Broker, named: Vec<String>) -> Result<Vec<String>, Failure> {
+    if !named.is_empty() {
+        return Ok(named);
+    }
+    let vhost = lapin::uri::AMQPUri::from_str(broker.amqp_url.expose())
+        .map_err(|error| Failure(format!("{}: {error}", broker.amqp_url)))?
+        .vhost;
+    let management = match &broker.management_url {
+        Some(url) => url.clone(),
+        None => http::management_url_of(broker.amqp_url.expose())
+            .map(SecretUrl::new)
+            .ok_or_else(|| Failure(format!("{}: no host to find the management API on", broker.amqp_url)))?,
+    };
+    let path = format!(
+        "/api/queues/{}?columns=name",
+        percent_encoding::utf8_percent_encode(&vhost, percent_encoding::NON_ALPHANUMERIC)
+    );
+    let unreachable = |why: String| {
+        Failure(format!(
+            "cannot list the parking queues through the management API at {management} ({why}): name them with \
+             --endpoint, or set RABBITMQ_MANAGEMENT_URL"
+        ))
+    };
+    let response = http::request("GET", &format!("{}{path}", management.expose().trim_end_matches('/')), &[], None)
+        .await
+        .map_err(|error| unreachable(error.to_string()))?;
+    if response.status != 200 {
+        return Err(unreachable(format!("HTTP {}", response.status)));
+    }
+    let queues: Vec<serde_json::Value> =
+        serde_json::from_slice(&response.body).map_err(|error| unreachable(format!("not a queue list: {error}")))?;
+    let mut found: Vec<String> =
+        queues.iter().filter_map(|queue| queue["name"].as_str()?.strip_suffix(".parking").map(str::to_owned)).collect();
+    found.sort();
+    if found.is_empty() {
+        return Err(Failure(format!("no parking queue (`<endpoint>.parking`) in vhost `{vhost}`")));
+    }
+    Ok(found)
 }
 
 async fn list(connection: &Connection, filter: &Filter, json: bool) -> Result<(), Failure> {

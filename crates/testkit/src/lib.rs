@@ -15,7 +15,7 @@
 //! its chroot. Default `rabbitmqctl`.
 
 pub mod cli;
-pub mod http;
+pub use messaging::http;
 pub mod ledger;
 pub mod process;
 pub mod proxy;
@@ -67,19 +67,10 @@ async fn locate_servers() -> Servers {
     let amqp = env(&["TEST_AMQP_URL", "AMQP_URL"]);
     if let (Some(postgres), Some(amqp)) = (postgres, amqp) {
         let amqp = origin(&amqp);
-        let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"]).unwrap_or_else(|| {
-            // The management API on the broker's host, as the broker's own user.
-            let mut management = url::Url::parse(&amqp).expect("AMQP URL");
-            let (user, password) = match management.username() {
-                "" => ("guest".to_owned(), "guest".to_owned()),
-                user => (user.to_owned(), management.password().unwrap_or_default().to_owned()),
-            };
-            let host = management.host_str().unwrap_or("localhost").to_owned();
-            management = url::Url::parse(&format!("http://{host}:15672")).expect("management URL");
-            let _ = management.set_username(&user);
-            let _ = management.set_password(Some(&password));
-            management.as_str().trim_end_matches('/').to_owned()
-        });
+        // The management API on the broker's host, as the broker's own user, unless named.
+        let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"])
+            .or_else(|| messaging::http::management_url_of(&amqp))
+            .expect("AMQP URL");
         return Servers { postgres: origin(&postgres), amqp, management };
     }
     containers::start().await.unwrap_or_else(|error| {
@@ -159,6 +150,11 @@ impl TestEnv {
     /// This test's broker URL (its own vhost).
     pub fn amqp_url(&self) -> String {
         format!("{}/{}", self.servers.amqp, self.vhost)
+    }
+
+    /// The broker's management API, `http://user:pass@host:port` (every vhost's).
+    pub fn management_url(&self) -> &str {
+        &self.servers.management
     }
 
     /// A pool on this test's database for `service`, created if missing (not migrated).

@@ -1,6 +1,7 @@
 //! `msgctl parked redrive` on the real shop, as processes: a quarantined order comes back and
 //! succeeds once while the other parked messages keep their place; a copy already applied is
-//! skipped by the inbox; and a redrive killed half-way loses nothing.
+//! skipped by the inbox; and a redrive killed half-way loses nothing. Without `--endpoint`, msgctl
+//! finds the parking queues through the management API.
 
 use std::process::Output;
 
@@ -20,6 +21,7 @@ const INVENTORY: &str = "inventory.order-placed";
 async fn msgctl(env: &TestEnv, args: &[&str]) -> Output {
     tokio::process::Command::new(process::binary("msgctl"))
         .env("AMQP_URL", env.amqp_url())
+        .env("RABBITMQ_MANAGEMENT_URL", env.management_url())
         .args(args)
         .output()
         .await
@@ -28,7 +30,12 @@ async fn msgctl(env: &TestEnv, args: &[&str]) -> Output {
 
 /// `msgctl parked list --json` of inventory's parking: each message's job id, in parking order.
 async fn parked_jobs(env: &TestEnv) -> Vec<Uuid> {
-    let output = msgctl(env, &["parked", "list", "--endpoint", INVENTORY, "--json"]).await;
+    listed_jobs(env, &["parked", "list", "--endpoint", INVENTORY, "--json"]).await
+}
+
+/// The job ids `msgctl args` lists, one JSON object per line.
+async fn listed_jobs(env: &TestEnv, args: &[&str]) -> Vec<Uuid> {
+    let output = msgctl(env, args).await;
     assert!(output.status.success(), "{output:?}");
     String::from_utf8_lossy(&output.stdout)
         .lines()
@@ -56,6 +63,22 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     }
     let before = parked_jobs(&shop.env).await;
     assert_eq!(before.len(), 3, "{before:?}");
+    // Without --endpoint, every parking queue of the vhost (found through the management API):
+    // the same three, billing's and the status consumer's being empty.
+    assert_eq!(listed_jobs(&shop.env, &["parked", "list", "--json"]).await, before);
+    let output = tokio::process::Command::new(process::binary("msgctl"))
+        .env("AMQP_URL", shop.env.amqp_url())
+        .env("RABBITMQ_MANAGEMENT_URL", "http://guest:guest@127.0.0.1:9")
+        .args(["parked", "list"])
+        .output()
+        .await
+        .expect("run msgctl");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.lines().count() == 1, "{output:?}");
+    assert!(
+        stderr.contains("management API at http://guest:***@127.0.0.1:9") && stderr.contains("--endpoint"),
+        "{stderr}"
+    );
 
     // A dry run changes nothing.
     let output =

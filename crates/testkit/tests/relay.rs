@@ -182,6 +182,63 @@ async fn a_relay_started_before_its_database_exists_waits_then_publishes() {
     relay.await.expect("relay task").expect("relay ran");
 }
 
+/// `msgctl args` on this test's broker and orders database.
+async fn msgctl(env: &TestEnv, args: &[&str]) -> (bool, String, String) {
+    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
+        .env("AMQP_URL", env.amqp_url())
+        .env("DATABASE_URL", env.database_url("orders"))
+        .args(args)
+        .output()
+        .await
+        .expect("run msgctl");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (output.status.success(), text(&output.stdout), text(&output.stderr))
+}
+
+#[tokio::test]
+async fn msgctl_lists_the_rows_the_broker_refuses_and_retry_sends_them_at_once() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let stuck = fill_outbox(&pool, 1, 1).await[0];
+    // The relay backs off for 10 minutes after a refusal: only `retry` can get the row out in time.
+    let (trigger, _) = shutdown::channel();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let (database, amqp) = (env.database_url("orders"), env.amqp_url());
+    let args = ["relay", "--database-url", &database, "--amqp-url", &amqp, "--poll-interval", "50ms"];
+    let config = relay::Config::parse_from(args.into_iter().chain(["--retry-initial", "10m", "--retry-max", "10m"]));
+    let relay = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
+    eventually("the broker to refuse the row", WAIT, || async {
+        (count(&pool, "select count(*) from outbox where attempts > 0").await == 1).then_some(())
+    })
+    .await;
+
+    let (ok, stdout, stderr) = msgctl(&env, &["outbox", "stuck", "--json"]).await;
+    assert!(ok, "{stderr}");
+    let rows: Vec<serde_json::Value> = stdout.lines().map(|line| serde_json::from_str(line).expect("JSON")).collect();
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert_eq!(rows[0]["messageId"], stuck.to_string());
+    assert_eq!(rows[0]["exchange"], "orders");
+    assert!(rows[0]["lastError"].as_str().is_some_and(|error| error.contains("NO_ROUTE")), "{stdout}");
+
+    // Unknown ids and an empty selection are refused, in one line, changing nothing.
+    let unknown = Uuid::now_v7();
+    let (ok, _, stderr) = msgctl(&env, &["outbox", "retry", &unknown.to_string()]).await;
+    assert!(!ok && stderr.trim().ends_with(&unknown.to_string()) && stderr.lines().count() == 1, "{stderr}");
+
+    // The cause is fixed (a queue is bound), then the row is retried now, not in 10 minutes.
+    bind_probe(&env).await;
+    let (ok, stdout, stderr) = msgctl(&env, &["outbox", "retry", &stuck.to_string()]).await;
+    assert!(ok && stdout.contains("1 row(s) due now"), "{stdout}{stderr}");
+    wait_all_published(&pool).await;
+    assert_eq!(message_ids(&env.drain(PROBE).await), [stuck]);
+    let (ok, stdout, _) = msgctl(&env, &["outbox", "stuck"]).await;
+    assert!(ok && stdout.contains("0 stuck row(s)"), "{stdout}");
+    let (ok, _, stderr) = msgctl(&env, &["outbox", "retry", "--all"]).await;
+    assert!(!ok && stderr.contains("nothing selected"), "{stderr}");
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
+
 fn relay_args(databases: &str, amqp: &str) -> Vec<String> {
     let mut args = vec!["relay".to_owned()];
     args.extend(Options::relay_flags(databases, amqp));

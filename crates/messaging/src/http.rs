@@ -1,6 +1,8 @@
-//! An HTTP client for tests (hyper's): enough to drive the API and the RabbitMQ management API.
-//! One connection per request: every `#[tokio::test]` runs its own runtime, and a pooled
-//! connection cannot outlive the runtime that opened it.
+//! A small HTTP/1.1 client (hyper's), plain `http://` only: what `msgctl` needs of the RabbitMQ
+//! management API, what the span exporter ([`crate::otel`]) sends to a collector, and what the
+//! tests drive the services with. One connection per request: a pooled connection cannot outlive
+//! the runtime that opened it (every `#[tokio::test]` runs its own), and none of these callers is
+//! hot enough for a pool to matter.
 
 use std::time::Duration;
 
@@ -87,4 +89,34 @@ pub async fn request_bytes(
     tokio::time::timeout(Duration::from_secs(30), exchange)
         .await
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer from {url}")))?
+}
+
+/// The RabbitMQ management API of the broker at `amqp_url` (`amqp://user:pass@host:port/vhost`),
+/// as `http://user:pass@host:15672`: the broker's host and user, the plugin's default port.
+/// `None` if `amqp_url` is not a URL.
+pub fn management_url_of(amqp_url: &str) -> Option<String> {
+    let amqp = url::Url::parse(amqp_url).ok()?;
+    let (user, password) = match amqp.username() {
+        "" => ("guest", "guest"),
+        user => (user, amqp.password().unwrap_or_default()),
+    };
+    let mut management = url::Url::parse(&format!("http://{}:15672", amqp.host_str()?)).ok()?;
+    management.set_username(user).ok()?;
+    management.set_password(Some(password)).ok()?;
+    Some(management.as_str().trim_end_matches('/').to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_management_api_is_on_the_broker_s_host_as_its_user() {
+        assert_eq!(
+            management_url_of("amqp://app:s3cret@rabbit.internal:5672/shop").as_deref(),
+            Some("http://app:s3cret@rabbit.internal:15672")
+        );
+        assert_eq!(management_url_of("amqp://127.0.0.1").as_deref(), Some("http://guest:guest@127.0.0.1:15672"));
+        assert_eq!(management_url_of("not a url"), None);
+    }
 }
