@@ -367,9 +367,7 @@ impl<H: Handler> Runtime<H> {
         let traceparent = envelope::traceparent(&delivery.properties);
         let context = TraceContext::continuing(traceparent.as_deref());
         let span = delivery_span("delivery", endpoint.name, &delivery, decoded.as_ref().ok());
-        span.record("trace_id", context.trace_hex());
-        span.record("span_id", format!("{:016x}", context.span_id));
-        span.record("parent_id", context.parent_id.map(|id| format!("{id:016x}")));
+        context.record_on(&span);
         let handled = self.handle_delivery(delivery, decoded, publisher, session_ended).instrument(span);
         trace::scope(context, handled).await
     }
@@ -664,6 +662,12 @@ impl<H: Handler> Runtime<H> {
 
     fn count(&self, outcome: Handled) {
         self.metrics.handled(outcome);
+        let span = tracing::Span::current();
+        span.record("outcome", outcome.as_str());
+        if matches!(outcome, Handled::Retried | Handled::Parked) {
+            // A failed attempt: its exported span shows as an error (`crate::otel`).
+            span.record("otel.status_code", "error");
+        }
         // In the delivery's span: with its trace and span ids, for whoever follows a trace in logs.
         tracing::debug!(outcome = outcome.as_str(), "delivery settled");
     }
@@ -696,9 +700,13 @@ fn delivery_span(kind: &'static str, endpoint: &str, delivery: &Delivery, messag
         attempt,
         job_id = %job_id,
         redelivered,
+        outcome = tracing::field::Empty,
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         span_id = tracing::field::Empty,
         parent_id = tracing::field::Empty,
+        sampled = tracing::field::Empty,
     )
 }
 

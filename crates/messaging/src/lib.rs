@@ -23,6 +23,7 @@ pub mod health;
 pub mod http;
 pub mod inbox;
 pub mod metrics;
+pub mod otel;
 pub mod outbox;
 pub mod publisher;
 pub mod retention;

@@ -141,7 +141,7 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             Ok(settings) => settings,
             Err(error) => error.exit(),
         };
-        crate::telemetry::init();
+        let _telemetry = crate::telemetry::init(self.name);
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         runtime.block_on(run_until_signal(settings.common.http_addr, |listener, shutdown| async move {
             self.run(settings, listener, shutdown).await.map_err(BoxError::from)

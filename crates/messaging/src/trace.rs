@@ -66,6 +66,21 @@ impl TraceContext {
         format!("00-{:032x}-{:016x}-{:02x}", self.trace_id, self.span_id, u8::from(self.sampled))
     }
 
+    /// Write this context into `span`'s `trace_id`, `span_id`, `parent_id` and (when the caller
+    /// asked not to record the trace) `sampled` fields, which the span must declare (as
+    /// `tracing::field::Empty`): the logs show them, and [`crate::otel`] exports the span under
+    /// these ids.
+    pub fn record_on(&self, span: &tracing::Span) {
+        span.record("trace_id", self.trace_hex());
+        span.record("span_id", format!("{:016x}", self.span_id));
+        if let Some(parent) = self.parent_id {
+            span.record("parent_id", format!("{parent:016x}"));
+        }
+        if !self.sampled {
+            span.record("sampled", false);
+        }
+    }
+
     /// The trace id as 32 hex digits, as logs and tracing back ends show it.
     pub fn trace_hex(&self) -> String {
         format!("{:032x}", self.trace_id)

@@ -18,6 +18,7 @@ use messaging::{
 use serde::{Deserialize, Serialize};
 use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgConnection, PgPool};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::problem::{ApiError, Problem};
@@ -171,9 +172,25 @@ pub(crate) async fn place_order(
     // names this request's span as its parent (W3C trace context, `messaging::trace`).
     let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
     let context = TraceContext::continuing(caller);
+    // The request's span, under the trace's ids: exported if `OTEL_*` names a collector.
+    let span = tracing::info_span!(
+        "POST /orders",
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = "POST",
+        http.route = "/orders",
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        parent_id = tracing::field::Empty,
+        sampled = tracing::field::Empty,
+    );
+    context.record_on(&span);
     // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
     // the request for the kernel's TCP timeout.
-    let accepted = trace::scope(context, db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref()))).await?;
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref())).instrument(span.clone());
+    let accepted = trace::scope(context, accepted).await.inspect_err(|_| {
+        span.record("otel.status_code", "error");
+    })?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }

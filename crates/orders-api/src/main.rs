@@ -8,7 +8,7 @@ async fn main() -> anyhow::Result<()> {
     if let Err(refusal) = config.consumer.check_inbox_retention() {
         orders_api::Config::command().error(clap::error::ErrorKind::ValueValidation, refusal).exit();
     }
-    messaging::telemetry::init();
+    let _telemetry = messaging::telemetry::init("orders-api");
     messaging::service::run_until_signal(config.http_addr, |listener, shutdown| {
         orders_api::run(config, listener, shutdown)
     })

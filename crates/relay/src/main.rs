@@ -4,7 +4,7 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    messaging::telemetry::init();
+    let _telemetry = messaging::telemetry::init("relay");
     let config = relay::Config::parse();
     messaging::service::run_until_signal(config.http_addr, |listener, shutdown| relay::run(config, listener, shutdown))
         .await

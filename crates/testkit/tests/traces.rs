@@ -1,15 +1,21 @@
 //! One order is one trace: the caller's `traceparent` is continued by the API, stored with the
 //! `order.placed` row, published by the relay, continued by each consumer's delivery span, and
 //! handed on in the rows it writes and the job events published about it; each hop's span is the
-//! parent of the next.
+//! parent of the next. With `OTEL_*` naming a collector, the same spans reach it under those ids.
+
+use std::sync::{Arc, Mutex};
 
 use lapin::{
     options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
 use messaging::{envelope, trace::TraceContext};
+use serde_json::Value;
 use sqlx::PgPool;
-use testkit::shop::{Options, Service, Shop};
+use testkit::{
+    eventually,
+    shop::{Options, Service, Shop, WAIT},
+};
 use uuid::Uuid;
 
 const CALLER: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -110,4 +116,91 @@ async fn one_order_is_one_trace_and_each_hop_is_the_parent_of_the_next() {
     assert_eq!(event_parents.len(), 4, "two retries in each worker");
     assert_eq!(event_parents, failed_spans, "each job event names its failed attempt's span as parent");
     let _ = connection.close(200, "bye".into()).await;
+}
+
+/// A stand-in OpenTelemetry collector: an OTLP/HTTP receiver that keeps every span it is sent,
+/// with its resource's `service.name`.
+async fn collector() -> (String, Arc<Mutex<Vec<(String, Value)>>>) {
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let store = received.clone();
+    let receive = move |body: axum::Json<Value>| async move {
+        let mut spans = store.lock().expect("lock");
+        for resource in body["resourceSpans"].as_array().into_iter().flatten() {
+            let service = resource["resource"]["attributes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|attribute| attribute["key"] == "service.name")
+                .and_then(|attribute| attribute["value"]["stringValue"].as_str())
+                .unwrap_or_default()
+                .to_owned();
+            for scope in resource["scopeSpans"].as_array().into_iter().flatten() {
+                for span in scope["spans"].as_array().into_iter().flatten() {
+                    spans.push((service.clone(), span.clone()));
+                }
+            }
+        }
+        axum::Json(serde_json::json!({}))
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let app = axum::Router::new().route("/v1/traces", axum::routing::post(receive));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, received)
+}
+
+/// The one span `service` exported whose parent is `parent` and whose name is `name`.
+fn child_of(spans: &[(String, Value)], service: &str, name: &str, parent: &str) -> Option<Value> {
+    spans
+        .iter()
+        .find(|(from, span)| from == service && span["name"] == name && span["parentSpanId"] == parent)
+        .map(|(_, span)| span.clone())
+}
+
+fn attribute<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
+    span["attributes"].as_array()?.iter().find(|attribute| attribute["key"] == key).map(|attribute| &attribute["value"])
+}
+
+#[tokio::test]
+async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_trace() {
+    let (endpoint, received) = collector().await;
+    let otel = vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned())];
+    let mut shop = Shop::start(Options { consumer_env: otel, ..Options::default() }).await;
+    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let response = shop.post_order(body, &[("traceparent", CALLER)]).await;
+    assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
+    let job: Uuid = response.json()["jobId"].as_str().expect("jobId").parse().expect("uuid");
+    shop.wait_for_state(job, "succeeded").await;
+
+    // API → inventory → billing → the status consumer's delivery of job.succeeded, each span the
+    // parent of the next, all in the caller's trace.
+    let caller = TraceContext::parse(CALLER).expect("caller");
+    let chain = eventually("the order's spans at the collector", WAIT, || async {
+        let spans = received.lock().expect("lock").clone();
+        let api = child_of(&spans, "orders-api", "POST /orders", &format!("{:016x}", caller.span_id))?;
+        let inventory = child_of(&spans, "inventory-worker", "delivery", api["spanId"].as_str()?)?;
+        let billing = child_of(&spans, "billing-worker", "delivery", inventory["spanId"].as_str()?)?;
+        let status = child_of(&spans, "orders-api", "delivery", billing["spanId"].as_str()?)?;
+        Some([api, inventory, billing, status])
+    })
+    .await;
+    for span in &chain {
+        assert_eq!(span["traceId"], caller.trace_hex(), "{span}");
+        assert!(span["startTimeUnixNano"].as_str() <= span["endTimeUnixNano"].as_str(), "{span}");
+    }
+    let [api, inventory, billing, _] = &chain;
+    assert_eq!(api["kind"], 2, "the API's span is a server span");
+    assert_eq!(inventory["kind"], 5, "a delivery is a consumer span");
+    assert_eq!(attribute(inventory, "endpoint"), Some(&serde_json::json!({ "stringValue": "inventory.order-placed" })));
+    assert_eq!(attribute(billing, "outcome"), Some(&serde_json::json!({ "stringValue": "succeeded" })));
+    assert_eq!(billing["status"], serde_json::json!({}), "a handled delivery is no error");
+
+    // Nothing was refused along the way, and the relay, which has no span of its own in a trace,
+    // exported nothing (its variables are not set).
+    for service in [Service::Api, Service::Inventory, Service::Billing] {
+        let log = shop.process(service).log_text();
+        assert!(log.contains("exporting spans over OTLP"), "{service:?}");
+        assert!(!log.contains("spans not exported"), "{service:?}: {log}");
+    }
+    assert!(!received.lock().expect("lock").iter().any(|(service, _)| service == "relay"));
 }
