@@ -87,6 +87,18 @@ pub struct ConsumerArgs {
     #[arg(long, env = "PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
 
+    /// Deliveries applied in one transaction, at most (1 = each in its own, concurrently up to
+    /// PREFETCH). Above 1, ready deliveries are applied in batches, one batch at a time, with one
+    /// commit and one ack for the batch; a failure inside a batch applies its messages again one
+    /// by one, so every outcome is as without batching (decision 0008).
+    #[arg(long, env = "BATCH_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub batch_size: u16,
+
+    /// How long a batch that is not full may wait for more deliveries before it starts (0: it
+    /// takes what is ready). Only with BATCH_SIZE above 1.
+    #[arg(long, env = "BATCH_WAIT", default_value = "0", value_parser = parse_wait)]
+    pub batch_wait: Duration,
+
     /// Times a redelivered message may crash its consumer (start alone and never finish: the
     /// process killed, panicked or hung) before it is parked instead of handled again.
     #[arg(long, env = "MAX_CRASHES", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
@@ -136,6 +148,11 @@ impl ConsumerArgs {
             describe(LATE_COPY_MARGIN),
         ))
     }
+}
+
+/// A wait that may be zero: `0`, or a duration as [`parse_duration`] reads it.
+fn parse_wait(s: &str) -> Result<Duration, String> {
+    if s.trim() == "0" { Ok(Duration::ZERO) } else { parse_duration(s) }
 }
 
 /// A comma-separated list of delays such as `1s,5s,30s,2m,10m`.

@@ -26,10 +26,10 @@
 //! Acking happens in exactly one place, [`InFlight`], whose methods consume it: a delivery cannot
 //! be acked twice, and cannot be acked before its outcome is durable.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{collections::BTreeSet, future::Future, sync::Arc, time::Duration};
 
 use chrono::Utc;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::{
     BasicProperties, Connection,
     message::Delivery,
@@ -122,8 +122,10 @@ pub struct ConsumerSettings {
     pub endpoint: Endpoint,
     /// Retry tiers and attempt cap.
     pub policy: RetryPolicy,
-    /// Unacked deliveries at once (and handled concurrently).
+    /// Unacked deliveries at once (and, without batching, handled concurrently).
     pub prefetch: u16,
+    /// How deliveries are grouped into transactions.
+    pub batch: Batching,
     /// The broker.
     pub amqp_url: SecretUrl,
     /// Between reconnects (and between tries while the database is unreachable).
@@ -148,12 +150,33 @@ impl ConsumerSettings {
             endpoint: Endpoint { delivery_limit: args.delivery_limit, ..endpoint },
             policy: args.retry_policy(),
             prefetch: args.prefetch,
+            batch: Batching { max_size: usize::from(args.batch_size), max_wait: args.batch_wait },
             amqp_url: broker.amqp_url.clone(),
             reconnect: Backoff::default(),
             max_crashes: args.max_crashes,
             handler_timeout: args.handler_timeout,
             inbox_retention: args.inbox_retention,
         }
+    }
+}
+
+/// Several ready deliveries applied in one transaction (one inbox row each, one commit, one
+/// ack), one batch at a time. `max_size` 1 turns it off: each delivery is applied in its own
+/// transaction, up to `prefetch` at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Deliveries per transaction, at most.
+    pub max_size: usize,
+    /// How long a batch that is not full waits for more before it starts.
+    pub max_wait: Duration,
+}
+
+impl Batching {
+    /// One delivery per transaction.
+    pub const OFF: Self = Self { max_size: 1, max_wait: Duration::ZERO };
+
+    fn on(&self) -> bool {
+        self.max_size > 1
     }
 }
 
@@ -237,7 +260,12 @@ impl<H: Handler> Runtime<H> {
                     FieldTable::default(),
                 )
                 .await?;
-            let dead_letters = channel
+            // The intake of what the broker dead-letters has a channel of its own, so that the
+            // work channel's delivery tags all come, in order, from the one work-queue stream: a
+            // batch's multiple-ack can then never cover a delivery not yet seen ([`Acks`]).
+            let dead_letter_channel = connection.create_channel().await?;
+            dead_letter_channel.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
+            let dead_letters = dead_letter_channel
                 .basic_consume(
                     endpoint.dead_lettered_queue().as_str().into(),
                     format!("{tag}-dead-lettered").as_str().into(),
@@ -245,9 +273,10 @@ impl<H: Handler> Runtime<H> {
                     FieldTable::default(),
                 )
                 .await?;
-            Ok::<_, lapin::Error>((channel, publisher, tag, deliveries, dead_letters))
+            let channels = (Acks::new(channel), Acks::new(dead_letter_channel));
+            Ok::<_, lapin::Error>((channels, publisher, tag, deliveries, dead_letters))
         };
-        let (channel, publisher, tag, mut deliveries, mut dead_letters) = match setup.await {
+        let ((acks, dead_letter_acks), publisher, tag, mut deliveries, mut dead_letters) = match setup.await {
             Ok(started) => started,
             Err(error) => {
                 tracing::warn!(%error, "cannot start consuming; will reconnect");
@@ -266,15 +295,32 @@ impl<H: Handler> Runtime<H> {
         // to crash again, no other message's handler was running beside it (decision 0005).
         let mut waiting: Option<Delivery> = None;
         let mut alone = false;
+        // Batching: deliveries received while a batch runs wait here for the next one, which
+        // starts once the running batch has settled (and, if not full, `max_wait` has passed).
+        let batching = self.settings.batch;
+        let mut next_batch: Vec<Delivery> = Vec::new();
+        let mut next_batch_due = tokio::time::Instant::now();
         let ended = loop {
-            if in_flight.is_empty() {
+            if in_flight.is_empty() && !next_batch.is_empty() {
+                let full = next_batch.len() >= batching.max_size;
+                if full || waiting.is_some() || tokio::time::Instant::now() >= next_batch_due {
+                    let take = next_batch.len().min(batching.max_size);
+                    let batch: Vec<Delivery> = next_batch.drain(..take).collect();
+                    let (runtime, publisher) = (Arc::clone(self), publisher.clone());
+                    in_flight.spawn(runtime.process_batch(batch, publisher, acks.clone(), session_ended.clone()));
+                    next_batch_due = tokio::time::Instant::now() + batching.max_wait;
+                }
+            }
+            if in_flight.is_empty() && next_batch.is_empty() {
                 alone = false;
                 if let Some(delivery) = waiting.take() {
-                    in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone(), session_ended.clone()));
+                    let (runtime, publisher) = (Arc::clone(self), publisher.clone());
+                    in_flight.spawn(runtime.process(delivery, publisher, acks.clone(), session_ended.clone()));
                     alone = true;
                 }
             }
             let accepting = waiting.is_none() && !alone;
+            let batch_waits = in_flight.is_empty() && !next_batch.is_empty();
             tokio::select! {
                 () = shutdown.triggered() => break SessionEnd::Shutdown,
                 Some(joined) = in_flight.join_next(), if !in_flight.is_empty() => {
@@ -283,10 +329,37 @@ impl<H: Handler> Runtime<H> {
                         break SessionEnd::Lost { was_up: true };
                     }
                 }
+                () = tokio::time::sleep_until(next_batch_due), if batch_waits => {}
                 next = deliveries.next(), if accepting => match next {
-                    Some(Ok(delivery)) if delivery.redelivered => waiting = Some(delivery),
                     Some(Ok(delivery)) => {
-                        in_flight.spawn(Arc::clone(self).process(delivery, publisher.clone(), session_ended.clone()));
+                        acks.received(delivery.delivery_tag).await;
+                        if delivery.redelivered {
+                            waiting = Some(delivery);
+                        } else if batching.on() {
+                            if next_batch.is_empty() && in_flight.is_empty() {
+                                next_batch_due = tokio::time::Instant::now() + batching.max_wait;
+                            }
+                            next_batch.push(delivery);
+                            // Whatever else is ready joins it, up to a full batch.
+                            while next_batch.len() < batching.max_size {
+                                match deliveries.next().now_or_never() {
+                                    Some(Some(Ok(delivery))) if delivery.redelivered => {
+                                        acks.received(delivery.delivery_tag).await;
+                                        waiting = Some(delivery);
+                                        break;
+                                    }
+                                    Some(Some(Ok(delivery))) => {
+                                        acks.received(delivery.delivery_tag).await;
+                                        next_batch.push(delivery);
+                                    }
+                                    // An error or the end shows again on the next poll.
+                                    _ => break,
+                                }
+                            }
+                        } else {
+                            let (runtime, publisher) = (Arc::clone(self), publisher.clone());
+                            in_flight.spawn(runtime.process(delivery, publisher, acks.clone(), session_ended.clone()));
+                        }
                     }
                     Some(Err(error)) => {
                         tracing::warn!(%error, "broker connection lost; reconnecting");
@@ -299,7 +372,9 @@ impl<H: Handler> Runtime<H> {
                 },
                 next = dead_letters.next() => match next {
                     Some(Ok(delivery)) => {
-                        in_flight.spawn(Arc::clone(self).park_dead_lettered(delivery, publisher.clone()));
+                        dead_letter_acks.received(delivery.delivery_tag).await;
+                        let (runtime, publisher) = (Arc::clone(self), publisher.clone());
+                        in_flight.spawn(runtime.park_dead_lettered(delivery, publisher, dead_letter_acks.clone()));
                     }
                     Some(Err(error)) => {
                         tracing::warn!(%error, "broker connection lost; reconnecting");
@@ -323,7 +398,7 @@ impl<H: Handler> Runtime<H> {
         // time to settle) is abandoned: unacked, it comes back, and the inbox skips what committed.
         end_session.trigger();
         let dead_letter_tag = format!("{tag}-dead-lettered");
-        for tag in [tag.as_str(), dead_letter_tag.as_str()] {
+        for (channel, tag) in [(&acks.channel, tag.as_str()), (&dead_letter_acks.channel, dead_letter_tag.as_str())] {
             bounded(channel.basic_cancel(tag.into(), BasicCancelOptions::default())).await;
         }
         let drained = tokio::time::timeout(self.settings.handler_timeout + WIND_DOWN, async {
@@ -345,7 +420,8 @@ impl<H: Handler> Runtime<H> {
             Ok::<_, lapin::Error>(())
         })
         .await;
-        bounded(channel.close(200, "bye".into())).await;
+        bounded(acks.channel.close(200, "bye".into())).await;
+        bounded(dead_letter_acks.channel.close(200, "bye".into())).await;
         ended
     }
 
@@ -354,35 +430,141 @@ impl<H: Handler> Runtime<H> {
         self: Arc<Self>,
         delivery: Delivery,
         publisher: Publisher,
+        acks: Arc<Acks>,
         session_ended: Shutdown,
     ) -> Result<(), PublishError> {
-        // Decoded once, here: the span is made from the decoded envelope, and the handling uses it.
+        let arrived = self.arrived(delivery);
+        let handled = self
+            .handle_delivery(InFlight(arrived.delivery, acks), arrived.decoded, publisher, session_ended)
+            .instrument(arrived.span);
+        trace::scope(arrived.context, handled).await
+    }
+
+    /// A delivery decoded once (the span is made from the decoded envelope, and the handling uses
+    /// it), with its span and trace context. The span continues the trace the message carries (or
+    /// starts one): what the handler writes to its outbox, and the job events about it, name this
+    /// span as parent.
+    fn arrived(&self, delivery: Delivery) -> Arrived {
         let endpoint = &self.settings.endpoint;
         let decoded = Incoming::decode(&delivery).and_then(|message| {
             endpoint.check(&message.message_type, message.version)?;
             Ok(message)
         });
-        // The delivery's span continues the trace the message carries (or starts one): what the
-        // handler writes to its outbox, and the job events about it, name this span as parent.
         let traceparent = envelope::traceparent(&delivery.properties);
         let context = TraceContext::continuing(traceparent.as_deref());
         let span = delivery_span("delivery", endpoint.name, &delivery, decoded.as_ref().ok());
         context.record_on(&span);
-        let handled = self.handle_delivery(delivery, decoded, publisher, session_ended).instrument(span);
-        trace::scope(context, handled).await
+        Arrived { delivery, decoded, context, span }
+    }
+
+    /// Apply a batch of deliveries (none redelivered) in one transaction, commit, and settle them
+    /// with one ack. Should anything in it fail (a handler's error, an outage, the commit, the
+    /// time limit), nothing of it commits and each message is applied again on its own, exactly
+    /// as without batching: its retry, parking, attempt count and inbox row are what they would
+    /// have been.
+    async fn process_batch(
+        self: Arc<Self>,
+        deliveries: Vec<Delivery>,
+        publisher: Publisher,
+        acks: Arc<Acks>,
+        session_ended: Shutdown,
+    ) -> Result<(), PublishError> {
+        let mut members = Vec::with_capacity(deliveries.len());
+        for delivery in deliveries {
+            match self.arrived(delivery) {
+                Arrived { delivery, decoded: Ok(message), context, span } => {
+                    members.push(Member { delivery, message, context, span });
+                }
+                // Unreadable: parked at once, as on its own.
+                unreadable => {
+                    let handled = self
+                        .clone()
+                        .handle_delivery(
+                            InFlight(unreadable.delivery, acks.clone()),
+                            unreadable.decoded,
+                            publisher.clone(),
+                            session_ended.clone(),
+                        )
+                        .instrument(unreadable.span);
+                    trace::scope(unreadable.context, handled).await?;
+                }
+            }
+        }
+        if members.len() > 1 {
+            let started = std::time::Instant::now();
+            match self.apply_batch(&members).await {
+                Ok(outcomes) => {
+                    let tags: Vec<u64> = members.iter().map(|member| member.delivery.delivery_tag).collect();
+                    acks.ack_all(&tags).await?;
+                    let seconds = started.elapsed().as_secs_f64();
+                    for (member, applied) in members.iter().zip(outcomes) {
+                        member.span.in_scope(|| {
+                            let (handling, handled) = match applied {
+                                Applied::Done => (Handling::Succeeded, Handled::Succeeded),
+                                Applied::Duplicate => (Handling::Duplicate, Handled::Duplicate),
+                            };
+                            self.metrics.handling(handling, seconds);
+                            self.count(handled);
+                            if matches!(applied, Applied::Duplicate) {
+                                self.metrics.duplicate();
+                                tracing::info!("duplicate skipped by the inbox");
+                            }
+                        });
+                    }
+                    return Ok(());
+                }
+                Err(error) => {
+                    tracing::info!(messages = members.len(), %error, "batch not applied; applying its messages one by one");
+                }
+            }
+        }
+        for Member { delivery, message, context, span } in members {
+            let settled = self.settle(InFlight(delivery, acks.clone()), &publisher, &message, &session_ended);
+            trace::scope(context, settled.instrument(span)).await?;
+        }
+        Ok(())
+    }
+
+    /// Inbox rows, handlers and one commit for the whole batch, within `handler_timeout`: all or
+    /// nothing. Each handler runs in its message's span and trace context, so the outbox rows it
+    /// writes continue that message's trace.
+    async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
+        let endpoint = self.settings.endpoint.name;
+        let all = async {
+            let mut tx = self.pool.begin().await?;
+            let mut outcomes = Vec::with_capacity(members.len());
+            for member in members {
+                let message = &member.message;
+                let applied = async {
+                    if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint).await? {
+                        return Ok::<_, HandlerError>(Applied::Duplicate);
+                    }
+                    self.handler.handle(message, &mut tx).await?;
+                    Ok(Applied::Done)
+                };
+                outcomes.push(trace::scope(member.context, applied.instrument(member.span.clone())).await?);
+            }
+            failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
+            tx.commit().await?;
+            failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
+            Ok(outcomes)
+        };
+        let limit = self.settings.handler_timeout;
+        tokio::time::timeout(limit, all).await.unwrap_or_else(|_| {
+            Err(HandlerError::Transient(format!("the batch did not finish within {}", format_duration(limit))))
+        })
     }
 
     /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
     /// (the broker connection failed): it stays unacked and comes back on the next session.
     async fn handle_delivery(
         self: Arc<Self>,
-        delivery: Delivery,
+        delivery: InFlight,
         decoded: Result<Incoming, Unreadable>,
         publisher: Publisher,
         session_ended: Shutdown,
     ) -> Result<(), PublishError> {
-        let redelivered = delivery.redelivered;
-        let delivery = InFlight(delivery);
+        let redelivered = delivery.0.redelivered;
         let endpoint = &self.settings.endpoint;
         let message = match decoded {
             Ok(message) => message,
@@ -623,12 +805,17 @@ impl<H: Handler> Runtime<H> {
 
     /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
     /// broker's reason, our headers only, and a `job.quarantined` event, so that its job ends too.
-    async fn park_dead_lettered(self: Arc<Self>, delivery: Delivery, publisher: Publisher) -> Result<(), PublishError> {
+    async fn park_dead_lettered(
+        self: Arc<Self>,
+        delivery: Delivery,
+        publisher: Publisher,
+        acks: Arc<Acks>,
+    ) -> Result<(), PublishError> {
         let span = delivery_span("dead_letter", self.settings.endpoint.name, &delivery, None);
         let reason =
             envelope::broker_death(&delivery.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
         let retry_count = envelope::retry_count(&delivery);
-        self.park(InFlight(delivery), &publisher, retry_count, &reason).instrument(span).await
+        self.park(InFlight(delivery, acks), &publisher, retry_count, &reason).instrument(span).await
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).
@@ -730,13 +917,76 @@ async fn bounded<T>(call: impl Future<Output = lapin::Result<T>>) -> Option<T> {
     tokio::time::timeout(WIND_DOWN, call).await.ok()?.ok()
 }
 
-/// A delivery not yet settled. Its only ways out consume it, so it is settled at most once.
-struct InFlight(Delivery);
+/// A delivery not yet settled, and its channel's [`Acks`]. Its only ways out consume it, so it is
+/// settled at most once.
+struct InFlight(Delivery, Arc<Acks>);
 
 impl InFlight {
     /// Ack: the outcome (commit, retry copy, parked copy) is already durable.
     async fn ack(self) -> Result<(), PublishError> {
-        self.0.acker.ack(BasicAckOptions::default()).await?;
+        self.1.ack(self.0.delivery_tag).await?;
+        Ok(())
+    }
+}
+
+/// A delivery as it arrived: decoded (or not), with its span and trace context.
+struct Arrived {
+    delivery: Delivery,
+    decoded: Result<Incoming, Unreadable>,
+    context: TraceContext,
+    span: tracing::Span,
+}
+
+/// A readable delivery in a batch.
+struct Member {
+    delivery: Delivery,
+    message: Incoming,
+    context: TraceContext,
+    span: tracing::Span,
+}
+
+/// The deliveries of one channel that are not yet settled. Every ack of the channel goes through
+/// here, in order, so that a batch is settled with one `basic.ack(multiple)` only when that
+/// settles exactly its own deliveries: when no delivery with a smaller tag is still unsettled.
+/// (The tags of a channel grow in the order its deliveries arrive, and each is recorded here
+/// before it is handled; the work channel has one consumer, so none can arrive out of order.)
+/// Otherwise, it acks each of its deliveries.
+struct Acks {
+    channel: lapin::Channel,
+    unsettled: tokio::sync::Mutex<BTreeSet<u64>>,
+}
+
+impl Acks {
+    fn new(channel: lapin::Channel) -> Arc<Self> {
+        Arc::new(Self { channel, unsettled: tokio::sync::Mutex::default() })
+    }
+
+    /// A delivery arrived.
+    async fn received(&self, tag: u64) {
+        self.unsettled.lock().await.insert(tag);
+    }
+
+    /// Ack one delivery.
+    async fn ack(&self, tag: u64) -> lapin::Result<()> {
+        let mut unsettled = self.unsettled.lock().await;
+        self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
+        unsettled.remove(&tag);
+        Ok(())
+    }
+
+    /// Ack these deliveries: with one `multiple` ack if nothing before the last is unsettled.
+    async fn ack_all(&self, tags: &[u64]) -> lapin::Result<()> {
+        let Some(&last) = tags.iter().max() else { return Ok(()) };
+        let mut unsettled = self.unsettled.lock().await;
+        for tag in tags {
+            unsettled.remove(tag);
+        }
+        if unsettled.range(..last).next().is_none() {
+            return self.channel.basic_ack(last, BasicAckOptions { multiple: true }).await;
+        }
+        for &tag in tags {
+            self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
+        }
         Ok(())
     }
 }

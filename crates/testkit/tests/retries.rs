@@ -95,6 +95,7 @@ fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u1
         endpoint,
         policy,
         prefetch,
+        batch: messaging::consumer::Batching::OFF,
         amqp_url: messaging::config::SecretUrl::new(env.amqp_url()),
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         max_crashes: 3,

@@ -1,0 +1,78 @@
+//! Batched consumer transactions (`BATCH_SIZE` above 1, decision 0008) with the real binaries:
+//! a failure inside a batch changes no message's outcome and applies nothing twice, and a batch
+//! committed but not acked when its worker dies is skipped whole on redelivery.
+//!
+//! Each test stops the inventory worker, places its orders (they wait in its queue) and starts it
+//! again: with `BATCH_WAIT` its first batch holds them all.
+
+use messaging::{failpoint, metrics::INBOX_DUPLICATES};
+use testkit::shop::{Options, Service, Shop};
+use uuid::Uuid;
+
+const BATCH_OF_FIVE: &str = "batch not applied; applying its messages one by one messages=5";
+
+fn options(demo_faults: bool) -> Options {
+    let consumer_env = vec![("BATCH_SIZE", "8".to_owned()), ("BATCH_WAIT", "300ms".to_owned())];
+    Options { demo_faults, prefetch: 16, consumer_env, ..Options::default() }
+}
+
+/// Place `orders` while the inventory worker is down, then start it with `extra` variables.
+async fn queued_for_inventory(shop: &mut Shop, orders: &[(&str, i32)], extra: &[(&str, &str)]) -> Vec<Uuid> {
+    shop.kill(Service::Inventory).await;
+    let mut jobs = Vec::new();
+    for &line in orders {
+        jobs.push(shop.place(&[line]).await);
+    }
+    // Every order.placed is in inventory's queue before it starts.
+    testkit::eventually("the orders to wait in inventory's queue", testkit::shop::WAIT, || async {
+        (shop.env.queue_depth("inventory.order-placed").await == Some(u32::try_from(orders.len()).ok()?)).then_some(())
+    })
+    .await;
+    shop.restart_with(Service::Inventory, extra).await;
+    jobs
+}
+
+async fn handled(shop: &Shop, service: Service, endpoint: &str, outcome: &str) -> u64 {
+    shop.metric(service, &format!("messages_handled_total{{endpoint=\"{endpoint}\",outcome=\"{outcome}\"}}")).await
+}
+
+#[tokio::test]
+async fn a_failure_in_the_middle_of_a_batch_changes_no_other_outcome_and_applies_nothing_twice() {
+    let mut shop = Shop::start(options(true)).await;
+    let orders = [("SKU-1", 1), ("SKU-2", 2), ("FLAKY-1", 1), ("SKU-3", 1), ("SKU-1", 2)];
+    let jobs = queued_for_inventory(&mut shop, &orders, &[]).await;
+    for &job in &jobs {
+        shop.wait_for_state(job, "succeeded").await;
+    }
+
+    // The batch of five failed on FLAKY-1 and was applied again one message at a time.
+    assert_eq!(shop.process(Service::Inventory).log_count(BATCH_OF_FIVE), 1, "one batch of five fell back");
+    // Outcomes as without batching: FLAKY-1 fails on attempts 1 and 2 only (the batch's try
+    // spent none), the four others succeed on their first attempt.
+    for (&job, (sku, _)) in jobs.iter().zip(orders) {
+        let expected = if sku == "FLAKY-1" { 3 } else { 1 };
+        assert_eq!(shop.job(job).await["attempt"], expected, "{sku}");
+    }
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "retried").await, 2);
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "succeeded").await, 5);
+    assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 0, "nothing applied, or skipped, twice");
+    // One reservation per order, stock conserved, one invoice per succeeded order.
+    shop.assert_books_balance().await;
+}
+
+#[tokio::test]
+async fn a_batch_committed_but_not_acked_when_its_worker_dies_is_skipped_whole_on_redelivery() {
+    let mut shop = Shop::start(options(false)).await;
+    let orders = [("SKU-1", 1), ("SKU-2", 1), ("SKU-3", 1), ("SKU-1", 1), ("SKU-2", 2)];
+    let point = failpoint::WORKER_AFTER_COMMIT;
+    queued_for_inventory(&mut shop, &orders, &[("FAILPOINTS", point)]).await;
+    shop.wait_for_log(Service::Inventory, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.kill(Service::Inventory).await;
+    shop.restart(Service::Inventory).await;
+
+    shop.assert_books_balance().await;
+    // All five were committed together and none acked: all five came back, and the inbox
+    // skipped each.
+    assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 5);
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, 5);
+}
