@@ -1,5 +1,6 @@
 //! The `msgctl` binary as shipped: its settings, and a clear one-line refusal, with a non-zero
-//! exit, for a bad filter, an unknown endpoint and an unreachable broker.
+//! exit, for a bad filter, an unknown endpoint, a vhost without parking queues and an unreachable
+//! broker.
 
 use std::process::Output;
 
@@ -19,7 +20,7 @@ fn one_line_error(output: &Output) -> String {
 
 #[test]
 fn help_names_every_setting() {
-    testkit::cli::assert_help_names(BINARY, &["AMQP_URL", "DATABASE_URL", "INBOX_RETENTION"]);
+    testkit::cli::assert_help_names(BINARY, &["AMQP_URL", "DATABASE_URL", "INBOX_RETENTION", "RABBITMQ_MANAGEMENT_URL"]);
 }
 
 #[test]
@@ -27,8 +28,8 @@ fn a_bad_filter_is_refused_before_connecting() {
     let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list", "--endpoint", "e", "--reason", "("]);
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stderr).contains("invalid value '(' for '--reason"), "{output:?}");
-    let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list"]);
-    assert_eq!(output.status.code(), Some(2), "an endpoint is required: {output:?}");
+    let output = msgctl("amqp://guest:guest@127.0.0.1:1/%2f", &["parked", "list", "--since", "soon"]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
 }
 
 #[test]
@@ -45,4 +46,18 @@ async fn an_unknown_endpoint_is_one_line_and_exit_1() {
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     let error = one_line_error(&output);
     assert!(error.contains("unknown endpoint `no.such-endpoint`: the broker has no queue `no.such-endpoint.parking`"));
+}
+
+#[tokio::test]
+async fn without_endpoint_a_vhost_with_no_parking_queue_is_one_line_and_exit_1() {
+    let env = TestEnv::new().await;
+    let output = std::process::Command::new(BINARY)
+        .env("AMQP_URL", env.amqp_url())
+        .env("RABBITMQ_MANAGEMENT_URL", env.management_url())
+        .args(["parked", "list"])
+        .output()
+        .expect("run msgctl");
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let error = one_line_error(&output);
+    assert!(error.contains("no parking queue (`<endpoint>.parking`) in vhost `t-"), "{error}");
 }
