@@ -60,16 +60,15 @@ pub async fn pool(url: &str, size: u32) -> PgPool {
     PgPoolOptions::new().max_connections(size).connect(url).await.expect("connect")
 }
 
-/// (a) The API's order transaction (order, lines, job, outbox row), by a plain loop.
+/// (a) The API's order statement (order, lines, job, outbox row, all or nothing), by a plain loop.
 pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f64 {
     let pool = pool(url, concurrency as u32).await;
     run_concurrently(concurrency, count, move |i| {
         let pool = pool.clone();
         async move {
-            let mut tx = pool.begin().await.expect("begin");
+            let mut conn = pool.acquire().await.expect("connection");
             let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-            insert_order(&mut tx, &ids, &sample_order(i)).await.expect("insert order");
-            tx.commit().await.expect("commit");
+            insert_order(&mut conn, &ids, &sample_order(i), None).await.expect("insert order");
         }
     })
     .await

@@ -3,7 +3,7 @@
 //! if and only if the change committed. The insert trigger (migration `0001_messaging.sql`) wakes
 //! the relay with `NOTIFY outbox` at commit.
 
-use std::time::Duration;
+use std::{sync::LazyLock, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
@@ -24,21 +24,57 @@ pub async fn enqueue<C: Contract>(
     body: &C,
     correlation_id: Option<Uuid>,
 ) -> sqlx::Result<Uuid> {
-    let headers = Headers::of::<C>(correlation_id);
-    let message_id = Uuid::now_v7();
-    sqlx::query(
-        "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers)
-         values ($1, $2, $3, $4, $5, $6)",
-    )
-    .bind(message_id)
-    .bind(C::TYPE)
-    .bind(C::EXCHANGE)
-    .bind(C::TYPE)
-    .bind(Json(body))
-    .bind(Json(&headers))
-    .execute(conn)
-    .await?;
-    Ok(message_id)
+    let message = Outgoing::of(body, correlation_id);
+    sqlx::query(&INSERT)
+        .bind(message.message_id)
+        .bind(message.message_type)
+        .bind(message.exchange)
+        .bind(message.routing_key)
+        .bind(message.payload)
+        .bind(message.headers)
+        .execute(conn)
+        .await?;
+    Ok(message.message_id)
+}
+
+static INSERT: LazyLock<String> =
+    LazyLock::new(|| format!("insert into outbox ({COLUMNS}) values ($1, $2, $3, $4, $5, $6)"));
+
+/// The outbox columns a new message fills, in [`Outgoing`]'s order, for a caller that writes the
+/// row in a statement of its own (`insert into outbox (COLUMNS) select …`) to save a round trip.
+pub const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
+
+/// A message as its outbox row will hold it: what [`enqueue`] inserts. A caller that writes its
+/// change and the message in one statement binds these fields, in this order, to the [`COLUMNS`].
+/// The headers carry the current trace context ([`crate::trace::current`]).
+#[derive(Debug)]
+pub struct Outgoing<'a, C> {
+    /// A new UUIDv7.
+    pub message_id: Uuid,
+    /// `C::TYPE`.
+    pub message_type: &'static str,
+    /// `C::EXCHANGE`.
+    pub exchange: &'static str,
+    /// The routing key: `C::TYPE`.
+    pub routing_key: &'static str,
+    /// The body.
+    pub payload: Json<&'a C>,
+    /// Correlation id, traceparent, version.
+    pub headers: Json<Headers>,
+}
+
+impl<'a, C: Contract> Outgoing<'a, C> {
+    /// `body` as a message of contract `C` belonging to job `correlation_id`.
+    pub fn of(body: &'a C, correlation_id: Option<Uuid>) -> Self {
+        Self {
+            message_id: Uuid::now_v7(),
+            message_type: C::TYPE,
+            exchange: C::EXCHANGE,
+            routing_key: C::TYPE,
+            payload: Json(body),
+            headers: Json(Headers::of::<C>(correlation_id)),
+        }
+    }
 }
 
 /// An unpublished outbox row, claimed by a relay.

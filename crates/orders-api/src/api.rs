@@ -30,8 +30,8 @@ pub const MAX_LINES: usize = 100;
 /// Accepted quantities per line.
 pub const QUANTITY: std::ops::RangeInclusive<i32> = 1..=1000;
 const MAX_ID_CHARS: usize = 200;
-/// Failpoint (`messaging::failpoint`): the API has written an order in its transaction but not
-/// committed it.
+/// Failpoint (`messaging::failpoint`): the API holds a database connection for an order and has
+/// not yet sent the one statement that writes it (and commits, all or nothing).
 pub const BEFORE_COMMIT: &str = "api.before-commit";
 
 /// The API's routes.
@@ -223,62 +223,42 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 /// idempotency record in ONE transaction: all of it exists, or none of it.
 async fn accept(pool: &PgPool, order: &PlaceOrder, key: Option<&str>) -> Result<Accepted, ApiError> {
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-    let mut tx = pool.begin().await?;
-    insert_order(&mut tx, &accepted, order).await?;
-    failpoint::hit(BEFORE_COMMIT).await;
-    let Some(key) = key else {
-        tx.commit().await?;
-        return Ok(accepted);
+    let request = match key {
+        Some(key) => Some((key, serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?)),
+        None => None,
     };
-    // Claim the key last, in the same transaction. A concurrent request with the same key blocks
-    // on this insert until the first one commits, then sees the conflict: exactly one order.
-    let request = serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    let claimed = sqlx::query(
-        "insert into idempotency_keys (key, request, job_id, order_id) values ($1, $2, $3, $4)
-         on conflict (key) do nothing",
-    )
-    .bind(key)
-    .bind(&request)
-    .bind(accepted.job_id)
-    .bind(accepted.order_id)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if claimed == 1 {
-        tx.commit().await?;
+    let mut conn = pool.acquire().await?;
+    failpoint::hit(BEFORE_COMMIT).await;
+    let claim = request.as_ref().map(|(key, request)| (*key, request));
+    if insert_order(&mut conn, &accepted, order, claim).await? {
         return Ok(accepted);
     }
-    tx.rollback().await?;
-    // jsonb equality ignores key order and whitespace: the same request, however formatted.
+    // The key was claimed before (or just now, by a concurrent request, which this one waited
+    // for): the same request gets the same job. jsonb equality ignores key order and whitespace.
+    // (Without a key the statement always writes.)
+    let (key, request) = request.as_ref().ok_or(ApiError::Internal(sqlx::Error::RowNotFound))?;
     let (same, job_id, order_id): (bool, Uuid, Uuid) =
         sqlx::query_as("select request = $2, job_id, order_id from idempotency_keys where key = $1")
             .bind(key)
-            .bind(&request)
-            .fetch_one(pool)
+            .bind(request)
+            .fetch_one(&mut *conn)
             .await?;
     if same { Ok(Accepted { job_id, order_id }) } else { Err(ApiError::IdempotencyMismatch) }
 }
 
-/// The inserts of an accepted order, in the caller's transaction.
-pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOrder) -> Result<(), sqlx::Error> {
-    sqlx::query("insert into orders (id, customer_id) values ($1, $2)")
-        .bind(ids.order_id)
-        .bind(&order.customer_id)
-        .execute(&mut *tx)
-        .await?;
+/// Everything an accepted order writes, in one statement and so one round trip, all or nothing:
+/// the idempotency claim (if a key is given, first: a concurrent request with the same key waits
+/// on it until the first commits, then finds it taken), the order, its lines, its job and its
+/// `order.placed` outbox row. `false`: the key was already claimed, and nothing was written.
+pub async fn insert_order(
+    conn: &mut PgConnection,
+    ids: &Accepted,
+    order: &PlaceOrder,
+    claim: Option<(&str, &serde_json::Value)>,
+) -> Result<bool, sqlx::Error> {
     let line_numbers: Vec<i32> = (1..).take(order.lines.len()).collect();
     let skus: Vec<&str> = order.lines.iter().map(|l| l.sku.as_str()).collect();
     let quantities: Vec<i32> = order.lines.iter().map(|l| l.quantity).collect();
-    sqlx::query(
-        "insert into order_lines (order_id, line_no, sku, quantity)
-         select $1, * from unnest($2::int[], $3::text[], $4::int[])",
-    )
-    .bind(ids.order_id)
-    .bind(&line_numbers)
-    .bind(&skus)
-    .bind(&quantities)
-    .execute(&mut *tx)
-    .await?;
     let placed = OrderPlaced {
         order_id: ids.order_id,
         job_id: ids.job_id,
@@ -286,9 +266,52 @@ pub async fn insert_order(tx: &mut PgConnection, ids: &Accepted, order: &PlaceOr
         lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
     };
     // The job names its order.placed row, so that the row's confirm marks it `published`.
-    let message_id = outbox::enqueue(&mut *tx, &placed, Some(ids.job_id)).await?;
-    crate::jobs::insert(tx, ids.job_id, ids.order_id, message_id).await
+    let message = outbox::Outgoing::of(&placed, Some(ids.job_id));
+    let written: i64 = sqlx::query_scalar(&INSERT_ORDER)
+        .bind(ids.order_id)
+        .bind(ids.job_id)
+        .bind(&order.customer_id)
+        .bind(&line_numbers)
+        .bind(&skus)
+        .bind(&quantities)
+        .bind(claim.map(|(key, _)| key))
+        .bind(claim.map(|(_, request)| request))
+        .bind(message.message_id)
+        .bind(message.message_type)
+        .bind(message.exchange)
+        .bind(message.routing_key)
+        .bind(message.payload)
+        .bind(message.headers)
+        .fetch_one(conn)
+        .await?;
+    Ok(written == 1)
 }
+
+/// [`insert_order`]'s statement. Every write selects from `go`, which has one row if there is no
+/// key to claim or if the claim succeeded, and none if the key was taken.
+static INSERT_ORDER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "with claim as (
+             insert into idempotency_keys (key, request, job_id, order_id)
+             select $7, $8, $2, $1 where $7::text is not null
+             on conflict (key) do nothing
+             returning key
+         ), go as (
+             select from claim union all select where $7::text is null
+         ), new_order as (
+             insert into orders (id, customer_id) select $1, $3 from go
+         ), new_lines as (
+             insert into order_lines (order_id, line_no, sku, quantity)
+             select $1, line.* from go, unnest($4::int[], $5::text[], $6::int[]) as line
+         ), new_job as (
+             insert into jobs (id, order_id, order_placed_message_id) select $2, $1, $9 from go
+         ), new_message as (
+             insert into outbox ({}) select $9, $10, $11, $12, $13, $14 from go
+         )
+         select count(*) from go",
+        outbox::COLUMNS
+    )
+});
 
 /// `GET /jobs/{jobId}`.
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]

@@ -83,22 +83,6 @@ fn final_states() -> Vec<&'static str> {
     JobState::FINAL.map(JobState::as_str).to_vec()
 }
 
-/// A new job for `order_id`, whose `order.placed` is outbox row `order_placed_message_id`.
-pub async fn insert(
-    tx: &mut PgConnection,
-    job_id: Uuid,
-    order_id: Uuid,
-    order_placed_message_id: Uuid,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("insert into jobs (id, order_id, order_placed_message_id) values ($1, $2, $3)")
-        .bind(job_id)
-        .bind(order_id)
-        .bind(order_placed_message_id)
-        .execute(tx)
-        .await
-        .map(drop)
-}
-
 /// The step of `endpoint` succeeded: a queued job is published (this result proves `order.placed`
 /// left, in case it overtook the relay's own mark), and a job waiting on that step's retry is not
 /// waiting any more.
