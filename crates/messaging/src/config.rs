@@ -81,17 +81,17 @@ pub struct ConsumerArgs {
     #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub max_attempts: u32,
 
-    /// Unacknowledged deliveries per consumer; also how many are handled concurrently. The
-    /// default is the fastest of 8 to 64 in `just bench` here, where every message touches the
-    /// same few hot rows; a workload without hot rows may gain from more.
-    #[arg(long, env = "PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Unacknowledged deliveries per consumer. With batching, twice BATCH_SIZE lets the next batch
+    /// gather while one is applied; without (BATCH_SIZE=1), it is also how many deliveries are
+    /// handled at once (16 was the fastest of 8 to 64 in `just bench` then).
+    #[arg(long, env = "PREFETCH", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
 
     /// Deliveries applied in one transaction, at most (1 = each in its own, concurrently up to
     /// PREFETCH). Above 1, ready deliveries are applied in batches, one batch at a time, with one
     /// commit and one ack for the batch; a failure inside a batch applies its messages again one
     /// by one, so every outcome is as without batching (decision 0008).
-    #[arg(long, env = "BATCH_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = "BATCH_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub batch_size: u16,
 
     /// How long a batch that is not full may wait for more deliveries before it starts (0: it
@@ -105,7 +105,8 @@ pub struct ConsumerArgs {
     pub max_crashes: u32,
 
     /// How long one message's transaction (inbox, handler, commit) may take before it is abandoned
-    /// and rolled back: a transient failure if the database still answers, an outage if not.
+    /// and rolled back: a transient failure if the database still answers, an outage if not. A
+    /// batch gets as long; one that overruns is applied again message by message.
     #[arg(long, env = "HANDLER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub handler_timeout: Duration,
 

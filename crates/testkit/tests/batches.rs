@@ -1,6 +1,7 @@
 //! Batched consumer transactions (`BATCH_SIZE` above 1, decision 0008) with the real binaries:
-//! a failure inside a batch changes no message's outcome and applies nothing twice, and a batch
-//! committed but not acked when its worker dies is skipped whole on redelivery.
+//! a failure inside a batch changes no message's outcome and applies nothing twice; a worker killed
+//! inside a batch, before its commit, applies each message once after; and a batch committed but
+//! not acked when its worker dies is skipped whole on redelivery.
 //!
 //! Each test stops the inventory worker, places its orders (they wait in its queue) and starts it
 //! again: with `BATCH_WAIT` its first batch holds them all.
@@ -75,4 +76,24 @@ async fn a_batch_committed_but_not_acked_when_its_worker_dies_is_skipped_whole_o
     // skipped each.
     assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 5);
     assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, 5);
+}
+
+#[tokio::test]
+async fn a_worker_killed_inside_a_batch_before_its_commit_applies_each_message_once_after() {
+    let mut shop = Shop::start(options(false)).await;
+    let orders = [("SKU-1", 1), ("SKU-2", 1), ("SKU-3", 1), ("SKU-1", 1), ("SKU-2", 2)];
+    let point = failpoint::WORKER_BEFORE_COMMIT;
+    let jobs = queued_for_inventory(&mut shop, &orders, &[("FAILPOINTS", point)]).await;
+    shop.wait_for_log(Service::Inventory, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.kill(Service::Inventory).await;
+    shop.restart(Service::Inventory).await;
+
+    for job in jobs {
+        shop.wait_for_state(job, "succeeded").await;
+    }
+    shop.assert_books_balance().await;
+    // The batch died with its transaction: the five come back redelivered, each runs alone (the
+    // crash ledger's rule for redeliveries) and is new work, not a duplicate.
+    assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 0);
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "succeeded").await, 5);
 }
