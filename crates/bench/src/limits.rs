@@ -18,12 +18,34 @@ use lapin::{
 };
 use messaging::{consumer::Handler, envelope::Incoming, inbox, outbox, publisher::Publisher};
 use orders_api::api::{Accepted, OrderLineRequest, PlaceOrder, insert_order};
+use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
-/// The order every load uses: two lines of the everyday SKUs.
-pub fn sample_order(i: usize) -> PlaceOrder {
-    let line = |n: usize| OrderLineRequest { sku: format!("SKU-{}", n % 4 + 1), quantity: 1 };
+/// Which SKUs the orders of a load draw from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Catalog {
+    /// The four everyday SKUs: every order locks two of the same four stock rows.
+    Hot,
+    /// `WIDE-0000` onwards, this many: two orders rarely share a stock row, so what is left is
+    /// the CPU cost, not the lock waits.
+    Wide(usize),
+}
+
+impl Catalog {
+    /// The SKUs of [`Catalog::Wide`] (they are created with ample stock before the load).
+    pub fn wide_skus(count: usize) -> Vec<String> {
+        (0..count).map(|n| format!("WIDE-{n:04}")).collect()
+    }
+}
+
+/// The order every load uses: two lines of `catalog`'s SKUs.
+pub fn sample_order(i: usize, catalog: Catalog) -> PlaceOrder {
+    let sku = |n: usize| match catalog {
+        Catalog::Hot => format!("SKU-{}", n % 4 + 1),
+        Catalog::Wide(count) => format!("WIDE-{:04}", n.wrapping_mul(7919) % count),
+    };
+    let line = |n: usize| OrderLineRequest { sku: sku(n), quantity: 1 };
     PlaceOrder { customer_id: "bench".into(), lines: vec![line(i), line(i + 1)] }
 }
 
@@ -68,7 +90,43 @@ pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f
         async move {
             let mut conn = pool.acquire().await.expect("connection");
             let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-            insert_order(&mut conn, &ids, &sample_order(i), None).await.expect("insert order");
+            insert_order(&mut conn, &ids, &sample_order(i, Catalog::Hot), None).await.expect("insert order");
+        }
+    })
+    .await
+}
+
+/// (a') The smallest transaction that does the API's job: one order row with its lines as JSON,
+/// and its `order.placed` outbox row (BEGIN, two INSERTs, COMMIT), by a plain loop. `pool` is a
+/// database of its own with messaging's tables, so that its rows meet no later stage.
+pub async fn smallest_order_transaction(pool: &PgPool, concurrency: usize, count: usize) -> f64 {
+    sqlx::query(
+        "create table if not exists smallest_orders (id uuid primary key, customer_id text not null, lines jsonb not null)",
+    )
+    .execute(pool)
+    .await
+    .expect("create smallest_orders");
+    let pool = pool.clone();
+    run_concurrently(concurrency, count, move |i| {
+        let pool = pool.clone();
+        async move {
+            let order = sample_order(i, Catalog::Hot);
+            let placed = OrderPlaced {
+                order_id: Uuid::now_v7(),
+                job_id: Uuid::now_v7(),
+                customer_id: order.customer_id.clone(),
+                lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
+            };
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query("insert into smallest_orders (id, customer_id, lines) values ($1, $2, $3)")
+                .bind(placed.order_id)
+                .bind(&placed.customer_id)
+                .bind(sqlx::types::Json(&placed.lines))
+                .execute(&mut *tx)
+                .await
+                .expect("insert order");
+            outbox::enqueue(&mut tx, &placed, Some(placed.job_id)).await.expect("insert outbox row");
+            tx.commit().await.expect("commit");
         }
     })
     .await
@@ -129,7 +187,7 @@ pub async fn worker_transaction(url: &str, concurrency: usize, pool_size: u32, c
     run_concurrently(concurrency, count, move |i| {
         let (pool, handler) = (pool.clone(), Arc::clone(&handler));
         async move {
-            let order = sample_order(i);
+            let order = sample_order(i, Catalog::Hot);
             let body = serde_json::json!({
                 "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
                 "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),

@@ -20,7 +20,11 @@ use testkit::process::{self, Process};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::{http1, limits::sample_order, report::quantile};
+use crate::{
+    http1,
+    limits::{Catalog, sample_order},
+    report::quantile,
+};
 
 /// A service process on a free port; `vars` on top of `RUST_LOG=info`.
 pub async fn start(name: &str, vars: &[(&str, String)], log_dir: &Path) -> (Process, String) {
@@ -88,7 +92,7 @@ pub async fn rate_from_timestamps(pool: &PgPool, table: &str, timestamp: &str, f
 
 /// POST `count` orders over `concurrency` keep-alive connections as fast as they are answered.
 /// Returns orders per second and the accepted job ids.
-pub async fn post_orders(api: &str, concurrency: usize, count: usize) -> (f64, Vec<Uuid>) {
+pub async fn post_orders(api: &str, concurrency: usize, count: usize, catalog: Catalog) -> (f64, Vec<Uuid>) {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
@@ -102,7 +106,7 @@ pub async fn post_orders(api: &str, concurrency: usize, count: usize) -> (f64, V
                 if i >= count {
                     return jobs;
                 }
-                let body = serde_json::to_string(&sample_order(i)).expect("json");
+                let body = serde_json::to_string(&sample_order(i, catalog)).expect("json");
                 let response = connection.post_json("/orders", &body).await.expect("POST /orders");
                 assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
                 jobs.push(job_id(&response.body));
@@ -137,7 +141,7 @@ pub async fn post_orders_at(api: &str, concurrency: usize, count: usize, rate: f
             let mut sent = Vec::with_capacity(per_lane);
             for i in 0..per_lane {
                 ticks.tick().await;
-                let body = serde_json::to_string(&sample_order(lane * per_lane + i)).expect("json");
+                let body = serde_json::to_string(&sample_order(lane * per_lane + i, Catalog::Hot)).expect("json");
                 let at = SystemTime::now();
                 let response = connection.post_json("/orders", &body).await.expect("POST /orders");
                 assert_eq!(response.status, 202);
@@ -283,4 +287,38 @@ pub async fn fill_outbox(pool: &PgPool, template: i64, count: i64, published: bo
 /// Quantiles of sorted samples: (p50, p95, p99).
 pub fn percentiles(sorted: &[f64]) -> (f64, f64, f64) {
     (quantile(sorted, 0.50), quantile(sorted, 0.95), quantile(sorted, 0.99))
+}
+
+/// CPU time (user + system) a process has used so far, in seconds, from `/proc/<pid>/stat`.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name (which may hold spaces) are space-separated; utime and
+    // stime are the 14th and 15th of the line, in clock ticks (100 per second on Linux).
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |index: usize| fields.get(index).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+/// CPU seconds used so far by every process whose command is `comm` (e.g. `postgres`,
+/// `beam.smp`): the servers' share, which their other clients on this machine add to.
+pub fn cpu_seconds_of(comm: &str) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0.0 };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|name| name.trim() == comm))
+        .map(cpu_seconds)
+        .sum()
+}
+
+/// Transactions committed so far in `databases` (`pg_stat_database`, as of the statistics'
+/// last flush: read after a phase has settled).
+pub async fn commits(pool: &PgPool, databases: &[String]) -> i64 {
+    // Statistics reach the shared view within a second of a backend going idle.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query_scalar("select coalesce(sum(xact_commit), 0)::int8 from pg_stat_database where datname = any($1)")
+        .bind(databases)
+        .fetch_one(pool)
+        .await
+        .expect("pg_stat_database")
 }
