@@ -20,7 +20,10 @@ fn one_line_error(output: &Output) -> String {
 
 #[test]
 fn help_names_every_setting() {
-    testkit::cli::assert_help_names(BINARY, &["AMQP_URL", "DATABASE_URL", "INBOX_RETENTION", "RABBITMQ_MANAGEMENT_URL"]);
+    testkit::cli::assert_help_names(
+        BINARY,
+        &["AMQP_URL", "DATABASE_URL", "INBOX_RETENTION", "RABBITMQ_MANAGEMENT_URL"],
+    );
 }
 
 #[test]
