@@ -179,34 +179,41 @@ pub async fn consume(connection: &Connection, queue: &str, count: usize, prefetc
     rate
 }
 
-/// (d) The inventory worker's transaction (inbox row, stock, reservation, outbox row) by a plain
-/// loop at the worker's concurrency and pool size, on fresh orders.
-pub async fn worker_transaction(url: &str, concurrency: usize, pool_size: u32, count: usize) -> f64 {
-    let pool = pool(url, pool_size).await;
+/// (d) The inventory worker's work (inbox row, stock, reservation, outbox row: the worker's own
+/// handler) by a plain loop, in the worker's shape: `batch` messages per transaction, one
+/// transaction at a time, or (`batch` 1) one message per transaction, `prefetch` at once; on
+/// fresh orders. Messages per second.
+pub async fn worker_transaction(url: &str, prefetch: usize, batch: usize, count: usize) -> f64 {
+    let concurrency = if batch > 1 { 1 } else { prefetch };
+    let pool = pool(url, concurrency as u32 + 1).await;
     let handler = Arc::new(inventory_worker::ReserveStock::default());
-    run_concurrently(concurrency, count, move |i| {
+    let transactions = count.div_ceil(batch);
+    let rate = run_concurrently(concurrency, transactions, move |t| {
         let (pool, handler) = (pool.clone(), Arc::clone(&handler));
         async move {
-            let order = sample_order(i, Catalog::Hot);
-            let body = serde_json::json!({
-                "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
-                "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
-            });
-            let message = Incoming {
-                message_id: Uuid::now_v7(),
-                message_type: "order.placed".into(),
-                version: 1,
-                correlation_id: None,
-                retry_count: 0,
-                body: body.to_string().into_bytes(),
-            };
             let mut tx = pool.begin().await.expect("begin");
-            let recorded =
-                inbox::record(&mut tx, message.message_id, &message.message_type, "inventory.order-placed").await;
-            assert!(recorded.expect("inbox"), "fresh message id");
-            handler.handle(&message, &mut tx).await.expect("reserve");
+            for i in t * batch..(t + 1) * batch {
+                let order = sample_order(i, Catalog::Hot);
+                let body = serde_json::json!({
+                    "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
+                    "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
+                });
+                let message = Incoming {
+                    message_id: Uuid::now_v7(),
+                    message_type: "order.placed".into(),
+                    version: 1,
+                    correlation_id: None,
+                    retry_count: 0,
+                    body: body.to_string().into_bytes(),
+                };
+                let recorded =
+                    inbox::record(&mut tx, message.message_id, &message.message_type, "inventory.order-placed").await;
+                assert!(recorded.expect("inbox"), "fresh message id");
+                handler.handle(&message, &mut tx).await.expect("reserve");
+            }
             tx.commit().await.expect("commit");
         }
     })
-    .await
+    .await;
+    rate * batch as f64
 }

@@ -140,8 +140,13 @@ async fn main() {
     );
     let c_rate = limits::consume(&amqp, worker.name, n, prefetch).await;
     report.figure("limit", "(c) consume + ack", c_rate, "/s", &format!("prefetch {prefetch}"));
-    let d = limits::worker_transaction(&inventory_url, prefetch.into(), u32::from(prefetch) + 1, n).await;
-    report.figure("limit", "(d) inventory transaction commits", d, "/s", &format!("concurrency {prefetch}"));
+    // The worker's own shape: batches of BATCH_SIZE one at a time, or (BATCH_SIZE=1) single
+    // messages PREFETCH at once.
+    let batch = usize::from(defaults.batch_size);
+    let d = limits::worker_transaction(&inventory_url, usize::from(prefetch), batch, n).await;
+    let shape =
+        if batch > 1 { format!("{batch} per transaction, one at a time") } else { format!("concurrency {prefetch}") };
+    report.figure("limit", "(d) inventory transactions, messages", d, "/s", &shape);
     // (d)'s rows are not part of any later stage.
     sqlx::query("truncate inbox, outbox").execute(&inventory).await.expect("retire (d) rows");
 
@@ -165,7 +170,7 @@ async fn main() {
         "inventory-worker drain (pre-queued order.placed)",
         worker_rate,
         "/s",
-        &format!("{n} messages, prefetch {prefetch}"),
+        &format!("{n} messages, prefetch {prefetch}, batch {batch}"),
     );
     stages::retire_unpublished(&inventory).await;
 
@@ -307,9 +312,9 @@ async fn main() {
                 continue;
             }
             total += value;
-            report.figure("cpu", &format!("{label}: {name}"), *value, "ms/ord", "CPU time per order");
+            report.figure("cpu", &format!("{label}: {name}"), *value * 1000.0, "us/ord", "CPU time per order");
         }
-        report.figure("cpu", &format!("{label}: all of the above"), total, "ms/ord", "");
+        report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
     };
 
     // The same-run baseline: every consumer applying one message per transaction (BATCH_SIZE=1).
