@@ -46,10 +46,11 @@ struct Args {
     /// Skip the scale section (the slowest).
     #[arg(long)]
     skip_scale: bool,
-    /// A variable for the three consumers of the end-to-end phases other than the baseline (e.g.
-    /// `BATCH_SIZE=32`), to try settings against the shipped defaults; repeatable.
-    #[arg(long = "consumer-var", value_name = "NAME=VALUE", value_parser = name_value)]
-    consumer_vars: Vec<(String, String)>,
+    /// A variable for the four services of the end-to-end phases other than the baseline (e.g.
+    /// `BATCH_SIZE=32` or `RELAY_LINGER=0`), to try settings against the shipped defaults;
+    /// repeatable.
+    #[arg(long = "service-var", value_name = "NAME=VALUE", value_parser = name_value)]
+    service_vars: Vec<(String, String)>,
     /// Also write the JSON summary to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -253,15 +254,15 @@ async fn main() {
     let slowest = accept_rate.min(relay_rate).min(worker_rate);
     let databases: Vec<String> =
         ["orders", "inventory", "billing"].iter().map(|service| db_name(&env.database_url(service))).collect();
-    // The shop with `consumer` variables on its three consumers.
-    let start_shop = |consumer: Vec<(String, String)>| {
+    // The shop with `extra` variables on its four services.
+    let start_shop = |extra: Vec<(String, String)>| {
         let (api_vars, worker_vars, billing_vars) = (api_vars.clone(), worker_vars.clone(), billing_vars.clone());
         let (relay_vars, log_dir) = (relay_vars(&all), &log_dir);
         async move {
-            let (api, api_addr) = start("orders-api", &env_with(&api_vars, &consumer), log_dir).await;
-            let (inventory_worker, _) = start("inventory-worker", &env_with(&worker_vars, &consumer), log_dir).await;
-            let (billing_worker, _) = start("billing-worker", &env_with(&billing_vars, &consumer), log_dir).await;
-            let (relay, _) = start("relay", &relay_vars, log_dir).await;
+            let (api, api_addr) = start("orders-api", &env_with(&api_vars, &extra), log_dir).await;
+            let (inventory_worker, _) = start("inventory-worker", &env_with(&worker_vars, &extra), log_dir).await;
+            let (billing_worker, _) = start("billing-worker", &env_with(&billing_vars, &extra), log_dir).await;
+            let (relay, _) = start("relay", &env_with(&relay_vars, &extra), log_dir).await;
             (api_addr, [api, inventory_worker, billing_worker, relay])
         }
     };
@@ -326,8 +327,8 @@ async fn main() {
         stop(process).await;
     }
 
-    // The shipped defaults (or what --consumer-var sets), four hot SKUs, then a wide catalog.
-    let (api_addr, processes) = start_shop(args.consumer_vars.clone()).await;
+    // The shipped defaults (or what --service-var sets), four hot SKUs, then a wide catalog.
+    let (api_addr, processes) = start_shop(args.service_vars.clone()).await;
     let (hot, cpu_hot, note) =
         sustained("defaults, 4 hot SKUs", api_addr.clone(), Catalog::Hot, pids(&processes)).await;
     report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);

@@ -152,7 +152,7 @@ impl ConsumerArgs {
 }
 
 /// A wait that may be zero: `0`, or a duration as [`parse_duration`] reads it.
-fn parse_wait(s: &str) -> Result<Duration, String> {
+pub fn parse_wait(s: &str) -> Result<Duration, String> {
     if s.trim() == "0" { Ok(Duration::ZERO) } else { parse_duration(s) }
 }
 

@@ -15,7 +15,7 @@ use std::{collections::HashSet, net::SocketAddr, str::FromStr, time::Duration};
 use messaging::{
     backoff::Backoff,
     broker::{self, Link, Session, SessionEnd},
-    config::{BrokerArgs, SecretUrl},
+    config::{BrokerArgs, SecretUrl, parse_wait},
     db,
     duration::parse_duration,
     failpoint,
@@ -65,6 +65,12 @@ pub struct RelaySettings {
     /// await a confirm. The default is the fastest of 256 to 2048 in `just bench` here.
     #[arg(long, env = "RELAY_BATCH_SIZE", default_value_t = 2048, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub batch_size: i64,
+    /// After a NOTIFY wakes an idle relay, how long it waits before claiming, so that the rows
+    /// committed right behind the first one go out in the same batch (one claim, one mark and one
+    /// commit for several orders, instead of one each). Adds up to this much to the commit →
+    /// publish latency of a row that wakes it. `0`: claim at once.
+    #[arg(long, env = "RELAY_LINGER", default_value = "2ms", value_parser = parse_wait)]
+    pub linger: Duration,
     /// Fallback poll when no NOTIFY arrives (e.g. lost while reconnecting).
     #[arg(long, env = "RELAY_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub poll_interval: Duration,
@@ -83,6 +89,7 @@ impl Default for RelaySettings {
     fn default() -> Self {
         Self {
             batch_size: 2048,
+            linger: Duration::from_millis(2),
             poll_interval: Duration::from_secs(1),
             retry_initial: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
@@ -277,7 +284,12 @@ impl Relay {
             // Nothing due and nothing in flight.
             tokio::select! {
                 () = shutdown.triggered() => break,
-                notification = listener.recv() => { notification?; }
+                notification = listener.recv() => {
+                    notification?;
+                    if !self.settings.linger.is_zero() && !shutdown.sleep(self.settings.linger).await {
+                        break;
+                    }
+                }
                 () = tokio::time::sleep(self.settings.poll_interval) => {}
             }
         }
