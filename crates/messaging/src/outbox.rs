@@ -7,7 +7,7 @@ use std::{sync::LazyLock, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use sqlx::{PgConnection, PgExecutor, types::Json};
+use sqlx::{PgConnection, PgExecutor, Postgres, postgres::PgArguments, query::Query, types::Json};
 use uuid::Uuid;
 
 use crate::{contracts::Contract, envelope::Headers};
@@ -25,16 +25,9 @@ pub async fn enqueue<C: Contract>(
     correlation_id: Option<Uuid>,
 ) -> sqlx::Result<Uuid> {
     let message = Outgoing::of(body, correlation_id);
-    sqlx::query(&INSERT)
-        .bind(message.message_id)
-        .bind(message.message_type)
-        .bind(message.exchange)
-        .bind(message.routing_key)
-        .bind(message.payload)
-        .bind(message.headers)
-        .execute(conn)
-        .await?;
-    Ok(message.message_id)
+    let message_id = message.message_id;
+    message.bind_to(sqlx::query(&INSERT)).execute(conn).await?;
+    Ok(message_id)
 }
 
 static INSERT: LazyLock<String> =
@@ -45,7 +38,8 @@ static INSERT: LazyLock<String> =
 pub const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
 
 /// A message as its outbox row will hold it: what [`enqueue`] inserts. A caller that writes its
-/// change and the message in one statement binds these fields, in this order, to the [`COLUMNS`].
+/// change and the message in one statement names the [`COLUMNS`] and lets
+/// [`Outgoing::bind_to`] bind their values.
 /// The headers carry the current trace context ([`crate::trace::current`]).
 #[derive(Debug)]
 pub struct Outgoing<'a, C> {
@@ -74,6 +68,17 @@ impl<'a, C: Contract> Outgoing<'a, C> {
             payload: Json(body),
             headers: Json(Headers::of::<C>(correlation_id)),
         }
+    }
+
+    /// Bind its six values, in [`COLUMNS`]' order, as the next parameters of `query`.
+    pub fn bind_to(self, query: Query<'a, Postgres, PgArguments>) -> Query<'a, Postgres, PgArguments> {
+        query
+            .bind(self.message_id)
+            .bind(self.message_type)
+            .bind(self.exchange)
+            .bind(self.routing_key)
+            .bind(self.payload)
+            .bind(self.headers)
     }
 }
 

@@ -17,7 +17,7 @@ use messaging::{
 };
 use serde::{Deserialize, Serialize};
 use shop::{OrderLine, OrderPlaced};
-use sqlx::{PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool, Row};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -267,7 +267,7 @@ pub async fn insert_order(
     };
     // The job names its order.placed row, so that the row's confirm marks it `published`.
     let message = outbox::Outgoing::of(&placed, Some(ids.job_id));
-    let written: i64 = sqlx::query_scalar(&INSERT_ORDER)
+    let query = sqlx::query(&INSERT_ORDER)
         .bind(ids.order_id)
         .bind(ids.job_id)
         .bind(&order.customer_id)
@@ -275,15 +275,8 @@ pub async fn insert_order(
         .bind(&skus)
         .bind(&quantities)
         .bind(claim.map(|(key, _)| key))
-        .bind(claim.map(|(_, request)| request))
-        .bind(message.message_id)
-        .bind(message.message_type)
-        .bind(message.exchange)
-        .bind(message.routing_key)
-        .bind(message.payload)
-        .bind(message.headers)
-        .fetch_one(conn)
-        .await?;
+        .bind(claim.map(|(_, request)| request));
+    let written: i64 = message.bind_to(query).fetch_one(conn).await?.try_get(0)?;
     Ok(written == 1)
 }
 
