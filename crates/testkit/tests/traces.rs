@@ -52,6 +52,15 @@ fn delivery_spans(shop: &mut Shop, service: Service, message_id: Uuid, outcome: 
         .collect()
 }
 
+/// Place one order of `sku` with the caller's `traceparent`, and wait until it has succeeded.
+async fn place_as_caller(shop: &Shop, sku: &str) {
+    let body = format!(r#"{{"customerId":"c","lines":[{{"sku":"{sku}","quantity":1}}]}}"#);
+    let response = shop.post_order(&body, &[("traceparent", CALLER)]).await;
+    assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
+    let job: Uuid = response.json()["jobId"].as_str().expect("jobId").parse().expect("uuid");
+    shop.wait_for_state(job, "succeeded").await;
+}
+
 #[tokio::test]
 async fn one_order_is_one_trace_and_each_hop_is_the_parent_of_the_next() {
     let options =
@@ -71,11 +80,7 @@ async fn one_order_is_one_trace_and_each_hop_is_the_parent_of_the_next() {
         .expect("bind");
 
     // FLAKY-1 fails twice in each worker: its job events come from failed attempts.
-    let body = r#"{"customerId":"c","lines":[{"sku":"FLAKY-1","quantity":1}]}"#;
-    let response = shop.post_order(body, &[("traceparent", CALLER)]).await;
-    assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
-    let job: Uuid = response.json()["jobId"].as_str().expect("jobId").parse().expect("uuid");
-    shop.wait_for_state(job, "succeeded").await;
+    place_as_caller(&shop, "FLAKY-1").await;
 
     let caller = TraceContext::parse(CALLER).expect("caller");
     let (placed, placed_id) = row(&shop.orders, "order.placed").await;
@@ -166,11 +171,7 @@ async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_t
     let (endpoint, received) = collector().await;
     let otel = vec![("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned())];
     let mut shop = Shop::start(Options { consumer_env: otel, ..Options::default() }).await;
-    let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
-    let response = shop.post_order(body, &[("traceparent", CALLER)]).await;
-    assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
-    let job: Uuid = response.json()["jobId"].as_str().expect("jobId").parse().expect("uuid");
-    shop.wait_for_state(job, "succeeded").await;
+    place_as_caller(&shop, "SKU-1").await;
 
     // API → inventory → billing → the status consumer's delivery of job.succeeded, each span the
     // parent of the next, all in the caller's trace.
