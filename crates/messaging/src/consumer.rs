@@ -1,8 +1,11 @@
 //! The consumer runtime (DESIGN §5). A service writes a [`Handler`]; the runtime does the rest,
 //! once, for every endpoint:
 //!
-//! 1. manual acks and a bounded prefetch, which also bounds how many deliveries are handled at
-//!    once (each in its own task and its own transaction);
+//! 1. manual acks and a bounded prefetch. Ready deliveries are applied in batches of up to
+//!    `BATCH_SIZE`, one transaction and one ack per batch, one batch at a time; if anything in a
+//!    batch fails, its messages are applied again one by one, so that each outcome below is what
+//!    it would be alone (decision 0008). With `BATCH_SIZE=1`, each delivery has its own task and
+//!    transaction, up to the prefetch at once;
 //! 2. a delivery without a readable `message_id`, or of an unknown type or major version, is
 //!    parked at once;
 //! 3. otherwise one transaction records the message in the inbox, runs the handler and commits;
