@@ -173,7 +173,7 @@ async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_t
     let mut shop = Shop::start(Options { consumer_env: otel, ..Options::default() }).await;
     place_as_caller(&shop, "SKU-1").await;
 
-    // API → inventory → billing → the status consumer's delivery of job.succeeded, each span the
+    // API → inventory → billing → the status consumer's delivery of invoice.created, each span the
     // parent of the next, all in the caller's trace.
     let caller = TraceContext::parse(CALLER).expect("caller");
     let chain = eventually("the order's spans at the collector", WAIT, || async {
