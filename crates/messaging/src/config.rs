@@ -84,14 +84,14 @@ pub struct ConsumerArgs {
     /// Unacknowledged deliveries per consumer. With batching, twice BATCH_SIZE lets the next batch
     /// gather while one is applied; without (BATCH_SIZE=1), it is also how many deliveries are
     /// handled at once (16 was the fastest of 8 to 64 in `just bench` then).
-    #[arg(long, env = "PREFETCH", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = "PREFETCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
 
     /// Deliveries applied in one transaction, at most (1 = each in its own, concurrently up to
     /// PREFETCH). Above 1, ready deliveries are applied in batches, one batch at a time, with one
     /// commit and one ack for the batch; a failure inside a batch applies its messages again one
     /// by one, so every outcome is as without batching (decision 0008).
-    #[arg(long, env = "BATCH_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = "BATCH_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub batch_size: u16,
 
     /// How long a batch that is not full may wait for more deliveries before it starts (0: it
