@@ -240,9 +240,20 @@ struct Runtime<H> {
 }
 
 /// The outcome of the transaction for one message.
+#[derive(Debug, Clone, Copy)]
 enum Applied {
     Done,
     Duplicate,
+}
+
+impl Applied {
+    /// How its transaction ended, for `message_handling_duration_seconds`.
+    fn handling(self) -> Handling {
+        match self {
+            Self::Done => Handling::Succeeded,
+            Self::Duplicate => Handling::Duplicate,
+        }
+    }
 }
 
 impl<H: Handler> Runtime<H> {
@@ -502,16 +513,8 @@ impl<H: Handler> Runtime<H> {
                     let seconds = started.elapsed().as_secs_f64();
                     for (member, applied) in members.iter().zip(outcomes) {
                         member.span.in_scope(|| {
-                            let (handling, handled) = match applied {
-                                Applied::Done => (Handling::Succeeded, Handled::Succeeded),
-                                Applied::Duplicate => (Handling::Duplicate, Handled::Duplicate),
-                            };
-                            self.metrics.handling(handling, seconds);
-                            self.count(handled);
-                            if matches!(applied, Applied::Duplicate) {
-                                self.metrics.duplicate();
-                                tracing::info!("duplicate skipped by the inbox");
-                            }
+                            self.metrics.handling(applied.handling(), seconds);
+                            self.acked(applied);
                         });
                     }
                     return Ok(());
@@ -532,24 +535,14 @@ impl<H: Handler> Runtime<H> {
     /// nothing. Each handler runs in its message's span and trace context, so the outbox rows it
     /// writes continue that message's trace.
     async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
-        let endpoint = self.settings.endpoint.name;
         let all = async {
             let mut tx = self.pool.begin().await?;
             let mut outcomes = Vec::with_capacity(members.len());
             for member in members {
-                let message = &member.message;
-                let applied = async {
-                    if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint).await? {
-                        return Ok::<_, HandlerError>(Applied::Duplicate);
-                    }
-                    self.handler.handle(message, &mut tx).await?;
-                    Ok(Applied::Done)
-                };
-                outcomes.push(trace::scope(member.context, applied.instrument(member.span.clone())).await?);
+                let applied = self.record_and_handle(&mut tx, &member.message).instrument(member.span.clone());
+                outcomes.push(trace::scope(member.context, applied).await?);
             }
-            failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
-            tx.commit().await?;
-            failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
+            commit(tx).await?;
             Ok(outcomes)
         };
         let limit = self.settings.handler_timeout;
@@ -634,15 +627,9 @@ impl<H: Handler> Runtime<H> {
                 tracing::info!("session ended during a database outage; the broker will redeliver");
                 return Ok(());
             }
-            Some(Ok(Applied::Done)) => {
+            Some(Ok(applied)) => {
                 delivery.ack().await?;
-                self.count(Handled::Succeeded);
-            }
-            Some(Ok(Applied::Duplicate)) => {
-                delivery.ack().await?;
-                self.count(Handled::Duplicate);
-                self.metrics.duplicate();
-                tracing::info!("duplicate skipped by the inbox");
+                self.acked(applied);
             }
             // `Unavailable` is waited out above; were one to get here, it would be retried.
             Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
@@ -692,8 +679,7 @@ impl<H: Handler> Runtime<H> {
         let started = std::time::Instant::now();
         let applied = self.apply_within_timeout(message).await;
         let outcome = match &applied {
-            Ok(Applied::Done) => Handling::Succeeded,
-            Ok(Applied::Duplicate) => Handling::Duplicate,
+            Ok(applied) => applied.handling(),
             Err(HandlerError::Unavailable(_)) => Handling::Unavailable,
             Err(_) => Handling::Failed,
         };
@@ -717,15 +703,35 @@ impl<H: Handler> Runtime<H> {
     /// Inbox row, handler, commit: all or nothing.
     async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = self.pool.begin().await?;
+        let applied = self.record_and_handle(&mut tx, message).await?;
+        // A duplicate changed nothing: its transaction rolls back.
+        if let Applied::Done = applied {
+            commit(tx).await?;
+        }
+        Ok(applied)
+    }
+
+    /// The inbox row and the handler's effect for `message`, in `tx`, not committed; `Duplicate`
+    /// (and nothing done) if the inbox has seen it.
+    async fn record_and_handle(&self, tx: &mut PgConnection, message: &Incoming) -> Result<Applied, HandlerError> {
         let endpoint = self.settings.endpoint.name;
-        if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint).await? {
+        if !inbox::record(tx, message.message_id, &message.message_type, endpoint).await? {
             return Ok(Applied::Duplicate);
         }
-        self.handler.handle(message, &mut tx).await?;
-        failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
-        tx.commit().await?;
-        failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
+        self.handler.handle(message, tx).await?;
         Ok(Applied::Done)
+    }
+
+    /// Count a delivery acked after its transaction: applied, or skipped by the inbox.
+    fn acked(&self, applied: Applied) {
+        match applied {
+            Applied::Done => self.count(Handled::Succeeded),
+            Applied::Duplicate => {
+                self.count(Handled::Duplicate);
+                self.metrics.duplicate();
+                tracing::info!("duplicate skipped by the inbox");
+            }
+        }
     }
 
     /// Re-publish a copy to the wait tier for `delay`, then ack the original. The copy goes to the
@@ -918,6 +924,14 @@ const WIND_DOWN: Duration = Duration::from_secs(5);
 /// A best-effort broker call, given up after [`WIND_DOWN`]: its outcome changes nothing.
 async fn bounded<T>(call: impl Future<Output = lapin::Result<T>>) -> Option<T> {
     tokio::time::timeout(WIND_DOWN, call).await.ok()?.ok()
+}
+
+/// Commit a message's (or a batch's) transaction, between the workers' two failpoints.
+async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), HandlerError> {
+    failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
+    tx.commit().await?;
+    failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
+    Ok(())
 }
 
 /// A delivery not yet settled, and its channel's [`Acks`]. Its only ways out consume it, so it is
