@@ -17,7 +17,10 @@ use lapin::{
     types::FieldTable,
 };
 use messaging::{consumer::Handler, envelope::Incoming, inbox, outbox, publisher::Publisher};
-use orders_api::api::{Accepted, OrderLineRequest, PlaceOrder, insert_order};
+use orders_api::{
+    api::{Accepted, OrderLineRequest, PlaceOrder},
+    writer::{NewOrder, insert_orders},
+};
 use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
@@ -90,7 +93,8 @@ pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f
         async move {
             let mut conn = pool.acquire().await.expect("connection");
             let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-            insert_order(&mut conn, &ids, &sample_order(i, Catalog::Hot), None).await.expect("insert order");
+            let order = NewOrder::new(ids, &sample_order(i, Catalog::Hot), None);
+            insert_orders(&mut conn, &[&order]).await.expect("insert order");
         }
     })
     .await

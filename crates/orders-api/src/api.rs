@@ -3,7 +3,7 @@
 use axum::{
     Json, Router,
     body::{Body, Bytes},
-    extract::{Path, State},
+    extract::{FromRef, Path, State},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -12,16 +12,18 @@ use chrono::{DateTime, Utc};
 use messaging::{
     db::{self, QUERY_DEADLINE},
     envelope::HEADER_TRACEPARENT as TRACEPARENT,
-    failpoint, outbox,
     trace::{self, TraceContext},
 };
 use serde::{Deserialize, Serialize};
-use shop::{OrderLine, OrderPlaced};
-use sqlx::{PgConnection, PgPool, Row};
+use shop::OrderLine;
+use sqlx::PgPool;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::problem::{ApiError, Problem};
+use crate::{
+    problem::{ApiError, Problem},
+    writer::{NewOrder, Writers},
+};
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -30,17 +32,31 @@ pub const MAX_LINES: usize = 100;
 /// Accepted quantities per line.
 pub const QUANTITY: std::ops::RangeInclusive<i32> = 1..=1000;
 const MAX_ID_CHARS: usize = 200;
-/// Failpoint (`messaging::failpoint`): the API holds a database connection for an order and has
-/// not yet sent the one statement that writes it (and commits, all or nothing).
+/// Failpoint (`messaging::failpoint`): the API holds a database connection for a batch of orders
+/// (one or more, [`crate::writer`]) and has not yet sent the one statement that writes them (and
+/// commits, all or nothing).
 pub const BEFORE_COMMIT: &str = "api.before-commit";
 
-/// The API's routes.
-pub fn router(pool: PgPool) -> Router {
+/// The API's routes: reads on `pool`, orders written by `writers`.
+pub fn router(pool: PgPool, writers: Writers) -> Router {
     Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{order_id}", get(get_order))
         .route("/jobs/{job_id}", get(get_job))
-        .with_state(pool)
+        .with_state(ApiState { pool, writers })
+}
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiState {
+    pool: PgPool,
+    writers: Writers,
+}
+
+impl FromRef<ApiState> for PgPool {
+    fn from_ref(state: &ApiState) -> Self {
+        state.pool.clone()
+    }
 }
 
 /// `POST /orders` body. Unknown fields are refused: a typo must not silently drop data.
@@ -161,7 +177,7 @@ pub struct Accepted {
     )
 )]
 pub(crate) async fn place_order(
-    State(pool): State<PgPool>,
+    State(ApiState { pool, writers }): State<ApiState>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -187,7 +203,7 @@ pub(crate) async fn place_order(
     context.record_on(&span);
     // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
     // the request for the kernel's TCP timeout.
-    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &order, key.as_deref())).instrument(span.clone());
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, key.as_deref())).instrument(span.clone());
     let accepted = trace::scope(context, accepted).await.inspect_err(|_| {
         span.record("otel.status_code", "error");
     })?;
@@ -220,91 +236,31 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 }
 
 /// Write the order, its lines, its job, its `order.placed` outbox row and (with a key) the
-/// idempotency record in ONE transaction: all of it exists, or none of it.
-async fn accept(pool: &PgPool, order: &PlaceOrder, key: Option<&str>) -> Result<Accepted, ApiError> {
+/// idempotency record in ONE statement, all or nothing; concurrent orders may share it
+/// ([`crate::writer`]), each with its own outcome.
+async fn accept(pool: &PgPool, writers: &Writers, order: &PlaceOrder, key: Option<&str>) -> Result<Accepted, ApiError> {
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-    let request = match key {
-        Some(key) => Some((key, serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?)),
+    let claim = match key {
+        Some(key) => {
+            Some((key.to_owned(), serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?))
+        }
         None => None,
     };
-    let mut conn = pool.acquire().await?;
-    failpoint::hit(BEFORE_COMMIT).await;
-    let claim = request.as_ref().map(|(key, request)| (*key, request));
-    if insert_order(&mut conn, &accepted, order, claim).await? {
+    if writers.write(NewOrder::new(accepted.clone(), order, claim.clone())).await? {
         return Ok(accepted);
     }
     // The key was claimed before (or just now, by a concurrent request, which this one waited
     // for): the same request gets the same job. jsonb equality ignores key order and whitespace.
     // (Without a key the statement always writes.)
-    let (key, request) = request.as_ref().ok_or(ApiError::Internal(sqlx::Error::RowNotFound))?;
+    let (key, request) = claim.ok_or(ApiError::Internal(sqlx::Error::RowNotFound))?;
     let (same, job_id, order_id): (bool, Uuid, Uuid) =
         sqlx::query_as("select request = $2, job_id, order_id from idempotency_keys where key = $1")
             .bind(key)
             .bind(request)
-            .fetch_one(&mut *conn)
+            .fetch_one(pool)
             .await?;
     if same { Ok(Accepted { job_id, order_id }) } else { Err(ApiError::IdempotencyMismatch) }
 }
-
-/// Everything an accepted order writes, in one statement and so one round trip, all or nothing:
-/// the idempotency claim (if a key is given, first: a concurrent request with the same key waits
-/// on it until the first commits, then finds it taken), the order, its lines, its job and its
-/// `order.placed` outbox row. `false`: the key was already claimed, and nothing was written.
-pub async fn insert_order(
-    conn: &mut PgConnection,
-    ids: &Accepted,
-    order: &PlaceOrder,
-    claim: Option<(&str, &serde_json::Value)>,
-) -> Result<bool, sqlx::Error> {
-    let line_numbers: Vec<i32> = (1..).take(order.lines.len()).collect();
-    let skus: Vec<&str> = order.lines.iter().map(|l| l.sku.as_str()).collect();
-    let quantities: Vec<i32> = order.lines.iter().map(|l| l.quantity).collect();
-    let placed = OrderPlaced {
-        order_id: ids.order_id,
-        job_id: ids.job_id,
-        customer_id: order.customer_id.clone(),
-        lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
-    };
-    // The job names its order.placed row, so that the row's confirm marks it `published`.
-    let message = outbox::Outgoing::of(&placed, Some(ids.job_id));
-    let query = sqlx::query(&INSERT_ORDER)
-        .bind(ids.order_id)
-        .bind(ids.job_id)
-        .bind(&order.customer_id)
-        .bind(&line_numbers)
-        .bind(&skus)
-        .bind(&quantities)
-        .bind(claim.map(|(key, _)| key))
-        .bind(claim.map(|(_, request)| request));
-    let written: i64 = message.bind_to(query).fetch_one(conn).await?.try_get(0)?;
-    Ok(written == 1)
-}
-
-/// [`insert_order`]'s statement. Every write selects from `go`, which has one row if there is no
-/// key to claim or if the claim succeeded, and none if the key was taken.
-static INSERT_ORDER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "with claim as (
-             insert into idempotency_keys (key, request, job_id, order_id)
-             select $7, $8, $2, $1 where $7::text is not null
-             on conflict (key) do nothing
-             returning key
-         ), go as (
-             select from claim union all select where $7::text is null
-         ), new_order as (
-             insert into orders (id, customer_id) select $1, $3 from go
-         ), new_lines as (
-             insert into order_lines (order_id, line_no, sku, quantity)
-             select $1, line.* from go, unnest($4::int[], $5::text[], $6::int[]) as line
-         ), new_job as (
-             insert into jobs (id, order_id, order_placed_message_id) select $2, $1, $9 from go
-         ), new_message as (
-             insert into outbox ({}) select $9, $10, $11, $12, $13, $14 from go
-         )
-         select count(*) from go",
-        outbox::COLUMNS
-    )
-});
 
 /// `GET /jobs/{jobId}`.
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]

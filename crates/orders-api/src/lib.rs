@@ -8,6 +8,7 @@ pub mod openapi;
 pub mod overview;
 pub mod problem;
 pub mod status;
+pub mod writer;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -46,6 +47,11 @@ pub struct Config {
     /// Database connections for requests and the status consumer.
     #[arg(long, env = "DATABASE_POOL_SIZE", default_value_t = 20)]
     pub pool_size: u32,
+    /// Tasks writing accepted orders, each one statement at a time: the orders that arrive while
+    /// all are busy share their next statement (group commit). Each holds a connection of the pool
+    /// while it writes.
+    #[arg(long, env = "ORDER_WRITERS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub order_writers: u16,
     /// The other services' /metrics, comma-separated, for the live page's per-endpoint counts and
     /// outbox backlogs (this service's own are always included).
     #[arg(long, env = "SHOP_METRICS_URLS", value_delimiter = ',')]
@@ -61,8 +67,8 @@ pub struct Config {
 
 /// The whole HTTP surface: API routes, the live page, health routes, problem+json 404s, tracing
 /// and failure logs.
-pub fn app(pool: PgPool, health: Health, page: overview::Sources) -> Router {
-    api::router(pool)
+pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: overview::Sources) -> Router {
+    api::router(pool, writers)
         .merge(overview::routes(page))
         .merge(openapi::routes())
         .merge(health::routes(health))
@@ -98,7 +104,12 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
         config.rabbitmq_management_url.clone(),
     );
-    let served = health::serve(listener, app(pool.clone(), health, page), shutdown).await;
+    let served = health::serve(
+        listener,
+        app(pool.clone(), writer::Writers::start(pool.clone(), config.order_writers.into()), health, page),
+        shutdown,
+    )
+    .await;
     let _ = consumer.await;
     pool.close().await;
     served?;

@@ -1,0 +1,238 @@
+//! Group commit for `POST /orders`: the orders that arrive while the writers are busy are written
+//! together, in one statement and so one round trip and one commit ([`insert_orders`]).
+//!
+//! A request hands its order to a queue and waits for the answer. Each of a few writer tasks
+//! takes what the queue holds (at least one order, at most [`MAX_ORDERS`]), writes it and
+//! answers every request. When a writer is idle, a request is taken at once, alone: batches form
+//! only under load, so they add no latency when there is none.
+//!
+//! Every order's outcome is its own, as if it had been written alone:
+//! - A taken idempotency key writes nothing of that order and nothing else changes; two requests
+//!   with one key in the same batch: the first claims it, the second finds it taken.
+//! - If the batch's statement fails, nothing of it was written (one statement, all or nothing),
+//!   and its orders are written again one by one, so that one order's failure is that order's
+//!   alone. An unreachable database fails them all at once instead (503), without a retry each.
+//! - A request that gave up (its deadline passed) before its batch was taken is not written.
+//!   One that gives up after may still be written, as when a request's own statement outlives
+//!   its deadline: the client retries with its `Idempotency-Key`.
+
+use std::sync::Arc;
+
+use messaging::{
+    contracts::Contract,
+    db::{self, QUERY_DEADLINE},
+    envelope::Headers,
+    failpoint, outbox,
+};
+use shop::OrderPlaced;
+use sqlx::{PgConnection, PgPool, types::Json};
+use tokio::sync::{Mutex, mpsc, oneshot};
+use uuid::Uuid;
+
+use crate::api::{Accepted, BEFORE_COMMIT, PlaceOrder};
+
+/// Most orders in one statement.
+pub const MAX_ORDERS: usize = 64;
+/// Orders waiting for a writer, at most; a request beyond it waits for room.
+const QUEUE: usize = 1024;
+
+/// One accepted order, ready to be written: everything [`insert_orders`] binds.
+#[derive(Debug)]
+pub struct NewOrder {
+    /// The ids the client will be given.
+    pub ids: Accepted,
+    /// Its `order.placed` body (it also holds the customer and the lines).
+    pub placed: OrderPlaced,
+    /// The idempotency key and the parsed request it was given with, if any.
+    pub claim: Option<(String, serde_json::Value)>,
+    /// The outbox row's id.
+    pub message_id: Uuid,
+    /// The outbox row's headers: the job as correlation id, and the trace context current when
+    /// the order was made (the request's span).
+    pub headers: Headers,
+}
+
+impl NewOrder {
+    /// `order` under `ids`, with the current trace context.
+    pub fn new(ids: Accepted, order: &PlaceOrder, claim: Option<(String, serde_json::Value)>) -> Self {
+        let placed = OrderPlaced {
+            order_id: ids.order_id,
+            job_id: ids.job_id,
+            customer_id: order.customer_id.clone(),
+            lines: order.lines.iter().map(|l| shop::OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
+        };
+        // The job names its order.placed row, so that the row's confirm marks it `published`.
+        let outbox::Outgoing { message_id, headers: Json(headers), .. } =
+            outbox::Outgoing::of(&placed, Some(ids.job_id));
+        Self { ids, placed, claim, message_id, headers }
+    }
+}
+
+/// Everything the accepted `orders` write, in one statement and so one round trip, all or
+/// nothing: for each, the idempotency claim (if a key is given: claimed first, in key order, so
+/// that a concurrent request with the same key waits on it until this commits, then finds it
+/// taken), the order, its lines, its job and its `order.placed` outbox row. Returns the jobs of
+/// the orders written; an order whose key was already claimed is not among them, and nothing of
+/// it was written.
+pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Result<Vec<Uuid>, sqlx::Error> {
+    let mut lines = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for order in orders {
+        for (line_no, line) in (1..).zip(&order.placed.lines) {
+            lines.0.push(order.ids.order_id);
+            lines.1.push(line_no);
+            lines.2.push(line.sku.as_str());
+            lines.3.push(line.quantity);
+        }
+    }
+    sqlx::query_scalar(&INSERT_ORDERS)
+        .bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.ids.job_id).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.placed.customer_id.as_str()).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.claim.as_ref().map(|(key, _)| key.as_str())).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.claim.as_ref().map(|(_, request)| request)).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.message_id).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| Json(&o.placed)).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| Json(&o.headers)).collect::<Vec<_>>())
+        .bind(lines.0)
+        .bind(lines.1)
+        .bind(lines.2)
+        .bind(lines.3)
+        .bind(OrderPlaced::TYPE)
+        .bind(OrderPlaced::EXCHANGE)
+        .fetch_all(conn)
+        .await
+}
+
+/// [`insert_orders`]' statement. Every write selects from `go`: the orders without a key, and
+/// those whose claim was inserted (`returning job_id` names the claimant, also when two orders of
+/// the batch bring the same key).
+static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "with input as (
+             select * from unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::uuid[],
+                                  $7::jsonb[], $8::jsonb[])
+                 with ordinality as input (order_id, job_id, customer_id, key, request, message_id,
+                                           payload, headers, n)
+         ), claim as (
+             insert into idempotency_keys (key, request, job_id, order_id)
+             select key, request, job_id, order_id from input where key is not null order by key
+             on conflict (key) do nothing
+             returning job_id
+         ), go as (
+             select * from input where key is null or job_id in (select job_id from claim)
+         ), new_orders as (
+             insert into orders (id, customer_id) select order_id, customer_id from go
+         ), new_lines as (
+             insert into order_lines (order_id, line_no, sku, quantity)
+             select line.* from unnest($9::uuid[], $10::int[], $11::text[], $12::int[])
+                 as line (order_id, line_no, sku, quantity)
+             where line.order_id in (select order_id from go)
+         ), new_jobs as (
+             insert into jobs (id, order_id, order_placed_message_id) select job_id, order_id, message_id from go
+         ), new_messages as (
+             insert into outbox ({}) select message_id, $13, $14, $13, payload, headers from go order by n
+         )
+         select job_id from go",
+        outbox::COLUMNS
+    )
+});
+
+/// An order on its way to a writer, and where its outcome goes.
+struct Pending {
+    order: NewOrder,
+    reply: oneshot::Sender<Result<bool, sqlx::Error>>,
+}
+
+/// The queue to the writer tasks. Cloning it is cheap; the writers stop once every clone is
+/// dropped and the queue is empty.
+#[derive(Debug, Clone)]
+pub struct Writers {
+    queue: mpsc::Sender<Pending>,
+}
+
+impl Writers {
+    /// Start `writers` writer tasks on `pool` (each holds one connection while it writes).
+    pub fn start(pool: PgPool, writers: usize) -> Self {
+        let (queue, receiver) = mpsc::channel(QUEUE);
+        let receiver = Arc::new(Mutex::new(receiver));
+        for _ in 0..writers.max(1) {
+            tokio::spawn(write_batches(pool.clone(), Arc::clone(&receiver)));
+        }
+        Self { queue }
+    }
+
+    /// Write `order`, with whatever else is waiting. `false`: its idempotency key was already
+    /// claimed, and nothing was written.
+    pub async fn write(&self, order: NewOrder) -> Result<bool, sqlx::Error> {
+        let (reply, outcome) = oneshot::channel();
+        self.queue.send(Pending { order, reply }).await.map_err(|_| sqlx::Error::PoolClosed)?;
+        outcome.await.map_err(|_| sqlx::Error::PoolClosed)?
+    }
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("job_id", &self.order.ids.job_id).finish_non_exhaustive()
+    }
+}
+
+/// One writer: take what is queued (waiting for at least one order), write it, answer; until the
+/// queue is closed.
+async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
+    let mut batch = Vec::with_capacity(MAX_ORDERS);
+    loop {
+        if receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await == 0 {
+            return;
+        }
+        // Its request is gone (the deadline passed): not written.
+        batch.retain(|pending| !pending.reply.is_closed());
+        if !batch.is_empty() {
+            write_batch(&pool, &mut batch).await;
+        }
+        batch.clear();
+    }
+}
+
+/// Write `batch` in one statement, or, if that fails, each order alone; answer every request.
+/// Each step runs within [`QUERY_DEADLINE`]: a writer on a silent (black-holed) connection drops
+/// it and moves on, as a request's own statement would.
+async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>) {
+    let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
+    let outcomes = async {
+        let mut conn = db::within(QUERY_DEADLINE, pool.acquire()).await?;
+        failpoint::hit(BEFORE_COMMIT).await;
+        let error = match db::within(QUERY_DEADLINE, insert_orders(&mut conn, &orders)).await {
+            Ok(written) => return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect()),
+            Err(error) if orders.len() == 1 || db::is_unreachable(&error) => return Err(error),
+            Err(error) => error,
+        };
+        // Nothing of the batch was written: each order again, alone, on the same connection.
+        tracing::info!(orders = orders.len(), %error, "a batch of orders failed; writing each alone");
+        let mut outcomes = Vec::with_capacity(orders.len());
+        for order in &orders {
+            let written = db::within(QUERY_DEADLINE, insert_orders(&mut conn, &[order])).await;
+            outcomes.push(written.map(|written| !written.is_empty()));
+        }
+        Ok(outcomes)
+    };
+    let outcomes: Vec<Result<bool, sqlx::Error>> = match outcomes.await {
+        Ok(outcomes) => outcomes,
+        // One request gets the error as it is, the others its description, still an unreachable
+        // database's (a 503) or, for a lone order, its own.
+        Err(error) => {
+            let description = error.to_string();
+            std::iter::once(Err(error))
+                .chain(std::iter::repeat_with(|| {
+                    Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        description.clone(),
+                    )))
+                }))
+                .take(batch.len())
+                .collect()
+        }
+    };
+    for (pending, outcome) in batch.drain(..).zip(outcomes) {
+        let _ = pending.reply.send(outcome);
+    }
+}
