@@ -195,25 +195,35 @@ pub async fn worker_transaction(url: &str, prefetch: usize, batch: usize, count:
     let rate = run_concurrently(concurrency, transactions, move |t| {
         let (pool, handler) = (pool.clone(), Arc::clone(&handler));
         async move {
+            let messages: Vec<Incoming> = (t * batch..(t + 1) * batch)
+                .map(|i| {
+                    let order = sample_order(i, Catalog::Hot);
+                    let body = serde_json::json!({
+                        "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
+                        "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
+                    });
+                    Incoming {
+                        message_id: Uuid::now_v7(),
+                        message_type: "order.placed".into(),
+                        version: 1,
+                        correlation_id: None,
+                        retry_count: 0,
+                        body: body.to_string().into_bytes(),
+                    }
+                })
+                .collect();
+            // As the consumer runtime does: one message alone, or a batch's inbox rows in one
+            // statement.
             let mut tx = pool.begin().await.expect("begin");
-            for i in t * batch..(t + 1) * batch {
-                let order = sample_order(i, Catalog::Hot);
-                let body = serde_json::json!({
-                    "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
-                    "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
-                });
-                let message = Incoming {
-                    message_id: Uuid::now_v7(),
-                    message_type: "order.placed".into(),
-                    version: 1,
-                    correlation_id: None,
-                    retry_count: 0,
-                    body: body.to_string().into_bytes(),
-                };
-                let recorded =
-                    inbox::record(&mut tx, message.message_id, &message.message_type, "inventory.order-placed").await;
-                assert!(recorded.expect("inbox"), "fresh message id");
-                handler.handle(&message, &mut tx).await.expect("reserve");
+            let ids: Vec<(Uuid, &str)> = messages.iter().map(|m| (m.message_id, m.message_type.as_str())).collect();
+            let recorded = if batch > 1 {
+                inbox::record_all(&mut tx, &ids, "inventory.order-placed").await.expect("inbox")
+            } else {
+                vec![inbox::record(&mut tx, ids[0].0, ids[0].1, "inventory.order-placed").await.expect("inbox")]
+            };
+            assert!(recorded.iter().all(|new| *new), "fresh message ids");
+            for message in &messages {
+                handler.handle(message, &mut tx).await.expect("reserve");
             }
             tx.commit().await.expect("commit");
         }

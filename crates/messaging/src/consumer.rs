@@ -531,16 +531,26 @@ impl<H: Handler> Runtime<H> {
         Ok(())
     }
 
-    /// Inbox rows, handlers and one commit for the whole batch, within `handler_timeout`: all or
-    /// nothing. Each handler runs in its message's span and trace context, so the outbox rows it
-    /// writes continue that message's trace.
+    /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,
+    /// within `handler_timeout`: all or nothing. Each handler runs in its message's span and trace
+    /// context, so the outbox rows it writes continue that message's trace.
     async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
         let all = async {
             let mut tx = self.pool.begin().await?;
+            let messages: Vec<(Uuid, &str)> = members
+                .iter()
+                .map(|member| (member.message.message_id, member.message.message_type.as_str()))
+                .collect();
+            let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
             let mut outcomes = Vec::with_capacity(members.len());
-            for member in members {
-                let applied = self.record_and_handle(&mut tx, &member.message).instrument(member.span.clone());
-                outcomes.push(trace::scope(member.context, applied).await?);
+            for (member, new) in members.iter().zip(new) {
+                if !new {
+                    outcomes.push(Applied::Duplicate);
+                    continue;
+                }
+                let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
+                trace::scope(member.context, handled).await?;
+                outcomes.push(Applied::Done);
             }
             commit(tx).await?;
             Ok(outcomes)

@@ -30,6 +30,28 @@ pub async fn record(
     Ok(inserted == 1)
 }
 
+/// [`record`] for a batch of messages (id and type) in one statement: for each, in order,
+/// whether it is new. Of two copies of one message in the batch, only the first is. The rows
+/// are inserted in id order, so that two batches sharing ids wait on each other instead of
+/// deadlocking.
+pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endpoint: &str) -> sqlx::Result<Vec<bool>> {
+    let ids: Vec<Uuid> = messages.iter().map(|(id, _)| *id).collect();
+    let types: Vec<&str> = messages.iter().map(|(_, message_type)| *message_type).collect();
+    let inserted: Vec<Uuid> = sqlx::query_scalar(
+        "insert into inbox (message_id, message_type, endpoint)
+         select id, message_type, $3 from unnest($1::uuid[], $2::text[]) as m (id, message_type) order by id
+         on conflict (message_id) do nothing
+         returning message_id",
+    )
+    .bind(&ids)
+    .bind(&types)
+    .bind(endpoint)
+    .fetch_all(conn)
+    .await?;
+    let mut new: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
+    Ok(ids.iter().map(|id| new.remove(id)).collect())
+}
+
 /// Delete up to `batch` inbox rows received more than `retention` ago, and as many crash counts
 /// (`delivery_starts`) last started that long ago; returns the larger of the two counts, so a
 /// caller deleting batch after batch goes on while either table has more.

@@ -1,7 +1,8 @@
 //! Batched consumer transactions (`BATCH_SIZE` above 1, decision 0008) with the real binaries:
 //! a failure inside a batch changes no message's outcome and applies nothing twice; a worker killed
-//! inside a batch, before its commit, applies each message once after; and a batch committed but
-//! not acked when its worker dies is skipped whole on redelivery.
+//! inside a batch, before its commit, applies each message once after; a batch committed but
+//! not acked when its worker dies is skipped whole on redelivery; and two copies of one message
+//! in one batch are applied once.
 //!
 //! Each test stops the inventory worker, places its orders (they wait in its queue) and starts it
 //! again: with `BATCH_WAIT` its first batch holds them all.
@@ -96,4 +97,46 @@ async fn a_worker_killed_inside_a_batch_before_its_commit_applies_each_message_o
     // crash ledger's rule for redeliveries) and is new work, not a duplicate.
     assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 0);
     assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "succeeded").await, 5);
+}
+
+#[tokio::test]
+async fn two_copies_of_one_message_in_one_batch_are_applied_once() {
+    let mut shop = Shop::start(options(false)).await;
+    let orders = [("SKU-1", 1), ("SKU-2", 1), ("SKU-3", 1)];
+    shop.kill(Service::Inventory).await;
+    for &line in &orders {
+        shop.place(&[line]).await;
+    }
+    // A second copy of the first order.placed, under its message id (as a relay that died between
+    // the confirm and its mark would send it), queued behind the three.
+    let first: messaging::outbox::OutboxRow = sqlx::query_as(
+        "select id, message_id, message_type, exchange, routing_key, payload::text as payload, headers, created_at,
+                attempts
+           from outbox where message_type = 'order.placed' order by id limit 1",
+    )
+    .fetch_one(&shop.orders)
+    .await
+    .expect("first order.placed");
+    let connection = shop.env.amqp().await;
+    let publisher = messaging::publisher::Publisher::open(&connection).await.expect("publisher");
+    publisher
+        .publish(&first.exchange, &first.routing_key, first.payload.as_bytes(), first.properties())
+        .await
+        .expect("confirmed");
+    testkit::eventually("the copy to wait in inventory's queue", testkit::shop::WAIT, || async {
+        (shop.env.queue_depth("inventory.order-placed").await == Some(4)).then_some(())
+    })
+    .await;
+    shop.restart(Service::Inventory).await;
+
+    shop.assert_books_balance().await;
+    // One batch held the four: the copy was skipped by the inbox inside it, and the batch did not
+    // fall back to single messages.
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "succeeded").await, 3);
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, 1);
+    let log = std::fs::read_to_string(shop.log_dir().join("inventory-worker.log")).expect("worker log");
+    assert!(!log.contains("batch not applied"), "the batch fell back to single messages");
+    let reservations: i64 =
+        sqlx::query_scalar("select count(*) from reservations").fetch_one(&shop.inventory).await.expect("count");
+    assert_eq!(reservations, 3);
 }
