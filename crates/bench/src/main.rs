@@ -365,6 +365,12 @@ async fn main() {
     report.figure("e2e", "POST -> succeeded p50", p50, "ms", &note);
     report.figure("e2e", "POST -> succeeded p95", p95, "ms", &note);
     report.figure("e2e", "POST -> succeeded p99", p99, "ms", &note);
+    // Where that time goes: p50 and p99 from the send to each step.
+    for (step, latencies) in stages::latency_steps(&orders, &inventory, &billing, &sent).await {
+        let (p50, _, p99) = percentiles(&latencies);
+        report.figure("e2e", &format!("  to {step}, p50"), p50, "ms", "");
+        report.figure("e2e", &format!("  to {step}, p99"), p99, "ms", "");
+    }
 
     // Commit -> publish with the relay idle on NOTIFY.
     let pings = stages::commit_to_publish(&orders, &amqp, 300, Duration::from_millis(10)).await;

@@ -7,6 +7,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
+use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use lapin::{
     Connection,
@@ -177,6 +178,99 @@ pub async fn latencies_to_succeeded(orders: &PgPool, sent: &[(Uuid, SystemTime)]
         .collect();
     latencies.sort_by(f64::total_cmp);
     latencies
+}
+
+/// Where the time from each send to `succeeded` goes: for each step an order passes, the
+/// milliseconds from its send to that step, sorted. The steps are read from the databases' own
+/// timestamps (a transaction's start for the inserts, the relay's mark for `published_at`):
+/// the API's transaction, then for each message the broker's confirm and the next consumer's
+/// transaction, and `succeeded`.
+pub async fn latency_steps(
+    orders: &PgPool,
+    inventory: &PgPool,
+    billing: &PgPool,
+    sent: &[(Uuid, SystemTime)],
+) -> Vec<(&'static str, Vec<f64>)> {
+    let ids: Vec<Uuid> = sent.iter().map(|(id, _)| *id).collect();
+    type Times = (Uuid, DateTime<Utc>, Option<DateTime<Utc>>, DateTime<Utc>);
+    let jobs: Vec<Times> = sqlx::query_as(
+        "select id, created_at, published_at, updated_at from jobs where id = any($1) and state = 'succeeded'",
+    )
+    .bind(&ids)
+    .fetch_all(orders)
+    .await
+    .expect("job times");
+    // For the message of `message_type` each job's previous step sent: when the broker confirmed
+    // it (the relay's mark) and when the next service's inbox took it (its transaction's start).
+    type Hop = HashMap<Uuid, (Option<DateTime<Utc>>, Option<DateTime<Utc>>)>;
+    let hop = |sender: &PgPool, message_type: &'static str, receiver: &PgPool| {
+        let (sender, receiver, ids) = (sender.clone(), receiver.clone(), ids.clone());
+        async move {
+            let messages: Vec<(Uuid, Uuid, Option<DateTime<Utc>>)> = sqlx::query_as(
+                "select (headers ->> 'correlation_id')::uuid, message_id, published_at from outbox
+                  where message_type = $1 and (headers ->> 'correlation_id')::uuid = any($2)",
+            )
+            .bind(message_type)
+            .bind(&ids)
+            .fetch_all(&sender)
+            .await
+            .expect("sent messages");
+            let message_ids: Vec<Uuid> = messages.iter().map(|(_, message, _)| *message).collect();
+            let received: HashMap<Uuid, DateTime<Utc>> =
+                sqlx::query_as("select message_id, received_at from inbox where message_id = any($1)")
+                    .bind(&message_ids)
+                    .fetch_all(&receiver)
+                    .await
+                    .expect("inbox times")
+                    .into_iter()
+                    .collect();
+            messages
+                .into_iter()
+                .map(|(job, message, published)| (job, (published, received.get(&message).copied())))
+                .collect::<Hop>()
+        }
+    };
+    let placed = hop(orders, "order.placed", inventory).await;
+    let reserved = hop(inventory, "inventory.reserved", billing).await;
+    let invoiced = hop(billing, "invoice.created", orders).await;
+    let sent_at: HashMap<Uuid, SystemTime> = sent.iter().copied().collect();
+    let mut steps: Vec<(&'static str, Vec<f64>)> = [
+        "the API's transaction",
+        "order.placed confirmed",
+        "inventory's transaction",
+        "inventory.reserved confirmed",
+        "billing's transaction",
+        "invoice.created confirmed",
+        "the status consumer's transaction",
+        "succeeded",
+    ]
+    .into_iter()
+    .map(|name| (name, Vec::with_capacity(jobs.len())))
+    .collect();
+    for (job, created, published, succeeded) in jobs {
+        let Some(sent) = sent_at.get(&job) else { continue };
+        let (placed, reserved, invoiced) =
+            (placed.get(&job).copied(), reserved.get(&job).copied(), invoiced.get(&job).copied());
+        let times = [
+            Some(created),
+            published,
+            placed.and_then(|(_, received)| received),
+            reserved.and_then(|(published, _)| published),
+            reserved.and_then(|(_, received)| received),
+            invoiced.and_then(|(published, _)| published),
+            invoiced.and_then(|(_, received)| received),
+            Some(succeeded),
+        ];
+        for ((_, latencies), at) in steps.iter_mut().zip(times) {
+            if let Some(at) = at {
+                latencies.push(SystemTime::from(at).duration_since(*sent).unwrap_or_default().as_secs_f64() * 1000.0);
+            }
+        }
+    }
+    for (_, latencies) in &mut steps {
+        latencies.sort_by(f64::total_cmp);
+    }
+    steps
 }
 
 /// The seeds' relay: one row at a time (claim, publish, await its confirm, mark, commit). Runs
