@@ -182,9 +182,9 @@ pub async fn latencies_to_succeeded(orders: &PgPool, sent: &[(Uuid, SystemTime)]
 
 /// Where the time from each send to `succeeded` goes: for each step an order passes, the
 /// milliseconds from its send to that step, sorted. The steps are read from the databases' own
-/// timestamps (a transaction's start for the inserts, the relay's mark for `published_at`):
-/// the API's transaction, then for each message the broker's confirm and the next consumer's
-/// transaction, and `succeeded`.
+/// timestamps, each a transaction's start (`now()`): the API's transaction, then for each message
+/// the relay's claim (`published_at` is set in the transaction that claims, publishes, awaits the
+/// confirm and marks) and the next consumer's transaction, and `succeeded`.
 pub async fn latency_steps(
     orders: &PgPool,
     inventory: &PgPool,
@@ -200,8 +200,8 @@ pub async fn latency_steps(
     .fetch_all(orders)
     .await
     .expect("job times");
-    // For the message of `message_type` each job's previous step sent: when the broker confirmed
-    // it (the relay's mark) and when the next service's inbox took it (its transaction's start).
+    // For the message of `message_type` each job's previous step sent: when the relay claimed it
+    // and when the next service's inbox took it (its transaction's start).
     type Hop = HashMap<Uuid, (Option<DateTime<Utc>>, Option<DateTime<Utc>>)>;
     let hop = |sender: &PgPool, message_type: &'static str, receiver: &PgPool| {
         let (sender, receiver, ids) = (sender.clone(), receiver.clone(), ids.clone());
@@ -236,11 +236,11 @@ pub async fn latency_steps(
     let sent_at: HashMap<Uuid, SystemTime> = sent.iter().copied().collect();
     let mut steps: Vec<(&'static str, Vec<f64>)> = [
         "the API's transaction",
-        "order.placed confirmed",
+        "order.placed claimed by the relay",
         "inventory's transaction",
-        "inventory.reserved confirmed",
+        "inventory.reserved claimed by the relay",
         "billing's transaction",
-        "invoice.created confirmed",
+        "invoice.created claimed by the relay",
         "the status consumer's transaction",
         "succeeded",
     ]
