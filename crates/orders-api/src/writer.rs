@@ -170,12 +170,6 @@ impl Writers {
     }
 }
 
-impl std::fmt::Debug for Pending {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("job_id", &self.order.ids.job_id).finish_non_exhaustive()
-    }
-}
-
 /// One writer: take what is queued (waiting for at least one order), write it, answer; until the
 /// queue is closed.
 async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
@@ -189,7 +183,6 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
         if !batch.is_empty() {
             write_batch(&pool, &mut batch).await;
         }
-        batch.clear();
     }
 }
 
