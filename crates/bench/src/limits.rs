@@ -21,7 +21,6 @@ use orders_api::{
     api::{Accepted, OrderLineRequest, PlaceOrder},
     writer::{NewOrder, insert_orders},
 };
-use shop::{OrderLine, OrderPlaced};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
@@ -115,12 +114,7 @@ pub async fn smallest_order_transaction(pool: &PgPool, concurrency: usize, count
         let pool = pool.clone();
         async move {
             let order = sample_order(i, Catalog::Hot);
-            let placed = OrderPlaced {
-                order_id: Uuid::now_v7(),
-                job_id: Uuid::now_v7(),
-                customer_id: order.customer_id.clone(),
-                lines: order.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
-            };
+            let placed = order.placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
             let mut tx = pool.begin().await.expect("begin");
             sqlx::query("insert into smallest_orders (id, customer_id, lines) values ($1, $2, $3)")
                 .bind(placed.order_id)

@@ -93,6 +93,16 @@ pub struct OrderLineRequest {
 }
 
 impl PlaceOrder {
+    /// This order's `order.placed` body, under `ids`.
+    pub fn placed(&self, ids: &Accepted) -> shop::OrderPlaced {
+        shop::OrderPlaced {
+            order_id: ids.order_id,
+            job_id: ids.job_id,
+            customer_id: self.customer_id.clone(),
+            lines: self.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
+        }
+    }
+
     /// Check what the type system cannot.
     fn validate(&self) -> Result<(), ApiError> {
         let bad = |detail: String| Err(ApiError::BadRequest(detail));

@@ -55,12 +55,7 @@ pub struct NewOrder {
 impl NewOrder {
     /// `order` under `ids`, with the current trace context.
     pub fn new(ids: Accepted, order: &PlaceOrder, claim: Option<(String, serde_json::Value)>) -> Self {
-        let placed = OrderPlaced {
-            order_id: ids.order_id,
-            job_id: ids.job_id,
-            customer_id: order.customer_id.clone(),
-            lines: order.lines.iter().map(|l| shop::OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
-        };
+        let placed = order.placed(&ids);
         // The job names its order.placed row, so that the row's confirm marks it `published`.
         let outbox::Outgoing { message_id, headers: Json(headers), .. } =
             outbox::Outgoing::of(&placed, Some(ids.job_id));
