@@ -83,12 +83,33 @@ fn final_states() -> Vec<&'static str> {
     JobState::FINAL.map(JobState::as_str).to_vec()
 }
 
+/// The order's status move that goes with a job's move: `order_id` takes `status` if it is in one
+/// of `from`. It is written in the job's statement (a data-modifying `WITH`), so that applying an
+/// event costs one round trip; it is made whether or not the job itself moves.
+#[derive(Debug, Clone, Copy)]
+pub struct OrderMove<'a> {
+    /// The job's order.
+    pub order_id: Uuid,
+    /// Its new status.
+    pub status: &'a str,
+    /// The statuses it may move from (a later one stays).
+    pub from: &'a [&'a str],
+}
+
 /// The step of `endpoint` succeeded: a queued job is published (this result proves `order.placed`
 /// left, in case it overtook the relay's own mark), and a job waiting on that step's retry is not
-/// waiting any more.
-pub async fn step_succeeded(tx: &mut PgConnection, job_id: Uuid, endpoint: &str) -> Result<(), sqlx::Error> {
+/// waiting any more; the order moves as `order` says.
+pub async fn step_succeeded(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    endpoint: &str,
+    order: OrderMove<'_>,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "update jobs set state = $3, retry_endpoint = null,
+        "with order_moved as (
+            update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+         )
+         update jobs set state = $3, retry_endpoint = null,
                 published_at = coalesce(published_at, now()), updated_at = now()
           where id = $1 and (state = $4 or (state = $5 and retry_endpoint = $2))",
     )
@@ -97,6 +118,9 @@ pub async fn step_succeeded(tx: &mut PgConnection, job_id: Uuid, endpoint: &str)
     .bind(JobState::Published.as_str())
     .bind(JobState::Queued.as_str())
     .bind(JobState::RetryWait.as_str())
+    .bind(order.order_id)
+    .bind(order.status)
+    .bind(order.from)
     .execute(tx)
     .await
     .map(drop)
@@ -160,17 +184,22 @@ pub async fn quarantined(
 }
 
 /// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
-/// unless it already has one; a quarantined job takes it (its step was applied after all).
+/// unless it already has one; a quarantined job takes it (its step was applied after all). The
+/// order moves as `order` says.
 pub async fn ended(
     tx: &mut PgConnection,
     job_id: Uuid,
     outcome: JobState,
     result_key: Option<&str>,
     error: Option<&str>,
+    order: OrderMove<'_>,
 ) -> Result<Ended, sqlx::Error> {
     debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
     sqlx::query_scalar(
-        "update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
+        "with order_moved as (
+            update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+         )
+         update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
                 published_at = coalesce(published_at, now()), updated_at = now()
           where id = $1 and state <> all($5)
           returning created_at",
@@ -180,6 +209,9 @@ pub async fn ended(
     .bind(result_key)
     .bind(error)
     .bind(final_states())
+    .bind(order.order_id)
+    .bind(order.status)
+    .bind(order.from)
     .fetch_optional(tx)
     .await
 }

@@ -14,9 +14,8 @@ use std::sync::Arc;
 use chrono::Utc;
 use messaging::metrics::{ByJobState, Metrics};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
-use crate::jobs::{self, JobState};
+use crate::jobs::{self, JobState, OrderMove};
 
 /// The endpoint of inventory's step (it consumes `order.placed`).
 const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
@@ -58,21 +57,21 @@ impl Handler for JobStatus {
                 // Seeing a downstream result proves order.placed left: queued -> published, in
                 // case this event overtook the relay's own mark; and inventory's step is done, so a
                 // job waiting on its retry is not waiting any more.
-                jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT).await?;
-                set_order_status(tx, event.order_id, "reserved", &["accepted"]).await?;
+                let order = OrderMove { order_id: event.order_id, status: "reserved", from: &["accepted"] };
+                jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?;
             }
             InventoryRejected::TYPE => {
                 let event: InventoryRejected = message.json()?;
-                let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason)).await?;
+                let order = OrderMove { order_id: event.order_id, status: "rejected", from: &["accepted", "reserved"] };
+                let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
                 self.ended(JobState::Rejected, ended);
-                set_order_status(tx, event.order_id, "rejected", &["accepted", "reserved"]).await?;
             }
             InvoiceCreated::TYPE => {
                 let event: InvoiceCreated = message.json()?;
                 let invoice_id = event.invoice_id.to_string();
-                let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None).await?;
+                let order = OrderMove { order_id: event.order_id, status: "invoiced", from: &["accepted", "reserved"] };
+                let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
                 self.ended(JobState::Succeeded, ended);
-                set_order_status(tx, event.order_id, "invoiced", &["accepted", "reserved"]).await?;
             }
             JobRetryScheduled::TYPE => {
                 let event: JobRetryScheduled = message.json()?;
@@ -109,19 +108,4 @@ impl Handler for JobStatus {
         }
         Ok(())
     }
-}
-
-async fn set_order_status(
-    tx: &mut PgConnection,
-    order_id: Uuid,
-    status: &str,
-    from: &[&str],
-) -> Result<(), sqlx::Error> {
-    sqlx::query("update orders set status = $2, updated_at = now() where id = $1 and status = any($3)")
-        .bind(order_id)
-        .bind(status)
-        .bind(from)
-        .execute(tx)
-        .await
-        .map(drop)
 }

@@ -41,6 +41,15 @@ impl Api {
         (job_id, job, order_id)
     }
 
+    /// The order's status column.
+    async fn order_status(&self, order_id: Uuid) -> String {
+        sqlx::query_scalar("select status from orders where id = $1")
+            .bind(order_id)
+            .fetch_one(&self.orders)
+            .await
+            .expect("the order")
+    }
+
     /// Publish `event` as `C` and wait until the status consumer has applied it.
     async fn send<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) {
         let connection = self.env.amqp().await;
@@ -83,6 +92,7 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     let seen = api.job(&job_id).await;
     assert_eq!(seen["state"], "published", "inventory's step succeeded: no longer waiting on it: {seen}");
     assert_eq!(seen["attempt"], 2, "{seen}");
+    assert_eq!(api.order_status(order_id).await, "reserved");
 
     // A copy of inventory's retry event that arrives late (reordered, or redelivered).
     api.send(job, &retry(job, "inventory.order-placed", 1)).await;
@@ -93,6 +103,18 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     let seen = api.job(&job_id).await;
     assert_eq!(seen["state"], "retry_wait", "{seen}");
     assert_eq!(seen["lastError"], "billing.inventory-reserved failed on attempt 1", "{seen}");
+
+    // The order's move is written in the job's statement, and made also when the job does not
+    // move: here a job waiting on billing's retry, and an order set back by hand.
+    sqlx::query("update orders set status = 'accepted' where id = $1")
+        .bind(order_id)
+        .execute(&api.orders)
+        .await
+        .expect("reset");
+    let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
+    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines }).await;
+    assert_eq!(api.job(&job_id).await["state"], "retry_wait", "waiting on billing, not on inventory");
+    assert_eq!(api.order_status(order_id).await, "reserved");
 
     // The live page's data shows the job as the API does, and nothing quarantined.
     let overview = http::request("GET", &format!("{}/overview", api.base), &[], None).await.expect("GET").json();
@@ -144,12 +166,7 @@ async fn a_redriven_job_leaves_quarantined_and_ends_as_its_new_attempts_go() {
     api.send(job, &redriven).await;
     let seen = api.job(&job_id).await;
     assert_eq!(seen["state"], "published", "the one way out of quarantined: {seen}");
-    let status: String = sqlx::query_scalar("select status from orders where id = $1")
-        .bind(order_id)
-        .fetch_one(&api.orders)
-        .await
-        .expect("order");
-    assert_eq!(status, "accepted", "the order starts over");
+    assert_eq!(api.order_status(order_id).await, "accepted", "the order starts over");
 
     api.send(job, &InvoiceCreated { order_id, job_id: job, invoice_id: Uuid::now_v7(), total_cents: 1299 }).await;
     assert_eq!(api.job(&job_id).await["state"], "succeeded");
