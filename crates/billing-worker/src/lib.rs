@@ -2,7 +2,7 @@
 //! invoice priced from its own `prices` table, and announces `invoice.created` through its outbox,
 //! all in the runtime's one transaction.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::LazyLock};
 
 use messaging::prelude::*;
 use shop::{InventoryReserved, InvoiceCreated, demo::DemoFaults};
@@ -25,6 +25,21 @@ pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
         handler: |faults| CreateInvoice { faults: *faults },
     }
 }
+
+/// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is
+/// selected from the inserted invoice, so an order invoiced before under another message id gets
+/// neither: it was announced then.
+static INSERT_INVOICE: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "with invoice as (
+             insert into invoices (id, order_id, job_id, total_cents, lines) values ($1, $2, $3, $4, $5)
+             on conflict (order_id) do nothing
+             returning id
+         )
+         insert into outbox ({}) select $6, $7, $8, $9, $10, $11 from invoice",
+        outbox::COLUMNS
+    )
+});
 
 /// The `inventory.reserved` handler.
 #[derive(Debug, Clone, Default)]
@@ -55,24 +70,15 @@ impl Handler for CreateInvoice {
             total_cents += price * i64::from(line.quantity);
         }
         let invoice_id = Uuid::now_v7();
-        let inserted = sqlx::query(
-            "insert into invoices (id, order_id, job_id, total_cents, lines) values ($1, $2, $3, $4, $5)
-             on conflict (order_id) do nothing",
-        )
-        .bind(invoice_id)
-        .bind(reserved.order_id)
-        .bind(reserved.job_id)
-        .bind(total_cents)
-        .bind(sqlx::types::Json(&reserved.lines))
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if inserted == 0 {
-            // Invoiced before under another message id: it was announced then.
-            return Ok(());
-        }
         let created = InvoiceCreated { order_id: reserved.order_id, job_id: reserved.job_id, invoice_id, total_cents };
-        outbox::enqueue(tx, &created, message.correlation_id.or(Some(reserved.job_id))).await?;
+        let announced = outbox::Outgoing::of(&created, message.correlation_id.or(Some(reserved.job_id)));
+        let invoice = sqlx::query(&INSERT_INVOICE)
+            .bind(invoice_id)
+            .bind(reserved.order_id)
+            .bind(reserved.job_id)
+            .bind(total_cents)
+            .bind(sqlx::types::Json(&reserved.lines));
+        announced.bind_to(invoice).execute(&mut *tx).await?;
         Ok(())
     }
 }

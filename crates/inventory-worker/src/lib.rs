@@ -2,7 +2,7 @@
 //! of the order or none, then announces `inventory.reserved` or `inventory.rejected` through its
 //! outbox, all in the runtime's one transaction.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::LazyLock};
 
 use messaging::prelude::*;
 use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
@@ -60,6 +60,21 @@ impl Handler for ReserveStock {
     }
 }
 
+/// The reservation and its `inventory.reserved` in one statement (one round trip). The outbox row
+/// is selected from the inserted reservation, so an order reserved before under another message id
+/// gets neither, and the statement's row count says which happened.
+static INSERT_RESERVATION: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "with reservation as (
+             insert into reservations (id, order_id, job_id, lines) values ($1, $2, $3, $4)
+             on conflict (order_id) do nothing
+             returning id
+         )
+         insert into outbox ({}) select $5, $6, $7, $8, $9, $10 from reservation",
+        outbox::COLUMNS
+    )
+});
+
 /// Reserve all lines or none, inside a savepoint so a refusal undoes everything it wrote while
 /// the caller's inbox row stays.
 ///
@@ -77,28 +92,22 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
     let reservation_id = Uuid::now_v7();
     let lines: Vec<OrderLine> =
         wanted.iter().map(|(sku, quantity)| OrderLine { sku: (*sku).to_owned(), quantity: *quantity }).collect();
-    let inserted = sqlx::query(
-        "insert into reservations (id, order_id, job_id, lines) values ($1, $2, $3, $4)
-         on conflict (order_id) do nothing",
-    )
-    .bind(reservation_id)
-    .bind(order.order_id)
-    .bind(order.job_id)
-    .bind(sqlx::types::Json(&lines))
-    .execute(&mut *savepoint)
-    .await?
-    .rows_affected();
-    if inserted == 0 {
-        savepoint.rollback().await?;
-        return Ok(Reservation::AlreadyMade);
-    }
     let reserved = InventoryReserved {
         order_id: order.order_id,
         job_id: order.job_id,
         reservation_id,
         lines: order.lines.clone(),
     };
-    outbox::enqueue(&mut savepoint, &reserved, job_id).await?;
+    let announced = outbox::Outgoing::of(&reserved, job_id);
+    let reservation = sqlx::query(&INSERT_RESERVATION)
+        .bind(reservation_id)
+        .bind(order.order_id)
+        .bind(order.job_id)
+        .bind(sqlx::types::Json(&lines));
+    if announced.bind_to(reservation).execute(&mut *savepoint).await?.rows_affected() == 0 {
+        savepoint.rollback().await?;
+        return Ok(Reservation::AlreadyMade);
+    }
     for (sku, quantity) in &wanted {
         let taken = sqlx::query(
             "update stock set available = available - $2, reserved = reserved + $2

@@ -124,3 +124,49 @@ async fn duplicate_inventory_reserved_invoices_once() {
     assert_eq!(totals, vec![2 * 10000], "one invoice, priced once");
     shop.stop().await;
 }
+
+/// The same order under two message ids (e.g. an upstream that wrote its outbox row twice): the
+/// inbox cannot tell them apart, so each step's own key (`on conflict (order_id)`) does, and only
+/// the first copy is announced downstream.
+#[tokio::test]
+async fn one_order_under_two_message_ids_is_reserved_invoiced_and_announced_once() {
+    let shop = common::start().await;
+    let (before, _) = stock(&shop, "SKU-3").await;
+    let placed = OrderPlaced {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        customer_id: "c-twice".into(),
+        lines: vec![OrderLine { sku: "SKU-3".into(), quantity: 1 }],
+    };
+    let reserved = InventoryReserved {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        reservation_id: Uuid::now_v7(),
+        lines: vec![OrderLine { sku: "SKU-4".into(), quantity: 3 }],
+    };
+    for _ in 0..2 {
+        shop.env.publish(&placed, placed.job_id, 1).await;
+        shop.env.publish(&reserved, reserved.job_id, 1).await;
+    }
+
+    // Both copies of each were applied (an inbox row each), not skipped as duplicates; billing also
+    // gets inventory's one `inventory.reserved` of the placed order.
+    eventually("both copies of each to be applied", WAIT, || async {
+        let inventory = count(&shop.inventory, "select count(*) from inbox").await;
+        let billing = count(&shop.billing, "select count(*) from inbox").await;
+        (inventory == 2 && billing == 3).then_some(())
+    })
+    .await;
+    assert_eq!(count(&shop.inventory, "select count(*) from reservations").await, 1);
+    assert_eq!(stock(&shop, "SKU-3").await, (before - 1, 1), "reserved once");
+    assert_eq!(
+        count(&shop.inventory, "select count(*) from outbox where message_type = 'inventory.reserved'").await,
+        1,
+        "announced once"
+    );
+    let invoiced = format!("select count(*) from invoices where order_id = '{}'", reserved.order_id);
+    assert_eq!(count(&shop.billing, &invoiced).await, 1);
+    let announced = format!("select count(*) from outbox where payload->>'orderId' = '{}'", reserved.order_id);
+    assert_eq!(count(&shop.billing, &announced).await, 1, "invoice.created once");
+    shop.stop().await;
+}
