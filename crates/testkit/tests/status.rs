@@ -127,6 +127,43 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     task.await.expect("api task").expect("api ran");
 }
 
+#[tokio::test]
+async fn the_relays_mark_of_a_batch_publishes_each_of_its_queued_jobs_once() {
+    let (api, trigger, task) = start_api().await;
+    let mut jobs = Vec::new();
+    for _ in 0..3 {
+        jobs.push(api.place().await);
+    }
+    // One job already waits on a step's retry: being published does not move it back.
+    let waiting = &jobs[2].0;
+    api.send(jobs[2].1, &retry(jobs[2].1, "inventory.order-placed", 1)).await;
+
+    // As the relay marks a batch: one UPDATE of all its rows.
+    let mark = "update outbox set published_at = now() where message_type = 'order.placed' and published_at is null";
+    let marked = sqlx::query(mark).execute(&api.orders).await.expect("mark").rows_affected();
+    assert_eq!(marked, 3);
+    let mut first = Vec::new();
+    for (job_id, _, _) in &jobs {
+        let seen = api.job(job_id).await;
+        let expected = if job_id == waiting { "retry_wait" } else { "published" };
+        assert_eq!(seen["state"], expected, "{seen}");
+        assert!(seen["publishedAt"].is_string(), "{seen}");
+        first.push(seen["publishedAt"].clone());
+    }
+
+    // An UPDATE that publishes nothing new (a later mark, a failed attempt's error) moves nothing.
+    sqlx::query("update outbox set published_at = now() + interval '1 hour', last_error = 'again'")
+        .execute(&api.orders)
+        .await
+        .expect("mark again");
+    for ((job_id, _, _), first) in jobs.iter().zip(first) {
+        assert_eq!(api.job(job_id).await["publishedAt"], first, "the first publication stays");
+    }
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}
+
 /// The API and its status consumer, in-process on a test's own database and vhost, without a relay.
 async fn start_api() -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<anyhow::Result<()>>) {
     let env = TestEnv::new().await;
