@@ -11,9 +11,10 @@
 //!
 //! Every move is monotonic, so late or reordered events are harmless: `succeeded` and `rejected`
 //! never change, `quarantined` only by a redrive or by a result that proves the step was applied
-//! after all (a redriven copy, or one the broker parked after its commit), attempt numbers only grow, and a late retry event of a step that has already
-//! succeeded changes nothing. The move to `published` made by the broker's confirm is the outbox
-//! trigger of migration 0005, keyed on the job's `order_placed_message_id` column.
+//! after all (a redriven copy, or one the broker parked after its commit), attempt numbers only
+//! grow, and a late retry event of a step that has already succeeded changes nothing. The move to
+//! `published` made by the broker's confirm is the outbox trigger of migration 0007 (one UPDATE
+//! of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
 
 use chrono::{DateTime, Utc};
 use messaging::contracts::JobRetryScheduled;
