@@ -58,6 +58,16 @@ struct Args {
 
 const WAIT: Duration = Duration::from_secs(600);
 
+/// Print what a limit or a stage cost the whole machine per message (its own process, Postgres
+/// and RabbitMQ) and how busy the machine was meanwhile: near 100 %, the rate is what the CPU
+/// allows; well below, it is bound by waiting. Returns the CPU seconds per message.
+fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &stages::Used, messages: usize) -> f64 {
+    let per_message = used.cpu_seconds / messages as f64;
+    let busy = format!("machine {:.0} % busy", used.busy * 100.0);
+    report.figure(section, &format!("  its CPU per message: {who}"), per_message * 1e6, "us/msg", &busy);
+    per_message
+}
+
 /// The database name at the end of a Postgres URL.
 fn db_name(url: &str) -> String {
     url.rsplit('/').next().unwrap_or_default().to_owned()
@@ -123,6 +133,7 @@ async fn main() {
     let rows = limits::outbox_rows(&orders, n).await;
     // The broker's rate swings most from run to run on this shared machine: the median of three.
     let mut b_runs = Vec::new();
+    let window = stages::Usage::start(&[std::process::id()]);
     for _ in 0..3 {
         b_runs.push(limits::publish(&amqp, &rows, 256).await);
         if b_runs.len() < 3 {
@@ -139,15 +150,19 @@ async fn main() {
         "/s",
         &format!("window 256, quorum queue; median of {runs}"),
     );
+    report_usage(&mut report, "limit", "the bench, Postgres, RabbitMQ", &window.finish(), 3 * n);
     let c_rate = limits::consume(&amqp, worker.name, n, prefetch).await;
     report.figure("limit", "(c) consume + ack", c_rate, "/s", &format!("prefetch {prefetch}"));
     // The worker's own shape: batches of BATCH_SIZE one at a time, or (BATCH_SIZE=1) single
     // messages PREFETCH at once.
     let batch = usize::from(defaults.batch_size);
+    let window = stages::Usage::start(&[std::process::id()]);
     let d = limits::worker_transaction(&inventory_url, usize::from(prefetch), batch, n).await;
+    let d_used = window.finish();
     let shape =
         if batch > 1 { format!("{batch} per transaction, one at a time") } else { format!("concurrency {prefetch}") };
     report.figure("limit", "(d) inventory transactions, messages", d, "/s", &shape);
+    report_usage(&mut report, "limit", "the bench, Postgres, RabbitMQ", &d_used, n);
     // (d)'s rows are not part of any later stage.
     sqlx::query("truncate inbox, outbox").execute(&inventory).await.expect("retire (d) rows");
 
@@ -155,15 +170,20 @@ async fn main() {
     let relay_vars = |database: &str| vec![("DATABASE_URL", database.to_owned()), ("AMQP_URL", env.amqp_url())];
     // Relay: drain (a)'s N order.placed rows.
     let (relay, _) = start("relay", &relay_vars(&orders_url), &log_dir).await;
+    let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
     wait_count(&orders, "select count(*) from outbox where published_at is null", 0, WAIT).await;
+    let relay_used = window.finish();
     stop(relay).await;
     let relay_rate = rate_from_timestamps(&orders, "outbox", "published_at", "true").await;
     report.figure("stage", "relay drain (pre-filled outbox)", relay_rate, "/s", &format!("{n} rows"));
+    report_usage(&mut report, "stage", "relay, Postgres, RabbitMQ", &relay_used, n);
 
     // Inventory worker: drain the N order.placed the relay just queued.
     let worker_vars = vec![("DATABASE_URL", inventory_url.clone()), ("AMQP_URL", env.amqp_url())];
     let (inventory_worker, _) = start("inventory-worker", &worker_vars, &log_dir).await;
+    let window = stages::Usage::start(&inventory_worker.pid().into_iter().collect::<Vec<_>>());
     wait_count(&inventory, "select count(*) from inbox", n as i64, WAIT).await;
+    let drain_used = window.finish();
     stop(inventory_worker).await;
     let worker_rate = rate_from_timestamps(&inventory, "inbox", "received_at", "true").await;
     report.figure(
@@ -173,6 +193,9 @@ async fn main() {
         "/s",
         &format!("{n} messages, prefetch {prefetch}, batch {batch}"),
     );
+    // The drain applies one batch at a time, so it may be bound by its round trips rather than by
+    // CPU: its machine's busy share tells.
+    let drain_cpu_per_message = report_usage(&mut report, "stage", "worker, Postgres, RabbitMQ", &drain_used, n);
     stages::retire_unpublished(&inventory).await;
 
     // Baseline: the naive relay on the same pre-filled outbox.
@@ -281,8 +304,11 @@ async fn main() {
             };
             let before = cpu(&pids);
             let commits_before = stages::commits(orders, databases).await;
+            // After `commits`, which waits for the statistics to settle.
+            let window = stages::Usage::start(&[]);
             let (_, jobs) = stages::post_orders(&api_addr, c, args.orders, catalog).await;
             stages::wait_succeeded(orders, &jobs).await;
+            let busy = window.finish().busy;
             let after = cpu(&pids);
             let commits = stages::commits(orders, databases).await - commits_before;
             let (rate,): (f64,) = sqlx::query_as(
@@ -298,24 +324,34 @@ async fn main() {
                 .map(|((name, was), (_, is))| (name.clone(), (is - was) * 1000.0 / jobs.len() as f64))
                 .collect();
             per_order.push(("commits".into(), commits as f64 / jobs.len() as f64));
+            per_order.push(("machine busy".into(), busy));
             (rate, per_order, report_note)
         }
     };
     let pids = |processes: &[testkit::process::Process; 4]| -> Vec<(String, u32)> {
         processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect()
     };
-    let report_cpu = |report: &mut Report, label: &str, per_order: &[(String, f64)]| {
+    // Prints a phase's CPU per order and returns the whole of it, in seconds.
+    let report_cpu = |report: &mut Report, label: &str, per_order: &[(String, f64)]| -> f64 {
         let mut total = 0.0;
         for (name, value) in per_order {
-            if name == "commits" {
-                let note = "transactions committed in the three databases, per order";
-                report.figure("cpu", &format!("{label}: commits"), *value, "/ord", note);
-                continue;
+            match name.as_str() {
+                "commits" => {
+                    let note = "transactions committed in the three databases, per order";
+                    report.figure("cpu", &format!("{label}: commits"), *value, "/ord", note);
+                }
+                "machine busy" => {
+                    let note = "share of the machine's CPU time in use over the phase";
+                    report.figure("cpu", &format!("{label}: machine busy"), *value * 100.0, "%", note);
+                }
+                _ => {
+                    total += value;
+                    report.figure("cpu", &format!("{label}: {name}"), *value * 1000.0, "us/ord", "CPU time per order");
+                }
             }
-            total += value;
-            report.figure("cpu", &format!("{label}: {name}"), *value * 1000.0, "us/ord", "CPU time per order");
         }
         report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
+        total / 1000.0
     };
 
     // The same-run baseline: every consumer as before batching, one message per transaction,
@@ -327,7 +363,7 @@ async fn main() {
     let (unbatched, cpu_unbatched, note) =
         sustained("BATCH_SIZE=1, PREFETCH=16", api_addr, Catalog::Hot, pids(&processes)).await;
     report.figure("e2e", "sustained, one message per transaction (baseline)", unbatched, "/s", &note);
-    report_cpu(&mut report, "BATCH_SIZE=1", &cpu_unbatched);
+    let _ = report_cpu(&mut report, "BATCH_SIZE=1", &cpu_unbatched);
     for process in processes {
         stop(process).await;
     }
@@ -337,7 +373,7 @@ async fn main() {
     let (hot, cpu_hot, note) =
         sustained("defaults, 4 hot SKUs", api_addr.clone(), Catalog::Hot, pids(&processes)).await;
     report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);
-    report_cpu(&mut report, "defaults, hot", &cpu_hot);
+    let cpu_per_order = report_cpu(&mut report, "defaults, hot", &cpu_hot);
     // The wide catalog's prices (its stock was created above), in the database billing created.
     let billing = env.pool("billing").await;
     sqlx::query(
@@ -350,8 +386,17 @@ async fn main() {
     let label = "defaults, wide catalog";
     let (wide_rate, cpu_wide, note) = sustained(label, api_addr.clone(), wide, pids(&processes)).await;
     report.figure("e2e", &format!("sustained throughput, {WIDE_CATALOG} SKUs"), wide_rate, "/s", &note);
-    report_cpu(&mut report, "defaults, wide", &cpu_wide);
+    let _ = report_cpu(&mut report, "defaults, wide", &cpu_wide);
     report.figure("e2e", "sustained / slowest stage alone", hot / slowest, "x", &format!("slowest {slowest:.0}/s"));
+    // If both used the whole machine, that ratio would be the inventory drain's CPU per message
+    // over an order's: the inventory's share of what an order costs.
+    report.figure(
+        "e2e",
+        "  the same if both used the whole machine",
+        drain_cpu_per_message / cpu_per_order,
+        "x",
+        "inventory drain's CPU per message / an order's CPU (hot)",
+    );
     report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
     // Latency at half of it.

@@ -401,6 +401,54 @@ pub fn cpu_seconds_of(comm: &str) -> f64 {
         .sum()
 }
 
+/// The CPU a stage uses over a window: its own processes', and the servers' (every `postgres` and
+/// `beam.smp` process), in seconds; and how busy the whole machine was (`/proc/stat`).
+pub struct Usage {
+    pids: Vec<u32>,
+    cpu: f64,
+    machine: (u64, u64),
+}
+
+/// What a [`Usage`] window came to.
+pub struct Used {
+    /// CPU seconds of the processes and the servers together.
+    pub cpu_seconds: f64,
+    /// The share of the machine's CPU time that was busy (0 to 1): near 1, the window was bound by
+    /// CPU; well below, by waiting (round trips, one batch at a time).
+    pub busy: f64,
+}
+
+impl Usage {
+    /// Open a window over `pids` and the servers.
+    pub fn start(pids: &[u32]) -> Self {
+        let pids = pids.to_vec();
+        Self { cpu: Self::cpu(&pids), pids, machine: machine_ticks() }
+    }
+
+    fn cpu(pids: &[u32]) -> f64 {
+        pids.iter().map(|pid| cpu_seconds(*pid)).sum::<f64>() + cpu_seconds_of("postgres") + cpu_seconds_of("beam.smp")
+    }
+
+    /// Close the window.
+    pub fn finish(&self) -> Used {
+        let (busy, total) = machine_ticks();
+        let busy = (busy - self.machine.0) as f64 / (total - self.machine.1).max(1) as f64;
+        Used { cpu_seconds: Self::cpu(&self.pids) - self.cpu, busy }
+    }
+}
+
+/// The whole machine's CPU ticks so far, (busy, busy + idle), from the first line of `/proc/stat`:
+/// user, nice, system, idle, iowait, irq, softirq, steal. Time stolen by the hypervisor counts as
+/// neither: it was never ours to use.
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> =
+        stat.lines().next().unwrap_or("").split_whitespace().skip(1).map(|v| v.parse().unwrap_or(0)).collect();
+    let at = |index: usize| ticks.get(index).copied().unwrap_or(0);
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+    (busy, busy + at(3) + at(4))
+}
+
 /// Transactions committed so far in `databases` (`pg_stat_database`, as of the statistics'
 /// last flush: read after a phase has settled).
 pub async fn commits(pool: &PgPool, databases: &[String]) -> i64 {
