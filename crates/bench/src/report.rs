@@ -35,7 +35,7 @@ pub struct Report {
 impl Report {
     /// Record a figure and print it at once (a long run shows progress).
     pub fn figure(&mut self, section: &'static str, name: &str, value: f64, unit: &'static str, note: &str) {
-        println!("  {section:<8} {name:<52} {value:>12.1} {unit:<6} {note}");
+        println!("  {section:<8} {name:<52} {:>12} {unit:<6} {note}", shown(value, unit));
         self.figures.push(Figure { section, name: name.to_owned(), value, unit, note: note.to_owned() });
     }
 
@@ -53,7 +53,7 @@ impl Report {
     pub fn print(&self) {
         println!("\n{:<8} {:<52} {:>12} {:<6} note", "section", "figure", "value", "unit");
         for f in &self.figures {
-            println!("{:<8} {:<52} {:>12.1} {:<6} {}", f.section, f.name, f.value, f.unit, f.note);
+            println!("{:<8} {:<52} {:>12} {:<6} {}", f.section, f.name, shown(f.value, f.unit), f.unit, f.note);
         }
         println!("\ntargets");
         for t in &self.targets {
@@ -86,4 +86,9 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
     let index = ((sorted.len() - 1) as f64 * q).round() as usize;
     sorted[index]
+}
+
+/// A figure's value as printed: ratios (unit `x`) to two decimals, everything else to one.
+fn shown(value: f64, unit: &str) -> String {
+    if unit == "x" { format!("{value:.2}") } else { format!("{value:.1}") }
 }
