@@ -25,8 +25,6 @@ pub const INBOX_DUPLICATES: &str = "inbox_duplicates_skipped_total";
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Outbox publishes returned or nacked by the broker, by `database`.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
-/// The relay's claims, by `database` and `found` (`rows`, `none`).
-pub const OUTBOX_CLAIMS: &str = "outbox_claims_total";
 
 /// Labels: an endpoint.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -58,15 +56,6 @@ pub struct ByDatabaseState {
     pub database: String,
     /// The rows' state.
     pub state: String,
-}
-
-/// Labels: an outbox database and whether a claim found rows (`rows`, `none`).
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ByClaim {
-    /// The database.
-    pub database: String,
-    /// `rows` or `none`.
-    pub found: &'static str,
 }
 
 /// Labels: how a job ended.
@@ -101,8 +90,6 @@ pub struct Metrics {
     pub published: Family<ByDatabase, Counter>,
     /// [`OUTBOX_PUBLISH_FAILURES`].
     pub publish_failures: Family<ByDatabase, Counter>,
-    /// [`OUTBOX_CLAIMS`].
-    pub claims: Family<ByClaim, Counter>,
     /// `message_handling_duration_seconds`: one message's transaction (inbox row, handler,
     /// commit), by endpoint and outcome (succeeded, duplicate, failed, unavailable).
     pub handling: Histograms<ByOutcome>,
@@ -134,12 +121,6 @@ impl Default for Metrics {
             "outbox_publish_failures",
             "Outbox publishes returned (unroutable) or nacked; the rows are retried",
             publish_failures.clone(),
-        );
-        let claims = Family::default();
-        registry.register(
-            "outbox_claims",
-            "The relay's claims of due outbox rows, by whether they found any",
-            claims.clone(),
         );
         let handling: Histograms<ByOutcome> = Family::new_with_constructor(short_durations);
         registry.register_with_unit(
@@ -181,7 +162,6 @@ impl Default for Metrics {
             duplicates,
             published,
             publish_failures,
-            claims,
             handling,
             publish_lag,
             job_duration,

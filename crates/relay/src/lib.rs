@@ -4,8 +4,8 @@
 //! so several relays can share a database), publish them all with `mandatory` and publisher
 //! confirms pipelined, then in the same transaction mark the confirmed rows and record the
 //! returned or nacked ones with a backoff. While one batch is being confirmed and marked, the
-//! next is claimed and sent, so the broker always has work: at once after a full batch, on the
-//! next `NOTIFY outbox` after a partial one (it took every due row). It polls as a fallback.
+//! next is claimed and sent, so the broker always has work. It wakes on `NOTIFY outbox` and
+//! polls as a fallback.
 //!
 //! Crash anywhere and the worst case is a row published twice (confirmed, not yet marked): the
 //! message id is stable, so consumers' inboxes absorb it. A row is never marked without a confirm.
@@ -20,7 +20,7 @@ use messaging::{
     duration::parse_duration,
     failpoint,
     health::{self, Health},
-    metrics::{ByClaim, ByDatabase},
+    metrics::ByDatabase,
     outbox,
     publisher::{PublishError, Publisher},
     shutdown::Shutdown,
@@ -262,96 +262,39 @@ impl Relay {
         // Two batches overlap: while one batch's confirms come back and its rows are marked, the
         // next batch is claimed and put on the wire. The next claim skips the rows the previous
         // batch still holds locked, and goes out after them on the same channel: id order holds.
-        // Rows committed before LISTEN, or left by an earlier session, are claimed at once.
-        let mut in_flight = self.send_batch(&publisher, &mut declared).await?;
+        let mut in_flight: Option<SentBatch> = None;
         loop {
             let next = match in_flight.take() {
-                // A full batch: more rows may be due. Claim the next at once.
-                Some(batch) if batch.is_full(self.settings.batch_size) => {
+                Some(batch) => {
                     let (settled, next) = tokio::join!(self.settle(batch), self.send_batch(&publisher, &mut declared));
                     settled?;
                     next?
                 }
-                // A partial batch took every row that was due: whatever comes next sends a NOTIFY.
-                // Claiming again at once would find nothing, so the next claim waits for one (or
-                // for the poll) while this batch settles.
-                Some(batch) => self.settle_and_wait(batch, &publisher, &mut declared, &mut listener).await?,
-                None => {
-                    if !self.wait_for_rows(&mut listener).await? {
-                        break;
-                    }
-                    self.send_batch(&publisher, &mut declared).await?
-                }
+                None => self.send_batch(&publisher, &mut declared).await?,
             };
-            match next {
-                Some(batch) if shutdown.is_triggered() => {
+            if let Some(batch) = next {
+                if shutdown.is_triggered() {
                     // Flush: what is on the wire is confirmed and marked before we stop.
                     self.settle(batch).await?;
                     break;
                 }
-                Some(batch) => in_flight = Some(batch),
-                None if shutdown.is_triggered() => break,
-                None => {}
+                in_flight = Some(batch);
+                continue;
+            }
+            // Nothing due and nothing in flight.
+            tokio::select! {
+                () = shutdown.triggered() => break,
+                notification = listener.recv() => {
+                    notification?;
+                    if !self.settings.linger.is_zero() && !shutdown.sleep(self.settings.linger).await {
+                        break;
+                    }
+                }
+                () = tokio::time::sleep(self.settings.poll_interval) => {}
             }
         }
         publisher.close().await;
         Ok(())
-    }
-
-    /// Settle `batch` while waiting for rows to be due ([`Self::wait_for_rows`]), then claim and
-    /// send them. The wait may be long (until the next NOTIFY or the poll), so a batch that fails
-    /// to settle ends the session at once; a claim that fails still lets the batch settle first.
-    /// `None` on shutdown.
-    async fn settle_and_wait(
-        &self,
-        batch: SentBatch,
-        publisher: &Publisher,
-        declared: &mut HashSet<String>,
-        listener: &mut PgListener,
-    ) -> Result<Option<SentBatch>, SessionError> {
-        let settle = self.settle(batch);
-        let next = async {
-            if !self.wait_for_rows(listener).await? {
-                return Ok(None);
-            }
-            self.send_batch(publisher, declared).await
-        };
-        tokio::pin!(settle, next);
-        let mut claimed = None;
-        let settled = loop {
-            tokio::select! {
-                settled = &mut settle => break settled,
-                result = &mut next, if claimed.is_none() => claimed = Some(result),
-            }
-        };
-        settled?;
-        match claimed {
-            Some(result) => result,
-            None => next.await,
-        }
-    }
-
-    /// Wait until rows may be due: a NOTIFY, then the linger, so that rows committed right behind
-    /// the first one go out in the same batch; or the fallback poll. The notifications received by
-    /// then are dropped: their rows were committed before the claim that follows, which takes them,
-    /// and each would otherwise wake a claim that finds nothing. `false` on shutdown.
-    async fn wait_for_rows(&self, listener: &mut PgListener) -> Result<bool, SessionError> {
-        let shutdown = &self.shutdown;
-        tokio::select! {
-            () = shutdown.triggered() => return Ok(false),
-            notification = listener.recv() => {
-                notification?;
-                if !self.settings.linger.is_zero() && !shutdown.sleep(self.settings.linger).await {
-                    return Ok(false);
-                }
-            }
-            () = tokio::time::sleep(self.settings.poll_interval) => {}
-        }
-        // Only what has already arrived: a zero timeout polls `recv` once.
-        while let Ok(notification) = tokio::time::timeout(Duration::ZERO, listener.recv()).await {
-            notification?;
-        }
-        Ok(true)
     }
 
     /// Claim a batch of due rows and publish them all without waiting for confirms, declaring
@@ -368,9 +311,6 @@ impl Relay {
             Ok::<_, sqlx::Error>((tx, rows))
         })
         .await?;
-        let found = if rows.is_empty() { "none" } else { "rows" };
-        let claim = ByClaim { database: self.db.label.clone(), found };
-        self.health.metrics.claims.get_or_create(&claim).inc();
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(None);
@@ -460,13 +400,6 @@ struct SentBatch {
     tx: sqlx::Transaction<'static, sqlx::Postgres>,
     rows: Vec<outbox::OutboxRow>,
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
-}
-
-impl SentBatch {
-    /// Whether the claim took as many rows as it could: if so, more may be due.
-    fn is_full(&self, batch_size: i64) -> bool {
-        i64::try_from(self.rows.len()).unwrap_or(i64::MAX) >= batch_size
-    }
 }
 
 /// Delete published rows past retention, in small batches, at start-up and hourly.

@@ -1,5 +1,5 @@
-//! The relay against real servers: id order, only confirmed rows marked, two relays at once, a
-//! broker with nowhere to route the messages yet, and one claim per wake when idle.
+//! The relay against real servers: id order, only confirmed rows marked, two relays at once, and
+//! a broker with nowhere to route the messages yet.
 
 mod common;
 
@@ -66,23 +66,9 @@ async fn start_relay(
     env: &TestEnv,
     trigger: &ShutdownTrigger,
 ) -> (tokio::task::JoinHandle<anyhow::Result<()>>, String) {
-    start_relay_with(env, trigger, &[]).await
-}
-
-/// [`start_relay`] with some of the tests' flags set otherwise: `(flag, value)`.
-async fn start_relay_with(
-    env: &TestEnv,
-    trigger: &ShutdownTrigger,
-    overrides: &[(&str, &str)],
-) -> (tokio::task::JoinHandle<anyhow::Result<()>>, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let mut args = relay_args(&env.database_url("orders"), &env.amqp_url());
-    for (flag, value) in overrides {
-        let at = args.iter().position(|arg| arg == flag).expect("a flag the tests set");
-        args[at + 1] = (*value).to_owned();
-    }
-    let config = relay::Config::parse_from(args);
+    let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));
     let task = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
     testkit::wait_ready(&base, WAIT, "").await;
     (task, base)
@@ -162,49 +148,6 @@ async fn relay_started_before_any_queue_marks_nothing_then_delivers_everything()
     wait_all_published(&pool).await;
     let delivered: HashSet<Uuid> = message_ids(&env.drain(PROBE).await).into_iter().collect();
     assert_eq!(delivered, expected.into_iter().collect::<HashSet<_>>(), "all delivered once the queue exists");
-    trigger.trigger();
-    relay.await.expect("relay task").expect("relay ran");
-}
-
-/// `outbox_claims_total` for `found` (`rows`, `none`), from the relay's `/metrics`.
-async fn claims(base: &str, found: &str) -> u64 {
-    let metrics = testkit::http::request("GET", &format!("{base}/metrics"), &[], None).await.expect("metrics");
-    let label = format!("found=\"{found}\"");
-    String::from_utf8_lossy(&metrics.body)
-        .lines()
-        .filter(|line| line.starts_with("outbox_claims_total{") && line.contains(&label))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// At light load each row wakes the relay on its own, and each wake claims once: after a batch
-/// that took every due row, the next claim waits for a NOTIFY instead of finding nothing. No row
-/// waits for the fallback poll (an hour here), whether rows come one at a time or in a burst of
-/// separate commits.
-#[tokio::test]
-async fn an_idle_relay_claims_once_per_wake_and_every_row_is_published_without_the_poll() {
-    let env = TestEnv::new().await;
-    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
-    bind_probe(&env).await;
-    let (trigger, _) = shutdown::channel();
-    let (relay, base) = start_relay_with(&env, &trigger, &[("--poll-interval", "1h")]).await;
-    // The claim at start-up, before any row exists.
-    eventually("the start-up claim", WAIT, || async { (claims(&base, "none").await == 1).then_some(()) }).await;
-
-    let mut expected = Vec::new();
-    for _ in 0..20 {
-        expected.extend(fill_outbox(&pool, 1, 1).await);
-        wait_all_published(&pool).await;
-    }
-    assert_eq!(claims(&base, "rows").await, 20, "one claim per row, each row committed after the last was marked");
-    assert_eq!(claims(&base, "none").await, 1, "no claim found nothing after start-up");
-
-    // A burst: 200 rows in 200 commits, with no pause. However the notifications fall between
-    // claims, every row goes out on one of them. (How many claims then find nothing is left
-    // unasserted: it depends on when each notification arrives.)
-    expected.extend(fill_outbox(&pool, 200, 1).await);
-    wait_all_published(&pool).await;
-    assert_eq!(message_ids(&env.drain(PROBE).await), expected, "every row delivered once, in id order");
     trigger.trigger();
     relay.await.expect("relay task").expect("relay ran");
 }
