@@ -68,6 +68,32 @@ fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &st
     per_message
 }
 
+/// What an end-to-end phase cost.
+struct PhaseCost {
+    /// CPU milliseconds per order, by service process, then Postgres and RabbitMQ.
+    cpu_per_order: Vec<(String, f64)>,
+    /// Transactions committed in the three databases, per order.
+    commits: f64,
+    /// The machine's busy share over the phase (0 to 1).
+    busy: f64,
+}
+
+impl PhaseCost {
+    /// Print it under `label`; returns the whole CPU per order, in seconds.
+    fn report(&self, report: &mut Report, label: &str) -> f64 {
+        for (name, milliseconds) in &self.cpu_per_order {
+            report.figure("cpu", &format!("{label}: {name}"), milliseconds * 1000.0, "us/ord", "CPU time per order");
+        }
+        let note = "transactions committed in the three databases, per order";
+        report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
+        let note = "share of the machine's CPU time in use over the phase";
+        report.figure("cpu", &format!("{label}: machine busy"), self.busy * 100.0, "%", note);
+        let total: f64 = self.cpu_per_order.iter().map(|(_, milliseconds)| milliseconds).sum();
+        report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
+        total / 1000.0
+    }
+}
+
 /// The database name at the end of a Postgres URL.
 fn db_name(url: &str) -> String {
     url.rsplit('/').next().unwrap_or_default().to_owned()
@@ -305,10 +331,10 @@ async fn main() {
             let before = cpu(&pids);
             let commits_before = stages::commits(orders, databases).await;
             // After `commits`, which waits for the statistics to settle.
-            let window = stages::Usage::start(&[]);
+            let machine = stages::Busy::start();
             let (_, jobs) = stages::post_orders(&api_addr, c, args.orders, catalog).await;
             stages::wait_succeeded(orders, &jobs).await;
-            let busy = window.finish().busy;
+            let busy = machine.finish();
             let after = cpu(&pids);
             let commits = stages::commits(orders, databases).await - commits_before;
             let (rate,): (f64,) = sqlx::query_as(
@@ -318,42 +344,18 @@ async fn main() {
             .fetch_one(orders)
             .await
             .expect("sustained");
-            let mut per_order: Vec<(String, f64)> = before
+            let cpu_per_order = before
                 .iter()
                 .zip(after)
                 .map(|((name, was), (_, is))| (name.clone(), (is - was) * 1000.0 / jobs.len() as f64))
                 .collect();
-            per_order.push(("commits".into(), commits as f64 / jobs.len() as f64));
-            per_order.push(("machine busy".into(), busy));
-            (rate, per_order, report_note)
+            let cost = PhaseCost { cpu_per_order, commits: commits as f64 / jobs.len() as f64, busy };
+            (rate, cost, report_note)
         }
     };
     let pids = |processes: &[testkit::process::Process; 4]| -> Vec<(String, u32)> {
         processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect()
     };
-    // Prints a phase's CPU per order and returns the whole of it, in seconds.
-    let report_cpu = |report: &mut Report, label: &str, per_order: &[(String, f64)]| -> f64 {
-        let mut total = 0.0;
-        for (name, value) in per_order {
-            match name.as_str() {
-                "commits" => {
-                    let note = "transactions committed in the three databases, per order";
-                    report.figure("cpu", &format!("{label}: commits"), *value, "/ord", note);
-                }
-                "machine busy" => {
-                    let note = "share of the machine's CPU time in use over the phase";
-                    report.figure("cpu", &format!("{label}: machine busy"), *value * 100.0, "%", note);
-                }
-                _ => {
-                    total += value;
-                    report.figure("cpu", &format!("{label}: {name}"), *value * 1000.0, "us/ord", "CPU time per order");
-                }
-            }
-        }
-        report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
-        total / 1000.0
-    };
-
     // The same-run baseline: every consumer as before batching, one message per transaction,
     // 16 at once (BATCH_SIZE=1 and the PREFETCH that was measured best for it).
     let before_batching = [("BATCH_SIZE", "1"), ("PREFETCH", "16")];
@@ -363,7 +365,7 @@ async fn main() {
     let (unbatched, cpu_unbatched, note) =
         sustained("BATCH_SIZE=1, PREFETCH=16", api_addr, Catalog::Hot, pids(&processes)).await;
     report.figure("e2e", "sustained, one message per transaction (baseline)", unbatched, "/s", &note);
-    let _ = report_cpu(&mut report, "BATCH_SIZE=1", &cpu_unbatched);
+    cpu_unbatched.report(&mut report, "BATCH_SIZE=1");
     for process in processes {
         stop(process).await;
     }
@@ -373,7 +375,7 @@ async fn main() {
     let (hot, cpu_hot, note) =
         sustained("defaults, 4 hot SKUs", api_addr.clone(), Catalog::Hot, pids(&processes)).await;
     report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);
-    let cpu_per_order = report_cpu(&mut report, "defaults, hot", &cpu_hot);
+    let cpu_per_order = cpu_hot.report(&mut report, "defaults, hot");
     // The wide catalog's prices (its stock was created above), in the database billing created.
     let billing = env.pool("billing").await;
     sqlx::query(
@@ -386,7 +388,7 @@ async fn main() {
     let label = "defaults, wide catalog";
     let (wide_rate, cpu_wide, note) = sustained(label, api_addr.clone(), wide, pids(&processes)).await;
     report.figure("e2e", &format!("sustained throughput, {WIDE_CATALOG} SKUs"), wide_rate, "/s", &note);
-    let _ = report_cpu(&mut report, "defaults, wide", &cpu_wide);
+    cpu_wide.report(&mut report, "defaults, wide");
     report.figure("e2e", "sustained / slowest stage alone", hot / slowest, "x", &format!("slowest {slowest:.0}/s"));
     // If both used the whole machine, that ratio would be the inventory drain's CPU per message
     // over an order's: the inventory's share of what an order costs.

@@ -402,19 +402,18 @@ pub fn cpu_seconds_of(comm: &str) -> f64 {
 }
 
 /// The CPU a stage uses over a window: its own processes', and the servers' (every `postgres` and
-/// `beam.smp` process), in seconds; and how busy the whole machine was (`/proc/stat`).
+/// `beam.smp` process), in seconds; and how busy the whole machine was.
 pub struct Usage {
     pids: Vec<u32>,
     cpu: f64,
-    machine: (u64, u64),
+    machine: Busy,
 }
 
 /// What a [`Usage`] window came to.
 pub struct Used {
     /// CPU seconds of the processes and the servers together.
     pub cpu_seconds: f64,
-    /// The share of the machine's CPU time that was busy (0 to 1): near 1, the window was bound by
-    /// CPU; well below, by waiting (round trips, one batch at a time).
+    /// See [`Busy::finish`].
     pub busy: f64,
 }
 
@@ -422,7 +421,7 @@ impl Usage {
     /// Open a window over `pids` and the servers.
     pub fn start(pids: &[u32]) -> Self {
         let pids = pids.to_vec();
-        Self { cpu: Self::cpu(&pids), pids, machine: machine_ticks() }
+        Self { cpu: Self::cpu(&pids), pids, machine: Busy::start() }
     }
 
     fn cpu(pids: &[u32]) -> f64 {
@@ -431,9 +430,27 @@ impl Usage {
 
     /// Close the window.
     pub fn finish(&self) -> Used {
+        Used { cpu_seconds: Self::cpu(&self.pids) - self.cpu, busy: self.machine.finish() }
+    }
+}
+
+/// How busy the whole machine is over a window, from the first line of `/proc/stat`.
+pub struct Busy {
+    /// CPU ticks so far: (busy, busy + idle).
+    at_start: (u64, u64),
+}
+
+impl Busy {
+    /// Open a window.
+    pub fn start() -> Self {
+        Self { at_start: machine_ticks() }
+    }
+
+    /// The share of the machine's CPU time that was busy since [`Busy::start`] (0 to 1): near 1,
+    /// the window was bound by CPU; well below, by waiting (round trips, one batch at a time).
+    pub fn finish(&self) -> f64 {
         let (busy, total) = machine_ticks();
-        let busy = (busy - self.machine.0) as f64 / (total - self.machine.1).max(1) as f64;
-        Used { cpu_seconds: Self::cpu(&self.pids) - self.cpu, busy }
+        (busy - self.at_start.0) as f64 / (total - self.at_start.1).max(1) as f64
     }
 }
 
