@@ -1,6 +1,29 @@
 //! A publisher with publisher confirms, where a broker `nack` or a `mandatory` return is an error,
 //! never a success. Sends can be pipelined: [`Publisher::send`] puts a message on the wire and
 //! returns its pending confirm, so a batch costs one round trip instead of one per message.
+//!
+//! Which message a `basic.return` belongs to is decided here, by its `message_id`, and not by
+//! the confirm lapin hands it to. The broker only promises that a message's return comes before
+//! its ack; acks of other messages may come in between (a quorum queue confirms later than an
+//! unroutable message is returned), and one ack may cover several messages. lapin gives each
+//! return to the next confirm it resolves, so a return could be pinned on a delivered neighbour
+//! while the message that went nowhere counted as confirmed: a lost message (pinned by
+//! `broker_semantics::pipelined_publishes_report_exactly_the_unroutable_ones_as_returned`).
+//!
+//! So every confirm of a channel is collected in one [`Ledger`], in publish order, and a publish's
+//! outcome is given only once it *and every publish before it* is resolved: by then its return,
+//! if it had one, has been handed to some confirm and collected. (Returns come in publish order,
+//! each before its own ack, and lapin hands out each return at the latest when every publish up
+//! to its own is resolved.) A return without a `message_id` cannot be matched, and stays with the
+//! confirm that carried it, as lapin has it; every message this project sends has an id.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Mutex, MutexGuard},
+    task::{Context, Poll, Wake, Waker},
+};
 
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, PublisherConfirm,
@@ -29,10 +52,12 @@ impl PublishError {
     }
 }
 
-/// A channel in confirm mode.
+/// A channel in confirm mode. Publish on it only through [`Publisher::send`] (or `publish`): a
+/// message sent on the channel directly would have its confirm and return go unaccounted.
 #[derive(Clone)]
 pub struct Publisher {
     channel: Channel,
+    confirms: Arc<Confirms>,
 }
 
 impl Publisher {
@@ -40,7 +65,7 @@ impl Publisher {
     pub async fn open(connection: &Connection) -> lapin::Result<Self> {
         let channel = connection.create_channel().await?;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        Ok(Self { channel })
+        Ok(Self { channel, confirms: Arc::default() })
     }
 
     /// The underlying channel (for declarations).
@@ -48,7 +73,7 @@ impl Publisher {
         &self.channel
     }
 
-    /// Publish and wait for the broker's confirm.
+    /// Publish (mandatory) and wait for the broker's confirm.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -68,6 +93,9 @@ impl Publisher {
         payload: &[u8],
         properties: BasicProperties,
     ) -> Result<Pending, PublishError> {
+        let message_id = properties.message_id().as_ref().map(ToString::to_string);
+        // Held until the publish is in the ledger, so that the ledger's order is the wire's.
+        let _in_order = self.confirms.sending.lock().await;
         let confirm = self
             .channel
             .basic_publish(
@@ -78,7 +106,8 @@ impl Publisher {
                 properties,
             )
             .await?;
-        Ok(Pending(confirm))
+        let seq = self.confirms.track(message_id, confirm);
+        Ok(Pending { seq, confirms: Arc::clone(&self.confirms), settled: false })
     }
 
     /// Close the channel politely (after every confirm has been awaited).
@@ -90,19 +119,236 @@ impl Publisher {
 /// A sent message whose confirm has not arrived yet. Dropping it forgets the outcome, so the
 /// type is `must_use`: a fire-and-forget publish is exactly what this module exists to prevent.
 #[must_use = "a publish is only safe once its confirm has been awaited"]
-pub struct Pending(PublisherConfirm);
+pub struct Pending {
+    seq: u64,
+    confirms: Arc<Confirms>,
+    settled: bool,
+}
 
 impl Pending {
-    /// Wait for the confirm; a return (unroutable) or a nack is an error.
-    pub async fn confirmed(self) -> Result<(), PublishError> {
-        match self.0.await? {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                Err(PublishError::Returned(format!("{} {}", returned.reply_code, returned.reply_text)))
-            }
-            Confirmation::Nack(None) => Err(PublishError::Nacked),
-            // Only reachable if confirm mode was never enabled: treat as "not known to be stored".
-            Confirmation::NotRequested => Err(PublishError::Nacked),
+    /// Wait for the confirm (and for every earlier publish's, see the module's documentation); a
+    /// return (unroutable) or a nack is an error.
+    pub async fn confirmed(mut self) -> Result<(), PublishError> {
+        let outcome = std::future::poll_fn(|cx| self.confirms.poll_outcome(self.seq, cx)).await;
+        self.settled = true;
+        outcome
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.confirms.abandon(self.seq);
         }
     }
+}
+
+/// The confirms of one publisher's channel.
+#[derive(Default)]
+struct Confirms {
+    /// Held across a publish and its entry in the ledger.
+    sending: tokio::sync::Mutex<()>,
+    ledger: Mutex<Ledger>,
+    wakeups: Arc<Wakeups>,
+}
+
+/// Every publish whose outcome has not been taken yet, by sequence number (publish order), and
+/// the returns collected from their confirms.
+#[derive(Default)]
+struct Ledger {
+    next: u64,
+    entries: BTreeMap<u64, Entry>,
+    /// The entries whose confirm has not resolved.
+    unresolved: BTreeSet<u64>,
+    /// The entries whose [`Pending`] was dropped: removed, with their return, once nothing before
+    /// them is unresolved.
+    abandoned: BTreeSet<u64>,
+    /// Returns collected and not yet claimed, by the `message_id` they carry: the reply.
+    returned: HashMap<String, Vec<String>>,
+}
+
+struct Entry {
+    message_id: Option<String>,
+    /// Until it resolves: the confirm, and the waker that records its resolution.
+    confirm: Option<(PublisherConfirm, Waker)>,
+    outcome: Option<Outcome>,
+}
+
+/// A confirm's own verdict, before returns are matched.
+enum Outcome {
+    Ack,
+    Nack,
+    /// It carried a return without a `message_id`: taken as its own.
+    Returned(String),
+    Failed(lapin::Error),
+}
+
+impl Confirms {
+    /// Enter a publish just put on the wire; its sequence number.
+    fn track(&self, message_id: Option<String>, confirm: PublisherConfirm) -> u64 {
+        let resolved = self.wakeups.take_resolved();
+        let mut ledger = lock(&self.ledger);
+        let seq = ledger.next;
+        ledger.next += 1;
+        let waker = Waker::from(Arc::new(Resolution { seq, wakeups: Arc::clone(&self.wakeups) }));
+        let entry = Entry { message_id, confirm: Some((confirm, waker)), outcome: None };
+        ledger.entries.insert(seq, entry);
+        ledger.unresolved.insert(seq);
+        // Polled once now, so that its resolution wakes whoever waits; collect what resolved since
+        // the last look, so that a publisher whose confirms nobody awaits does not grow.
+        ledger.collect_all(resolved.into_iter().chain([seq]));
+        seq
+    }
+
+    /// The outcome of publish `seq`, once it and every publish before it are resolved.
+    fn poll_outcome(&self, seq: u64, cx: &mut Context<'_>) -> Poll<Result<(), PublishError>> {
+        // Registered before looking, so that a resolution after the look wakes this task.
+        let resolved = self.wakeups.wait(seq, cx.waker());
+        let mut ledger = lock(&self.ledger);
+        ledger.collect_all(resolved);
+        if ledger.unresolved.first().is_some_and(|&first| first <= seq) {
+            return Poll::Pending;
+        }
+        self.wakeups.forget(seq);
+        let entry = ledger.entries.remove(&seq);
+        let returned =
+            entry.as_ref().and_then(|entry| entry.message_id.as_deref()).and_then(|id| ledger.claim_return(id));
+        // Resolved (not in `unresolved`), so collected: the outcome is there.
+        let outcome = entry.and_then(|entry| entry.outcome).unwrap_or(Outcome::Nack);
+        Poll::Ready(match (outcome, returned) {
+            (Outcome::Failed(error), _) => Err(PublishError::Connection(error)),
+            (_, Some(reply)) | (Outcome::Returned(reply), None) => Err(PublishError::Returned(reply)),
+            (Outcome::Ack, None) => Ok(()),
+            (Outcome::Nack, None) => Err(PublishError::Nacked),
+        })
+    }
+
+    /// Its [`Pending`] is gone: nobody will take the outcome.
+    fn abandon(&self, seq: u64) {
+        self.wakeups.forget(seq);
+        let mut ledger = lock(&self.ledger);
+        if ledger.entries.contains_key(&seq) {
+            ledger.abandoned.insert(seq);
+            ledger.sweep_abandoned();
+        }
+    }
+}
+
+impl Ledger {
+    /// [`Self::collect`] each of `resolved`, then drop what is abandoned and settled.
+    fn collect_all(&mut self, resolved: impl IntoIterator<Item = u64>) {
+        for seq in resolved {
+            self.collect(seq);
+        }
+        self.sweep_abandoned();
+    }
+
+    /// Look at entry `seq`'s confirm, woken as resolved: its verdict, and the return it carries.
+    fn collect(&mut self, seq: u64) {
+        let Some(entry) = self.entries.get_mut(&seq) else { return };
+        let Some((confirm, waker)) = entry.confirm.as_mut() else { return };
+        let Poll::Ready(result) = Pin::new(confirm).poll(&mut Context::from_waker(waker)) else { return };
+        entry.confirm = None;
+        let (outcome, carried) = match result {
+            Ok(Confirmation::Ack(carried)) => (Outcome::Ack, carried),
+            Ok(Confirmation::Nack(carried)) => (Outcome::Nack, carried),
+            // Only reachable if confirm mode was never enabled: "not known to be stored".
+            Ok(Confirmation::NotRequested) => (Outcome::Nack, None),
+            Err(error) => (Outcome::Failed(error), None),
+        };
+        entry.outcome = Some(outcome);
+        if let Some(returned) = carried {
+            let reply = format!("{} {}", returned.reply_code, returned.reply_text);
+            match returned.properties.message_id() {
+                Some(id) => self.returned.entry(id.to_string()).or_default().push(reply),
+                None => entry.outcome = Some(Outcome::Returned(reply)),
+            }
+        }
+        self.unresolved.remove(&seq);
+    }
+
+    /// Take a return collected for `message_id`.
+    fn claim_return(&mut self, message_id: &str) -> Option<String> {
+        let replies = self.returned.get_mut(message_id)?;
+        let reply = replies.pop();
+        if replies.is_empty() {
+            self.returned.remove(message_id);
+        }
+        reply
+    }
+
+    /// Remove the abandoned publishes whose outcome is settled (they and every publish before
+    /// them resolved), with the return each may have had, so that nothing they leave grows.
+    fn sweep_abandoned(&mut self) {
+        let settled_below = self.unresolved.first().copied().unwrap_or(self.next);
+        let settled: Vec<u64> = self.abandoned.range(..settled_below).copied().collect();
+        for seq in settled {
+            self.abandoned.remove(&seq);
+            if let Some(id) = self.entries.remove(&seq).and_then(|entry| entry.message_id) {
+                self.claim_return(&id);
+            }
+        }
+    }
+}
+
+/// Resolutions recorded by the confirms' wakers, and the tasks waiting for an outcome.
+#[derive(Default)]
+struct Wakeups(Mutex<WakeupsInner>);
+
+#[derive(Default)]
+struct WakeupsInner {
+    resolved: Vec<u64>,
+    waiting: HashMap<u64, Waker>,
+}
+
+impl Wakeups {
+    /// Register `waker` for publish `seq`; the resolutions recorded since the last look.
+    fn wait(&self, seq: u64, waker: &Waker) -> Vec<u64> {
+        let mut inner = lock(&self.0);
+        match inner.waiting.get_mut(&seq) {
+            Some(registered) if registered.will_wake(waker) => {}
+            _ => {
+                inner.waiting.insert(seq, waker.clone());
+            }
+        }
+        std::mem::take(&mut inner.resolved)
+    }
+
+    fn take_resolved(&self) -> Vec<u64> {
+        std::mem::take(&mut lock(&self.0).resolved)
+    }
+
+    fn forget(&self, seq: u64) {
+        lock(&self.0).waiting.remove(&seq);
+    }
+}
+
+/// The waker of one publish's confirm: records that it resolved, and wakes every waiting task (an
+/// outcome waits on every earlier publish too).
+struct Resolution {
+    seq: u64,
+    wakeups: Arc<Wakeups>,
+}
+
+impl Wake for Resolution {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let waiting = {
+            let mut inner = lock(&self.wakeups.0);
+            inner.resolved.push(self.seq);
+            std::mem::take(&mut inner.waiting)
+        };
+        for waker in waiting.into_values() {
+            waker.wake();
+        }
+    }
+}
+
+/// A poisoned lock only means a panic elsewhere while it was held; the data is still consistent
+/// (every update is a single step).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

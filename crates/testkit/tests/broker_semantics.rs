@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use futures_util::future::join_all;
+
 use lapin::{
     BasicProperties, Channel, Connection,
     message::BasicGetMessage,
@@ -234,4 +236,57 @@ async fn a_queue_redeclared_with_other_arguments_is_refused() {
     let refused = channel.queue_declare("declared".into(), QueueDeclareOptions::durable(), other).await;
     let error = refused.expect_err("an inequivalent redeclaration is refused").to_string();
     assert!(error.contains("PRECONDITION_FAILED") || error.contains("inequivalent"), "{error}");
+}
+
+/// The broker sends a `basic.return` before the ack of the message it returns, but acks of other
+/// messages may come in between, and an ack may cover several messages (`multiple`): which
+/// confirm "carries" a return is not the broker's to say. Unroutable messages pipelined among
+/// messages to a quorum queue (whose confirms come later) must each be reported as returned, and
+/// only they: a return pinned on a neighbour would fail a delivered message and pass a lost one.
+#[tokio::test]
+async fn pipelined_publishes_report_exactly_the_unroutable_ones_as_returned() {
+    let env = TestEnv::new().await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    declare(&channel, "returns.target", &[]).await;
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    for round in 0..20 {
+        let mut sent = Vec::new();
+        for i in 0..50 {
+            let unroutable = (i * 7 + round) % 5 == 0;
+            let queue = if unroutable { "returns.nowhere" } else { "returns.target" };
+            let properties = BasicProperties::default().with_message_id(format!("m-{round}-{i}").into());
+            sent.push((unroutable, Some(publisher.send("", queue, b"{}", properties).await.expect("sent"))));
+        }
+        // Awaited in publish order, in reverse, and all at once: whoever awaits first, each
+        // outcome is its own.
+        let outcomes: Vec<_> = match round % 3 {
+            0 => {
+                let mut outcomes = Vec::new();
+                for (_, pending) in sent.iter_mut() {
+                    outcomes.push(pending.take().expect("pending").confirmed().await);
+                }
+                outcomes
+            }
+            1 => {
+                let mut outcomes = Vec::new();
+                for (_, pending) in sent.iter_mut().rev() {
+                    outcomes.push(pending.take().expect("pending").confirmed().await);
+                }
+                outcomes.reverse();
+                outcomes
+            }
+            _ => join_all(sent.iter_mut().map(|(_, pending)| pending.take().expect("pending").confirmed())).await,
+        };
+        let mut wrong = Vec::new();
+        for (i, ((unroutable, _), outcome)) in sent.iter().zip(outcomes).enumerate() {
+            let returned = matches!(outcome, Err(messaging::publisher::PublishError::Returned(_)));
+            assert!(returned || outcome.is_ok(), "message {i}: {outcome:?}");
+            if returned != *unroutable {
+                wrong.push((i, *unroutable));
+            }
+        }
+        assert!(wrong.is_empty(), "round {round}: (message, was unroutable) reported wrongly: {wrong:?}");
+    }
+    let _ = connection.close(200, "bye".into()).await;
 }

@@ -16,7 +16,7 @@ use messaging::{
     shutdown::{self, ShutdownTrigger},
     topology,
 };
-use shop::{OrderLine, OrderPlaced, exchanges};
+use shop::{InventoryReserved, OrderLine, OrderPlaced, exchanges};
 use sqlx::PgPool;
 use testkit::shop::{Options, WAIT};
 use testkit::{TestEnv, eventually};
@@ -148,6 +148,49 @@ async fn relay_started_before_any_queue_marks_nothing_then_delivers_everything()
     wait_all_published(&pool).await;
     let delivered: HashSet<Uuid> = message_ids(&env.drain(PROBE).await).into_iter().collect();
     assert_eq!(delivered, expected.into_iter().collect::<HashSet<_>>(), "all delivered once the queue exists");
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
+
+#[tokio::test]
+async fn in_one_batch_only_the_unroutable_rows_are_refused_and_the_others_are_marked_once() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    bind_probe(&env).await;
+    // One batch where every sixth row goes to an exchange with nothing bound. The broker returns
+    // those at once and confirms the others later, so a return arrives before the acks of the
+    // rows sent ahead of it: it must not be taken for theirs.
+    let mut tx = pool.begin().await.expect("begin");
+    let mut expected = HashSet::new();
+    for i in 0..480 {
+        let (order_id, job_id) = (Uuid::now_v7(), Uuid::now_v7());
+        let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
+        if i % 6 == 5 {
+            let body = InventoryReserved { order_id, job_id, reservation_id: Uuid::now_v7(), lines };
+            outbox::enqueue(&mut tx, &body, Some(job_id)).await.expect("enqueue");
+        } else {
+            let body = OrderPlaced { order_id, job_id, customer_id: format!("c-{i}"), lines };
+            expected.insert(outbox::enqueue(&mut tx, &body, Some(job_id)).await.expect("enqueue"));
+        }
+    }
+    tx.commit().await.expect("commit");
+    let (trigger, _) = shutdown::channel();
+    let (relay, _) = start_relay(&env, &trigger).await;
+
+    eventually("every row to be marked or refused", WAIT, || async {
+        (count(&pool, "select count(*) from outbox where published_at is not null or attempts > 0").await == 480)
+            .then_some(())
+    })
+    .await;
+    let refused = "select count(*) from outbox where exchange = 'orders' and attempts > 0";
+    assert_eq!(count(&pool, refused).await, 0, "a delivered row taken for returned");
+    let marked = "select count(*) from outbox where exchange = 'inventory' and published_at is not null";
+    assert_eq!(count(&pool, marked).await, 0, "a returned row marked as published");
+    let returned = "select count(*) from outbox where exchange = 'inventory' and last_error like '%NO_ROUTE%'";
+    assert_eq!(count(&pool, returned).await, 80);
+    let delivered = message_ids(&env.drain(PROBE).await);
+    assert_eq!(delivered.len(), 400, "each routable row delivered once");
+    assert_eq!(delivered.into_iter().collect::<HashSet<_>>(), expected);
     trigger.trigger();
     relay.await.expect("relay task").expect("relay ran");
 }
