@@ -298,7 +298,9 @@ struct Wakeups(Mutex<WakeupsInner>);
 #[derive(Default)]
 struct WakeupsInner {
     resolved: Vec<u64>,
-    waiting: HashMap<u64, Waker>,
+    /// By the publish each waits for: the outcome of `seq` can only change when a publish up to
+    /// `seq` resolves.
+    waiting: BTreeMap<u64, Waker>,
 }
 
 impl Wakeups {
@@ -323,8 +325,8 @@ impl Wakeups {
     }
 }
 
-/// The waker of one publish's confirm: records that it resolved, and wakes every waiting task (an
-/// outcome waits on every earlier publish too).
+/// The waker of one publish's confirm: records that it resolved, and wakes the tasks waiting for it
+/// or for a later publish (an outcome waits on every earlier publish too).
 struct Resolution {
     seq: u64,
     wakeups: Arc<Wakeups>,
@@ -339,7 +341,7 @@ impl Wake for Resolution {
         let waiting = {
             let mut inner = lock(&self.wakeups.0);
             inner.resolved.push(self.seq);
-            std::mem::take(&mut inner.waiting)
+            inner.waiting.split_off(&self.seq)
         };
         for waker in waiting.into_values() {
             waker.wake();
