@@ -169,9 +169,13 @@ struct Ledger {
 
 struct Entry {
     message_id: Option<String>,
-    /// Until it resolves: the confirm, and the waker that records its resolution.
-    confirm: Option<(PublisherConfirm, Waker)>,
-    outcome: Option<Outcome>,
+    state: State,
+}
+
+enum State {
+    /// The confirm, and the waker that records its resolution.
+    Waiting(PublisherConfirm, Waker),
+    Resolved(Outcome),
 }
 
 /// A confirm's own verdict, before returns are matched.
@@ -191,7 +195,7 @@ impl Confirms {
         let seq = ledger.next;
         ledger.next += 1;
         let waker = Waker::from(Arc::new(Resolution { seq, wakeups: Arc::clone(&self.wakeups) }));
-        let entry = Entry { message_id, confirm: Some((confirm, waker)), outcome: None };
+        let entry = Entry { message_id, state: State::Waiting(confirm, waker) };
         ledger.entries.insert(seq, entry);
         ledger.unresolved.insert(seq);
         // Polled once now, so that its resolution wakes whoever waits; collect what resolved since
@@ -210,11 +214,12 @@ impl Confirms {
             return Poll::Pending;
         }
         self.wakeups.forget(seq);
-        let entry = ledger.entries.remove(&seq);
-        let returned =
-            entry.as_ref().and_then(|entry| entry.message_id.as_deref()).and_then(|id| ledger.claim_return(id));
-        // Resolved (not in `unresolved`), so collected: the outcome is there.
-        let outcome = entry.and_then(|entry| entry.outcome).unwrap_or(Outcome::Nack);
+        // Not in `unresolved`, so collected; and only this `Pending` removes it. Were it missing,
+        // "not known to be stored" is the safe answer.
+        let Some(Entry { message_id, state: State::Resolved(outcome) }) = ledger.entries.remove(&seq) else {
+            return Poll::Ready(Err(PublishError::Nacked));
+        };
+        let returned = message_id.and_then(|id| ledger.claim_return(&id));
         Poll::Ready(match (outcome, returned) {
             (Outcome::Failed(error), _) => Err(PublishError::Connection(error)),
             (_, Some(reply)) | (Outcome::Returned(reply), None) => Err(PublishError::Returned(reply)),
@@ -246,9 +251,8 @@ impl Ledger {
     /// Look at entry `seq`'s confirm, woken as resolved: its verdict, and the return it carries.
     fn collect(&mut self, seq: u64) {
         let Some(entry) = self.entries.get_mut(&seq) else { return };
-        let Some((confirm, waker)) = entry.confirm.as_mut() else { return };
+        let State::Waiting(confirm, waker) = &mut entry.state else { return };
         let Poll::Ready(result) = Pin::new(confirm).poll(&mut Context::from_waker(waker)) else { return };
-        entry.confirm = None;
         let (outcome, carried) = match result {
             Ok(Confirmation::Ack(carried)) => (Outcome::Ack, carried),
             Ok(Confirmation::Nack(carried)) => (Outcome::Nack, carried),
@@ -256,14 +260,20 @@ impl Ledger {
             Ok(Confirmation::NotRequested) => (Outcome::Nack, None),
             Err(error) => (Outcome::Failed(error), None),
         };
-        entry.outcome = Some(outcome);
-        if let Some(returned) = carried {
-            let reply = format!("{} {}", returned.reply_code, returned.reply_text);
-            match returned.properties.message_id() {
-                Some(id) => self.returned.entry(id.to_string()).or_default().push(reply),
-                None => entry.outcome = Some(Outcome::Returned(reply)),
+        let outcome = match carried {
+            Some(returned) => {
+                let reply = format!("{} {}", returned.reply_code, returned.reply_text);
+                match returned.properties.message_id() {
+                    Some(id) => {
+                        self.returned.entry(id.to_string()).or_default().push(reply);
+                        outcome
+                    }
+                    None => Outcome::Returned(reply),
+                }
             }
-        }
+            None => outcome,
+        };
+        entry.state = State::Resolved(outcome);
         self.unresolved.remove(&seq);
     }
 
