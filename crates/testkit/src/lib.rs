@@ -212,8 +212,18 @@ impl TestEnv {
 
     /// The broker's major version.
     pub async fn broker_major(&self) -> u32 {
+        self.broker_line().await.0
+    }
+
+    /// The broker's release line, `(major, minor)`: `(4, 3)` for 4.3.6. Quorum-queue semantics
+    /// moved within 4.x (`tests/broker_semantics.rs`), so the major alone does not say enough.
+    pub async fn broker_line(&self) -> (u32, u32) {
         let version = self.broker_version().await;
-        version.split('.').next().and_then(|major| major.parse().ok()).expect("a version such as 4.0.5")
+        let mut parts = version.split('.').map(|part| part.parse::<u32>());
+        match (parts.next(), parts.next()) {
+            (Some(Ok(major)), Some(Ok(minor))) => (major, minor),
+            _ => panic!("{version} is no version such as 4.3.6"),
+        }
     }
 
     /// The broker's own headers (`x-...`) that were published with `delivery`, read back from a

@@ -1,6 +1,6 @@
 //! What the runtime relies on from the broker, pinned on the version under test. CI runs this
-//! against RabbitMQ 3.10 and 4.0 (`.ci/run`); a broker whose behaviour moves fails here first,
-//! rather than losing a message in production (decision 0005).
+//! against RabbitMQ 3.10, 4.0 and 4.3 (`.ci/run`); a broker whose behaviour moves fails here first,
+//! rather than losing a message in production (decisions 0005 and 0011).
 
 use std::time::Duration;
 
@@ -9,7 +9,10 @@ use futures_util::future::join_all;
 use lapin::{
     BasicProperties, Channel, Connection,
     message::BasicGetMessage,
-    options::{BasicConsumeOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions},
+    options::{
+        BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+        QueueDeclareOptions,
+    },
     types::{AMQPValue, FieldTable},
 };
 use messaging::{
@@ -53,36 +56,66 @@ async fn put(connection: &Connection, queue: &str, headers: FieldTable) {
     publisher.close().await;
 }
 
-/// `basic.get` without ack, then `basic.nack(requeue = true)`: what a peeking tool (the
-/// management UI's "Get messages" with its default) does.
-async fn peek_and_requeue(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
-    let message = get(channel, queue, GONE_AFTER).await?;
-    message.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
-    Some(message)
+/// How a delivery goes back to its queue. RabbitMQ 4.3 counts them differently against the
+/// delivery limit; 3.10 and 4.0 count all three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GiveBack {
+    /// `basic.nack(requeue = true)`: what a peeking tool does (msgctl, the management UI).
+    Nack,
+    /// `basic.reject(requeue = true)`.
+    Reject,
+    /// The channel closes with the delivery unacked: a crash, a lost connection, a shutdown.
+    Close,
 }
 
-/// `basic.get` without ack on a fresh channel, then close the channel: the broker takes the
-/// delivery back, as after a crash or a lost connection.
-async fn peek_and_close(connection: &Connection, queue: &str) -> Option<BasicGetMessage> {
+impl GiveBack {
+    const ALL: [GiveBack; 3] = [GiveBack::Nack, GiveBack::Reject, GiveBack::Close];
+}
+
+/// `basic.get` without ack on a fresh channel, then give the delivery back `how`.
+async fn peek_and_give_back(connection: &Connection, queue: &str, how: GiveBack) -> Option<BasicGetMessage> {
     let channel = connection.create_channel().await.expect("channel");
     let message = get(&channel, queue, GONE_AFTER).await;
+    if let Some(message) = &message {
+        let acker = &message.delivery.acker;
+        match how {
+            GiveBack::Nack => {
+                acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
+            }
+            GiveBack::Reject => {
+                acker.reject(BasicRejectOptions { requeue: true }).await.expect("reject");
+            }
+            GiveBack::Close => {}
+        }
+    }
     channel.close(200, "bye".into()).await.expect("close");
     message
 }
 
-/// In a fresh quorum queue declared with `arguments`, put one message and fetch-and-requeue it
-/// until it is gone or has been returned 25 times; how many returns it took.
-async fn returns_kept(env: &TestEnv, queue: &str, arguments: &[(&str, AMQPValue)]) -> u32 {
+/// In a fresh quorum queue declared with `arguments`, put one message and fetch and give it back
+/// `how` until it is gone or has been returned 25 times; how many returns it took.
+async fn returns_kept(env: &TestEnv, queue: &str, arguments: &[(&str, AMQPValue)], how: GiveBack) -> u32 {
     let connection = env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
     declare(&channel, queue, arguments).await;
     put(&connection, queue, FieldTable::default()).await;
     let mut returns = 0;
-    while returns < 25 && peek_and_requeue(&channel, queue).await.is_some() {
+    while returns < 25 && peek_and_give_back(&connection, queue, how).await.is_some() {
         returns += 1;
     }
     let _ = connection.close(200, "bye".into()).await;
     returns
+}
+
+/// The arguments of a quorum queue that dead-letters into `target` after `limit` counted returns.
+fn limited_to(limit: i64, target: &str) -> [(&'static str, AMQPValue); 5] {
+    [
+        ("x-delivery-limit", AMQPValue::LongLongInt(limit)),
+        ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
+        ("x-dead-letter-routing-key", AMQPValue::LongString(target.into())),
+        ("x-dead-letter-strategy", AMQPValue::LongString("at-least-once".into())),
+        ("x-overflow", AMQPValue::LongString("reject-publish".into())),
+    ]
 }
 
 fn text(value: &AMQPValue) -> String {
@@ -93,7 +126,7 @@ fn text(value: &AMQPValue) -> String {
 }
 
 #[tokio::test]
-async fn a_parked_message_survives_100_requeues_and_100_channel_closes_with_its_headers() {
+async fn a_parked_message_survives_100_nacks_100_rejects_and_100_channel_closes_with_its_headers() {
     let env = TestEnv::new().await;
     let connection = env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
@@ -110,13 +143,16 @@ async fn a_parked_message_survives_100_requeues_and_100_channel_closes_with_its_
     put(&connection, &parking, headers).await;
 
     for cycle in 1..=100 {
-        assert!(peek_and_requeue(&channel, &parking).await.is_some(), "gone at requeue {cycle}");
+        assert!(peek_and_give_back(&connection, &parking, GiveBack::Nack).await.is_some(), "gone at nack {cycle}");
     }
     for cycle in 1..=100 {
-        assert!(peek_and_close(&connection, &parking).await.is_some(), "gone at channel close {cycle}");
+        assert!(peek_and_give_back(&connection, &parking, GiveBack::Reject).await.is_some(), "gone at reject {cycle}");
+    }
+    for cycle in 1..=100 {
+        assert!(peek_and_give_back(&connection, &parking, GiveBack::Close).await.is_some(), "gone at close {cycle}");
     }
 
-    let kept = peek_and_requeue(&channel, &parking).await.expect("still parked after 200 returns");
+    let kept = peek_and_give_back(&connection, &parking, GiveBack::Nack).await.expect("still parked after 300 returns");
     let properties = &kept.delivery.properties;
     assert_eq!(properties.message_id().as_ref().map(|id| id.as_str()), Some("pinned-1"));
     let headers = properties.headers().clone().expect("headers").inner().clone();
@@ -127,20 +163,74 @@ async fn a_parked_message_survives_100_requeues_and_100_channel_closes_with_its_
 }
 
 #[tokio::test]
-async fn without_an_explicit_limit_4x_drops_a_message_at_its_21st_return_and_3x_keeps_it() {
+async fn without_an_explicit_limit_4_0_drops_a_message_at_its_21st_return_4_3_unless_nacked_and_3x_keeps_it() {
+    // Why parking and the intake declare KEEP_DELIVERY_LIMIT explicitly: 4.x gives every quorum
+    // queue a default limit of 20, and with no dead-letter target a message past it is dropped.
     let env = TestEnv::new().await;
-    let returns = returns_kept(&env, "no-limit", &[]).await;
-    match env.broker_major().await {
-        // Why parking and the intake declare KEEP_DELIVERY_LIMIT explicitly.
-        4.. => assert_eq!(returns, 21, "4.x: a default delivery limit of 20, then dropped (no dead-letter target)"),
-        _ => assert_eq!(returns, 25, "3.x: no default delivery limit"),
+    let line = env.broker_line().await;
+    for how in GiveBack::ALL {
+        let returns = returns_kept(&env, &format!("no-limit-{how:?}"), &[], how).await;
+        let expected = match (line, how) {
+            ((3, _), _) => 25,
+            // Measured on 4.0.5: every return counts.
+            ((4, ..=2), _) => 21,
+            // 4.3: a nack no longer counts (only x-acquired-count grows); a reject or a lost
+            // channel still does.
+            (_, GiveBack::Nack) => 25,
+            (_, GiveBack::Reject | GiveBack::Close) => 21,
+        };
+        assert_eq!(returns, expected, "{line:?}, given back by {how:?}");
     }
+}
+
+#[tokio::test]
+async fn nack_reject_and_a_lost_channel_against_the_delivery_limit_and_the_counts_each_delivery_carries() {
+    // What each way of giving a delivery back spends of a limit of 2, and what the broker tells
+    // the consumer about it (x-delivery-count, and from 4.3 x-acquired-count). Decision 0011 reads
+    // this table: a crash of the consumer (Close) is counted on every version, so the broker's
+    // limit stays the last resort against crash loops on 4.3 too.
+    let env = TestEnv::new().await;
+    let line = env.broker_line().await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    for how in GiveBack::ALL {
+        let queue = format!("limited-{how:?}");
+        let dead = format!("{queue}.dead");
+        declare(&channel, &dead, &[]).await;
+        declare(&channel, &queue, &limited_to(2, &dead)).await;
+        put(&connection, &queue, FieldTable::default()).await;
+        // (x-delivery-count, x-acquired-count) of each delivery, for up to six deliveries.
+        let mut counts = Vec::new();
+        while counts.len() < 6 {
+            let Some(message) = peek_and_give_back(&connection, &queue, how).await else { break };
+            let headers = message.delivery.properties.headers().clone().unwrap_or_default();
+            counts.push((
+                envelope::header_u32(&headers, "x-delivery-count"),
+                envelope::header_u32(&headers, "x-acquired-count"),
+            ));
+        }
+        let dead_lettered = get(&channel, &dead, GONE_AFTER).await.is_some();
+        let expected: (&[(Option<u32>, Option<u32>)], bool) = match (line, how) {
+            // 3.10 stamps its own count on every delivery, from 0.
+            ((3, _), _) => (&[(Some(0), None), (Some(1), None), (Some(2), None)], true),
+            ((4, ..=2), _) => (&[(None, None), (Some(1), None), (Some(2), None)], true),
+            (_, GiveBack::Nack) => (
+                &[(None, None), (None, Some(1)), (None, Some(2)), (None, Some(3)), (None, Some(4)), (None, Some(5))],
+                false,
+            ),
+            (_, GiveBack::Reject | GiveBack::Close) => (&[(None, None), (Some(1), Some(1)), (Some(2), Some(2))], true),
+        };
+        assert_eq!((counts.as_slice(), dead_lettered), expected, "{line:?}, given back by {how:?}");
+    }
+    let _ = connection.close(200, "bye".into()).await;
 }
 
 #[tokio::test]
 async fn delivery_limit_minus_one_is_unlimited_on_4x_but_drops_at_the_first_return_on_3x() {
     let env = TestEnv::new().await;
-    let returns = returns_kept(&env, "minus-one", &[("x-delivery-limit", AMQPValue::LongLongInt(-1))]).await;
+    // Rejected, so that every version counts the returns (a nack does not on 4.3).
+    let returns =
+        returns_kept(&env, "minus-one", &[("x-delivery-limit", AMQPValue::LongLongInt(-1))], GiveBack::Reject).await;
     match env.broker_major().await {
         4.. => assert_eq!(returns, 25, "4.x: -1 is unlimited"),
         // Why KEEP_DELIVERY_LIMIT is the largest positive value, not -1.
@@ -152,7 +242,10 @@ async fn delivery_limit_minus_one_is_unlimited_on_4x_but_drops_at_the_first_retu
 async fn the_keep_limit_is_accepted_and_keeps_messages_on_every_version() {
     let env = TestEnv::new().await;
     let keep = AMQPValue::LongLongInt(i64::from(KEEP_DELIVERY_LIMIT));
-    assert_eq!(returns_kept(&env, "keep", &[("x-delivery-limit", keep)]).await, 25);
+    for how in GiveBack::ALL {
+        let queue = format!("keep-{how:?}");
+        assert_eq!(returns_kept(&env, &queue, &[("x-delivery-limit", keep.clone())], how).await, 25, "{how:?}");
+    }
 }
 
 #[tokio::test]
@@ -161,14 +254,7 @@ async fn unacked_returns_count_towards_the_limit_come_back_redelivered_and_dead_
     let connection = env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
     declare(&channel, "limited.dead", &[]).await;
-    let limited = [
-        ("x-delivery-limit", AMQPValue::LongLongInt(2)),
-        ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
-        ("x-dead-letter-routing-key", AMQPValue::LongString("limited.dead".into())),
-        ("x-dead-letter-strategy", AMQPValue::LongString("at-least-once".into())),
-        ("x-overflow", AMQPValue::LongString("reject-publish".into())),
-    ];
-    declare(&channel, "limited", &limited).await;
+    declare(&channel, "limited", &limited_to(2, "limited.dead")).await;
     put(&connection, "limited", FieldTable::default()).await;
 
     // A consumer that takes the delivery and dies with its channel, again and again, never
@@ -213,7 +299,7 @@ async fn x_delivery_count_is_set_by_3x_on_every_delivery_and_passed_through_as_p
     headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(7));
     put(&connection, "counted", headers).await;
 
-    let first = peek_and_requeue(&channel, "counted").await.expect("delivered");
+    let first = peek_and_give_back(&connection, "counted", GiveBack::Nack).await.expect("delivered");
     let table = first.delivery.properties.headers().clone().expect("headers");
     let count = envelope::header_u32(&table, "x-delivery-count");
     match major {
@@ -236,6 +322,81 @@ async fn a_queue_redeclared_with_other_arguments_is_refused() {
     let refused = channel.queue_declare("declared".into(), QueueDeclareOptions::durable(), other).await;
     let error = refused.expect_err("an inequivalent redeclaration is refused").to_string();
     assert!(error.contains("PRECONDITION_FAILED") || error.contains("inequivalent"), "{error}");
+}
+
+#[tokio::test]
+async fn what_4_3_refuses_of_the_features_it_deprecates_and_what_it_still_accepts() {
+    // The runtime uses none of these (durable quorum queues, per-consumer prefetch); pinned so
+    // that a team reading 4.3's release notes knows what 4.3.6 really does. Measured on 4.3.6: of
+    // the removals the notes announce, only classic queue storage v1 is refused; `x-queue-mode`
+    // is accepted, and transient non-exclusive queues are still `permitted_by_default`.
+    let env = TestEnv::new().await;
+    let line = env.broker_line().await;
+    let connection = env.amqp().await;
+    let declared = |name: &'static str, durable: bool, argument: Option<(&'static str, AMQPValue)>| {
+        let connection = &connection;
+        async move {
+            let channel = connection.create_channel().await.expect("channel");
+            let mut arguments = FieldTable::default();
+            if let Some((key, value)) = argument {
+                arguments.insert(key.into(), value);
+            }
+            let options = QueueDeclareOptions { durable, ..Default::default() };
+            channel.queue_declare(name.into(), options, arguments).await.map(|_| ()).map_err(|e| e.to_string())
+        }
+    };
+    let version_1 = declared("cq-v1", true, Some(("x-queue-version", AMQPValue::LongLongInt(1)))).await;
+    if line >= (4, 3) {
+        let error = version_1.expect_err("4.3 has no classic queue storage v1");
+        assert!(error.contains("PRECONDITION_FAILED") && error.contains("x-queue-version"), "{error}");
+    } else {
+        version_1.expect("classic queue storage v1 before 4.3");
+    }
+    declared("lazy", true, Some(("x-queue-mode", AMQPValue::LongString("lazy".into()))))
+        .await
+        .expect("x-queue-mode is accepted");
+    declared("transient", false, None).await.expect("a transient non-exclusive queue is accepted");
+    // Global QoS is `denied` in 4.3.6's deprecated features, yet basic.qos(global) is answered and
+    // the channel stays open.
+    let channel = connection.create_channel().await.expect("channel");
+    channel.basic_qos(10, BasicQosOptions { global: true }).await.expect("global basic.qos is answered");
+    channel
+        .queue_declare(
+            "lazy".into(),
+            QueueDeclareOptions { passive: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await
+        .expect("the channel is still open after a global basic.qos");
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+#[tokio::test]
+async fn delayed_retry_arguments_hold_a_rejected_message_back_on_4_3_and_are_silently_ignored_before() {
+    // 4.3's native delayed retry (decision 0011 on why the runtime keeps its wait queues): a
+    // returned message waits min(x-delayed-retry-min × delivery-count, x-delayed-retry-max) before
+    // it is delivered again. Older brokers accept the same arguments and do nothing with them.
+    let env = TestEnv::new().await;
+    let line = env.broker_line().await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let delayed = [
+        ("x-delayed-retry-type", AMQPValue::LongString("all".into())),
+        ("x-delayed-retry-min", AMQPValue::LongLongInt(3_000)),
+    ];
+    declare(&channel, "delayed", &delayed).await;
+    put(&connection, "delayed", FieldTable::default()).await;
+    peek_and_give_back(&connection, "delayed", GiveBack::Reject).await.expect("first delivery");
+    // A lower bound only: a slow machine can make the message later, never earlier.
+    let soon = get(&channel, "delayed", Duration::from_millis(1_500)).await;
+    if line >= (4, 3) {
+        assert!(soon.is_none(), "4.3: a rejected message is held back for x-delayed-retry-min");
+        let later = get(&channel, "delayed", WAIT).await;
+        assert!(later.is_some_and(|m| m.delivery.redelivered), "4.3: and then delivered again, not dropped");
+    } else {
+        assert!(soon.is_some(), "{line:?}: the arguments are accepted and ignored; the message is back at once");
+    }
+    let _ = connection.close(200, "bye".into()).await;
 }
 
 /// The broker sends a `basic.return` before the ack of the message it returns, but acks of other
