@@ -11,8 +11,8 @@
 //! parallel without seeing each other's rows or queues. Both are removed when it is dropped.
 //!
 //! `RABBITMQCTL` names the `rabbitmqctl` command for that broker (words split on spaces), for a
-//! broker that is not the machine's own node: `.ci/rabbitmq4 env` sets it for the RabbitMQ 4.0 in
-//! its chroot. Default `rabbitmqctl`.
+//! broker that is not the machine's own node: `.ci/rabbitmq4 4.3 env` sets it for the RabbitMQ 4.3
+//! in its chroot. Default `rabbitmqctl`.
 
 pub mod cli;
 pub use messaging::http;
@@ -84,10 +84,12 @@ async fn locate_servers() -> Servers {
     })
 }
 
-/// The Postgres image tag of the testcontainers fallback: the one `compose.yaml` pins.
+/// The Postgres image tag of the testcontainers fallback: the one `compose.yaml` and
+/// `.github/workflows/ci.yml` pin.
 pub const POSTGRES_TAG: &str = "17.12";
-/// The RabbitMQ image tag of the testcontainers fallback: the one `compose.yaml` pins.
-pub const RABBITMQ_TAG: &str = "4.0.5-management";
+/// The RabbitMQ image tag of the testcontainers fallback: the one `compose.yaml` and
+/// `.github/workflows/ci.yml` pin.
+pub const RABBITMQ_TAG: &str = "4.3.6-management";
 
 /// Containers for machines without local servers; kept for the life of the test process.
 mod containers {
@@ -397,16 +399,24 @@ where
 
 #[cfg(test)]
 mod tests {
+    /// The files that pin the server images the suite and the demo run on.
+    const PINNING: [(&str, &str); 2] = [
+        ("compose.yaml", include_str!("../../../compose.yaml")),
+        (".github/workflows/ci.yml", include_str!("../../../.github/workflows/ci.yml")),
+    ];
+
+    /// Every `image: NAME:TAG` of `file` for image `name`, as `TAG`s.
+    fn tags_of(file: &str, name: &str) -> Vec<String> {
+        let prefix = format!("image: {name}:");
+        file.lines().filter_map(|line| line.trim().strip_prefix(&prefix)).map(|tag| tag.trim().to_owned()).collect()
+    }
+
     #[test]
-    fn the_container_fallback_runs_the_versions_compose_pins() {
-        let compose = include_str!("../../../compose.yaml");
-        assert!(
-            compose.contains(&format!("image: postgres:{}\n", super::POSTGRES_TAG)),
-            "compose.yaml pins another Postgres"
-        );
-        assert!(
-            compose.contains(&format!("image: rabbitmq:{}\n", super::RABBITMQ_TAG)),
-            "compose.yaml pins another RabbitMQ"
-        );
+    fn the_pinned_versions_agree_between_compose_the_workflow_and_the_container_fallback() {
+        for (path, file) in PINNING {
+            for (name, tag) in [("postgres", super::POSTGRES_TAG), ("rabbitmq", super::RABBITMQ_TAG)] {
+                assert_eq!(tags_of(file, name), [tag], "{path} pins {name} other than testkit's {name}:{tag}");
+            }
+        }
     }
 }
