@@ -17,8 +17,10 @@ use crate::{
 };
 
 /// Returns of one message to the work queue before the broker itself dead-letters it. Every
-/// return of an unacked delivery counts, handled or not (a crash, a reconnect, a shutdown, on 3.10
-/// and 4.x alike), so a message prefetched beside a crashing one is returned with it: the runtime
+/// return the runtime causes counts, handled or not: a crash, a reconnect, a shutdown, each a
+/// channel closing with the delivery unacked, on 3.10, 4.0 and 4.3 alike (4.3 stopped counting
+/// only `basic.nack`, which the runtime never sends: decision 0011). So a message prefetched
+/// beside a crashing one is returned with it: the runtime
 /// bounds crash loops itself, after at most `max_crashes + 1` crashes (decision 0005). This is the
 /// last resort far above that bound, high enough for a long database outage with a flapping
 /// broker connection; what it dead-letters is still parked with a reason and its job quarantined.
