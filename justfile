@@ -49,10 +49,11 @@ dev:
 demo:
     docker compose up --build --wait
 
-# The demo as CI runs it: engine, images from Debian packages, the walk-through, the page in
-# Chromium, Prometheus's rules and queries; always ends with `docker compose down -v`.
-demo-check:
-    bash scripts/demo
+# The demo, checked: `up --build --wait`, the walk-through, the page in Chromium, Prometheus's
+# rules and queries; always ends with `docker compose down -v`. `just demo-check --mirror` is how
+# CI runs it without a registry: every image pulled through a local mirror of stand-ins.
+demo-check *flags:
+    bash scripts/demo {{flags}}
 
 # Place a demo order against a running API (`just order SKU-1 2`).
 order sku="SKU-1" quantity="1":

@@ -91,8 +91,13 @@ pub const POSTGRES_TAG: &str = "17.12";
 /// `.github/workflows/ci.yml` pin.
 pub const RABBITMQ_TAG: &str = "4.3.6-management";
 
-/// Containers for machines without local servers; kept for the life of the test process.
+/// Containers for machines without local servers. One pair per machine, by name, that every test
+/// binary and every run reuses (each test has its own databases and vhost, so sharing is safe):
+/// a test process never removes what it started, so a pair per process would pile up. Their
+/// names carry the tag, so a version change starts a new pair; `docker rm -f $(docker ps -aq
+/// --filter name=reliable-orders-test-)` removes them.
 mod containers {
+    use testcontainers::{ContainerRequest, Image, ReuseDirective};
     use testcontainers_modules::{
         postgres::Postgres,
         rabbitmq::RabbitMq,
@@ -102,16 +107,34 @@ mod containers {
 
     static RUNNING: OnceCell<(ContainerAsync<Postgres>, ContainerAsync<RabbitMq>)> = OnceCell::const_new();
 
+    /// Start the container `request` makes, or reuse the running one of its name. Two test
+    /// binaries started at once (nextest) may both try to create it; the loser finds it on its
+    /// second try.
+    async fn start_or_reuse<I: Image>(request: impl Fn() -> ContainerRequest<I>) -> Result<ContainerAsync<I>, String> {
+        match request().start().await {
+            Ok(container) => Ok(container),
+            Err(_) => request().start().await.map_err(|e| e.to_string()),
+        }
+    }
+
     pub(super) async fn start() -> Result<super::Servers, String> {
         let (postgres, rabbitmq) = RUNNING
             .get_or_try_init(|| async {
                 // The versions users run (compose.yaml), not the modules' old defaults (Postgres 11
                 // lacks `drop database ... with (force)`; RabbitMQ 3.8 lacks quorum-queue TTLs).
-                let postgres =
-                    Postgres::default().with_tag(super::POSTGRES_TAG).start().await.map_err(|e| e.to_string())?;
-                let rabbitmq =
-                    RabbitMq::default().with_tag(super::RABBITMQ_TAG).start().await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((postgres, rabbitmq))
+                let postgres = || {
+                    Postgres::default()
+                        .with_tag(super::POSTGRES_TAG)
+                        .with_container_name(format!("reliable-orders-test-postgres-{}", super::POSTGRES_TAG))
+                        .with_reuse(ReuseDirective::Always)
+                };
+                let rabbitmq = || {
+                    RabbitMq::default()
+                        .with_tag(super::RABBITMQ_TAG)
+                        .with_container_name(format!("reliable-orders-test-rabbitmq-{}", super::RABBITMQ_TAG))
+                        .with_reuse(ReuseDirective::Always)
+                };
+                Ok::<_, String>((start_or_reuse(postgres).await?, start_or_reuse(rabbitmq).await?))
             })
             .await?;
         let pg_port = postgres.get_host_port_ipv4(5432).await.map_err(|e| e.to_string())?;
