@@ -107,6 +107,9 @@ async fn returns_kept(env: &TestEnv, queue: &str, arguments: &[(&str, AMQPValue)
     returns
 }
 
+/// What one delivery says of its returns: (`x-delivery-count`, `x-acquired-count`).
+type Counts = (Option<u32>, Option<u32>);
+
 /// The arguments of a quorum queue that dead-letters into `target` after `limit` counted returns.
 fn limited_to(limit: i64, target: &str) -> [(&'static str, AMQPValue); 5] {
     [
@@ -199,8 +202,8 @@ async fn nack_reject_and_a_lost_channel_against_the_delivery_limit_and_the_count
         declare(&channel, &dead, &[]).await;
         declare(&channel, &queue, &limited_to(2, &dead)).await;
         put(&connection, &queue, FieldTable::default()).await;
-        // (x-delivery-count, x-acquired-count) of each delivery, for up to six deliveries.
-        let mut counts = Vec::new();
+        let mut counts: Vec<Counts> = Vec::new();
+        // Up to six deliveries.
         while counts.len() < 6 {
             let Some(message) = peek_and_give_back(&connection, &queue, how).await else { break };
             let headers = message.delivery.properties.headers().clone().unwrap_or_default();
@@ -210,7 +213,7 @@ async fn nack_reject_and_a_lost_channel_against_the_delivery_limit_and_the_count
             ));
         }
         let dead_lettered = get(&channel, &dead, GONE_AFTER).await.is_some();
-        let expected: (&[(Option<u32>, Option<u32>)], bool) = match (line, how) {
+        let expected: (&[Counts], bool) = match (line, how) {
             // 3.10 stamps its own count on every delivery, from 0.
             ((3, _), _) => (&[(Some(0), None), (Some(1), None), (Some(2), None)], true),
             ((4, ..=2), _) => (&[(None, None), (Some(1), None), (Some(2), None)], true),
