@@ -441,5 +441,14 @@ mod tests {
                 assert_eq!(tags_of(file, name), [tag], "{path} pins {name} other than testkit's {name}:{tag}");
             }
         }
+        // The stand-ins CI's registry mirror serves are built and pushed under the same tags.
+        for (path, script) in [
+            ("scripts/standin-images", include_str!("../../../scripts/standin-images")),
+            ("scripts/registry-mirror", include_str!("../../../scripts/registry-mirror")),
+        ] {
+            for image in [format!("postgres:{}", super::POSTGRES_TAG), format!("rabbitmq:{}", super::RABBITMQ_TAG)] {
+                assert!(script.contains(&image), "{path} does not provide {image}");
+            }
+        }
     }
 }
