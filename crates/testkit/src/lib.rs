@@ -107,13 +107,20 @@ mod containers {
 
     static RUNNING: OnceCell<(ContainerAsync<Postgres>, ContainerAsync<RabbitMq>)> = OnceCell::const_new();
 
-    /// Start the container `request` makes, or reuse the running one of its name. Two test
-    /// binaries started at once (nextest) may both try to create it; the loser finds it on its
-    /// second try.
+    /// Start the container `request` makes, or reuse the running one of its name. Test processes
+    /// started at once (nextest runs one per test) race to create it: the losers get Docker's
+    /// 409 Conflict on the name while the winner's container is created but not yet running, and
+    /// try again until it is (measured: a single retry came too soon).
     async fn start_or_reuse<I: Image>(request: impl Fn() -> ContainerRequest<I>) -> Result<ContainerAsync<I>, String> {
-        match request().start().await {
-            Ok(container) => Ok(container),
-            Err(_) => request().start().await.map_err(|e| e.to_string()),
+        let deadline = tokio::time::Instant::now() + STARTUP;
+        loop {
+            match request().start().await {
+                Ok(container) => return Ok(container),
+                Err(error) if error.to_string().contains("Conflict") && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                }
+                Err(error) => return Err(error.to_string()),
+            }
         }
     }
 
@@ -140,12 +147,30 @@ mod containers {
         let pg_port = postgres.get_host_port_ipv4(5432).await.map_err(|e| e.to_string())?;
         let amqp_port = rabbitmq.get_host_port_ipv4(5672).await.map_err(|e| e.to_string())?;
         let http_port = rabbitmq.get_host_port_ipv4(15672).await.map_err(|e| e.to_string())?;
-        Ok(super::Servers {
+        let servers = super::Servers {
             postgres: format!("postgres://postgres:postgres@127.0.0.1:{pg_port}"),
             amqp: format!("amqp://guest:guest@127.0.0.1:{amqp_port}"),
             management: format!("http://guest:guest@127.0.0.1:{http_port}"),
+        };
+        // A reused container was started by another test process and may not be up yet (only a
+        // fresh start waits for its log line): a vhost created before the management API answers
+        // would go to the local broker's rabbitmqctl instead.
+        let overview = format!("{}/api/overview", servers.management);
+        super::eventually("the container's RabbitMQ management API", STARTUP, || async {
+            let response = super::http::request("GET", &overview, &[], None).await.ok()?;
+            (response.status == 200).then_some(())
         })
+        .await;
+        let postgres = format!("{}/postgres", servers.postgres);
+        super::eventually("the container's Postgres", STARTUP, || async {
+            sqlx::PgPool::connect(&postgres).await.ok().map(drop)
+        })
+        .await;
+        Ok(servers)
     }
+
+    /// How long a reused container may take to answer after another process started it.
+    const STARTUP: std::time::Duration = std::time::Duration::from_secs(120);
 }
 
 /// One test's private world: databases and a vhost of its own.
