@@ -1,5 +1,5 @@
 //! `billing-worker`: see the library for what it does.
 
-fn main() -> Result<(), messaging::service::BoxError> {
+fn main() -> std::process::ExitCode {
     billing_worker::worker().main()
 }

@@ -1,5 +1,5 @@
 //! `inventory-worker`: see the library for what it does.
 
-fn main() -> Result<(), messaging::service::BoxError> {
+fn main() -> std::process::ExitCode {
     inventory_worker::worker().main()
 }

@@ -5,9 +5,9 @@
 
 use std::{sync::Arc, time::Duration};
 
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder};
 
-use crate::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown};
+use crate::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown, tls::TlsFiles};
 
 /// A long-running broker client: where it connects, its name (shown in the broker's management
 /// UI, and the readiness flag that says whether it is up), and how long it waits between tries.
@@ -23,10 +23,39 @@ pub struct Link {
     pub readiness: Arc<Readiness>,
 }
 
-/// Open one connection, named `name` in the broker's management UI.
+/// Open one connection, named `name` in the broker's management UI. An `amqps://` URL may name
+/// its CA file and client certificate in its query ([`crate::tls`]); they are read at every
+/// connect, so a rotated certificate is picked up by the next reconnect.
 pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url.expose(), properties).await
+    let parsed = url::Url::parse(url.expose())
+        .map_err(|error| lapin::Error::from(std::io::Error::new(std::io::ErrorKind::InvalidInput, error)))?;
+    let files = TlsFiles::of_url(&parsed);
+    let tls = files.amqp().map_err(lapin::Error::from)?;
+    DefaultConnectionBuilder::new()?
+        .with_uri_str(TlsFiles::strip(&parsed).into())
+        .with_properties(properties)
+        .with_tls_config(tls)
+        .connect()
+        .await
+}
+
+/// At start-up, before anything is written: one connection to the broker. A certificate that
+/// does not verify, or TLS files that cannot be read, is an error naming the broker and the
+/// reason, which no retry would cure. Anything else (the broker not up yet) is left to the
+/// sessions' reconnect loops.
+pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::service::StartupError> {
+    match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
+        Ok(Ok(connection)) => {
+            let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
+            Ok(())
+        }
+        Ok(Err(error)) => match crate::tls::verification_failure(&error) {
+            Some(reason) => Err(crate::service::StartupError(format!("the broker at {url}: TLS: {reason}"))),
+            None => Ok(()),
+        },
+        Err(_) => Ok(()),
+    }
 }
 
 /// Connect, retrying with backoff until it works or shutdown is asked for (`None`).

@@ -46,11 +46,25 @@ impl fmt::Display for SecretUrl {
             return f.write_str(url);
         };
         let rest = &url[scheme_end..];
-        match (rest.find('@'), rest.find(':')) {
+        let masked = match (rest.find('@'), rest.find(':')) {
             (Some(at), Some(colon)) if colon < at => {
-                write!(f, "{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..])
+                format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..])
             }
-            _ => f.write_str(url),
+            _ => url.clone(),
+        };
+        // libpq also takes the password as a query parameter.
+        match masked.split_once('?') {
+            Some((base, query)) => {
+                let query: Vec<String> = query
+                    .split('&')
+                    .map(|pair| match pair.split_once('=') {
+                        Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                        _ => pair.to_owned(),
+                    })
+                    .collect();
+                write!(f, "{base}?{}", query.join("&"))
+            }
+            None => f.write_str(&masked),
         }
     }
 }
@@ -61,10 +75,43 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
+/// `args` (a binary's command line, its name first) with a setting added for each one given in a
+/// file: every flag whose environment variable is `NAME` also takes `NAME_FILE`, the path of a
+/// file holding its value (a trailing newline is dropped), the way the official Postgres image
+/// takes `POSTGRES_PASSWORD_FILE`. The value goes to the parser only, never to the environment,
+/// the process's arguments or a log. Both `NAME` and `NAME_FILE` set is refused, as is a file
+/// that cannot be read (the message names the file, never its content).
+pub fn args_with_secret_files(
+    command: &clap::Command,
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Result<Vec<std::ffi::OsString>, String> {
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    let set = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
+    for arg in command.get_arguments() {
+        let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else { continue };
+        let env = env.to_string_lossy();
+        let file_env = format!("{env}_FILE");
+        let Some(path) = set(&file_env) else { continue };
+        if set(&env).is_some() {
+            return Err(format!("{env} and {file_env} are both set: set one of them"));
+        }
+        let path = std::path::PathBuf::from(path);
+        let value = std::fs::read_to_string(&path)
+            .map_err(|error| format!("{file_env}={}: cannot read it: {error}", path.display()))?;
+        let value = value.strip_suffix('\n').unwrap_or(&value);
+        let value = value.strip_suffix('\r').unwrap_or(value);
+        // Right after the binary's name: a flag given on the command line as well is refused by
+        // the parser as given twice.
+        args.insert(1.min(args.len()), format!("--{long}={value}").into());
+    }
+    Ok(args)
+}
+
 /// The broker connection, shared by every binary.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BrokerArgs {
-    /// RabbitMQ URL (AMQP 0-9-1); the vhost is the path, `%2f` for `/`.
+    /// RabbitMQ URL (AMQP 0-9-1); the vhost is the path, `%2f` for `/`. TLS: `amqps://`, with
+    /// `?cacertfile=/run/ca.pem` (and `&certfile=...&keyfile=...` for a client certificate).
     #[arg(long, env = "AMQP_URL", hide_env_values = true, default_value = "amqp://guest:guest@localhost:5672/%2f")]
     pub amqp_url: SecretUrl,
 }
@@ -184,6 +231,10 @@ mod tests {
         assert_eq!(
             SecretUrl::new("postgres://postgres@localhost/accounts").to_string(),
             "postgres://postgres@localhost/accounts"
+        );
+        assert_eq!(
+            SecretUrl::new("postgres://app@db/shop?sslmode=verify-full&password=hunter2").to_string(),
+            "postgres://app@db/shop?sslmode=verify-full&password=***"
         );
     }
 

@@ -1,29 +1,54 @@
-//! Database start-up: create the service's database if it is missing, connect a pool, migrate.
-//! Safe when several instances start together: `CREATE DATABASE` races are tolerated and sqlx's
-//! migrator holds an advisory lock while it migrates.
+//! Database start-up: create the service's database if it is missing (and the role may), migrate
+//! (as the schema's owner if a migration URL is given), connect a pool, check the runtime role's
+//! grants. Safe when several instances start together: `CREATE DATABASE` races are tolerated and
+//! sqlx's migrator holds an advisory lock while it migrates.
 //!
 //! Every query is bounded twice (docs/guarantees.md, "stalled database"): the server cancels a
-//! statement after [`STATEMENT_TIMEOUT`], and the client gives up after [`QUERY_DEADLINE`] on work
-//! wrapped in [`within`], which also covers a connection that has gone silent (a black hole, where
-//! the server's cancel never arrives and the kernel would wait about 15 minutes).
+//! statement after its [`DbTimeouts`] (statement, lock wait, idle in transaction), and the client
+//! gives up after [`QUERY_DEADLINE`] on work wrapped in [`within`], which also covers a connection
+//! that has gone silent (a black hole, where the server's cancel never arrives and the kernel
+//! would wait about 15 minutes).
 
 use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
     Connection, PgConnection, PgPool,
-    migrate::Migrator,
+    migrate::{MigrateError, Migrator},
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 
-use crate::{backoff::Backoff, config::SecretUrl, shutdown::Shutdown};
-
-/// Set on every pooled connection: the server cancels a statement running longer (SQLSTATE 57014,
-/// a transient error). Migrations run on a connection of their own, without it.
-pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::{backoff::Backoff, config::SecretUrl, duration::parse_duration, service::StartupError, shutdown::Shutdown};
 
 /// How long the client waits for one unit of database work (a transaction, a batch) wrapped in
 /// [`within`] before it gives up and treats the database as unreachable.
 pub const QUERY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The server-side bounds every pooled connection gets (migrations run on a connection of their
+/// own, without them). Each turns a wait into an error the caller retries.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct DbTimeouts {
+    /// `statement_timeout`: the server cancels a statement running longer (SQLSTATE 57014, retried).
+    #[arg(long = "db-statement-timeout", env = "DB_STATEMENT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub statement: Duration,
+    /// `lock_timeout`: a statement waiting longer for a row or table lock fails (55P03, retried)
+    /// instead of queueing behind a stuck transaction; shorter than the statement timeout.
+    #[arg(long = "db-lock-timeout", env = "DB_LOCK_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub lock: Duration,
+    /// `idle_in_transaction_session_timeout`: the server ends a session whose transaction has been
+    /// idle this long (a hung or partitioned client), releasing its locks.
+    #[arg(long = "db-idle-in-transaction-timeout", env = "DB_IDLE_IN_TRANSACTION_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub idle_in_transaction: Duration,
+}
+
+impl Default for DbTimeouts {
+    fn default() -> Self {
+        Self {
+            statement: Duration::from_secs(5),
+            lock: Duration::from_secs(3),
+            idle_in_transaction: Duration::from_secs(30),
+        }
+    }
+}
 
 /// `work` on the database, abandoned after `limit` with an I/O `TimedOut` error, which
 /// [`is_unreachable`] counts as an outage. Dropping the work drops its connection's transaction,
@@ -46,9 +71,13 @@ pub async fn answers(pool: &PgPool) -> bool {
     within(Duration::from_secs(2), sqlx::query("select 1").execute(pool)).await.is_ok()
 }
 
-/// `options` with the [`STATEMENT_TIMEOUT`] every pooled connection gets.
-pub fn bounded(options: PgConnectOptions) -> PgConnectOptions {
-    options.options([("statement_timeout", STATEMENT_TIMEOUT.as_millis())])
+/// `options` with the server-side [`DbTimeouts`] every pooled connection gets.
+pub fn bounded(options: PgConnectOptions, timeouts: &DbTimeouts) -> PgConnectOptions {
+    options.options([
+        ("statement_timeout", timeouts.statement.as_millis()),
+        ("lock_timeout", timeouts.lock.as_millis()),
+        ("idle_in_transaction_session_timeout", timeouts.idle_in_transaction.as_millis()),
+    ])
 }
 
 /// Pool settings.
@@ -59,31 +88,68 @@ pub struct PoolSettings {
     /// How long a caller waits for a free connection before getting an error (which the API turns
     /// into a 503 and the consumers into a retry) instead of hanging.
     pub acquire_timeout: Duration,
+    /// The server-side bounds of every connection.
+    pub timeouts: DbTimeouts,
 }
 
 impl Default for PoolSettings {
     fn default() -> Self {
-        Self { max_connections: 10, acquire_timeout: Duration::from_secs(5) }
+        Self { max_connections: 10, acquire_timeout: Duration::from_secs(5), timeouts: DbTimeouts::default() }
     }
 }
 
-/// Create the database named in `url` if missing, connect, and apply messaging's migrations and
-/// then the service's `migrator` ([`crate::schema::migrate`]). Retries with
-/// backoff while the server cannot be reached (it may still be starting); other errors (a bad
-/// migration, bad credentials) are returned at once. `Ok(None)` if shutdown came first.
+/// Where a service's database is: the URL it runs as, and optionally another it migrates as (the
+/// schema's owner, when the runtime role may not change the schema).
+#[derive(Debug, Clone)]
+pub struct Database<'a> {
+    /// The runtime role's URL (`DATABASE_URL`).
+    pub url: &'a SecretUrl,
+    /// The migrating role's URL (`MIGRATION_DATABASE_URL`); the runtime URL if none.
+    pub migrate_as: Option<&'a SecretUrl>,
+    /// The relay's role (`OUTBOX_RELAY_ROLE`), granted what it needs on the outbox once the
+    /// migrations have run, by the migrating role: `SELECT`, `UPDATE`, `DELETE`.
+    pub relay_role: Option<&'a str>,
+}
+
+/// Connect, create the database if it is missing and the role may, apply messaging's migrations
+/// and then the service's `migrator` ([`crate::schema::migrate`]), and check that the runtime role
+/// holds every grant the service needs. Retries with backoff while the server cannot be reached
+/// (it may still be starting). Anything that no wait would cure (a certificate that does not
+/// verify, bad credentials, a bad migration, a missing grant) is a [`StartupError`] naming the
+/// server and what is wrong. `Ok(None)` if shutdown came first.
 pub async fn open(
-    url: &SecretUrl,
+    database: Database<'_>,
     migrator: &Migrator,
     settings: PoolSettings,
     shutdown: &Shutdown,
-) -> Result<Option<PgPool>, sqlx::Error> {
-    let options = PgConnectOptions::from_str(url.expose())?;
+) -> Result<Option<PgPool>, StartupError> {
+    let at = |url: &SecretUrl, error: &dyn std::fmt::Display| StartupError(format!("the database at {url}: {error}"));
+    let options = PgConnectOptions::from_str(database.url.expose()).map_err(|e| at(database.url, &e))?;
+    let migrating_url = database.migrate_as.unwrap_or(database.url);
+    let migrating = PgConnectOptions::from_str(migrating_url.expose()).map_err(|e| at(migrating_url, &e))?;
     let backoff = Backoff::default();
     let mut failures = 0;
     loop {
-        match try_open(&options, migrator, settings).await {
-            Ok(pool) => return Ok(Some(pool)),
-            Err(error) if is_unreachable(&error) => {
+        let step = async {
+            create_database_if_missing(&migrating).await.map_err(|e| (migrating_url, e))?;
+            migrate(&migrating, migrator).await.map_err(|e| (migrating_url, e))?;
+            if let Some(role) = database.relay_role {
+                grant_outbox(&migrating, role).await.map_err(|e| (migrating_url, e))?;
+            }
+            let pool = PgPoolOptions::new()
+                .max_connections(settings.max_connections)
+                .acquire_timeout(settings.acquire_timeout)
+                .connect_with(bounded(options.clone(), &settings.timeouts))
+                .await
+                .map_err(|e| (database.url, e))?;
+            Ok::<_, (&SecretUrl, sqlx::Error)>(pool)
+        };
+        match step.await {
+            Ok(pool) => {
+                check_grants(&pool, &FULL_ACCESS).await.map_err(|e| at(database.url, &e))?;
+                return Ok(Some(pool));
+            }
+            Err((url, error)) if is_unreachable(&error) && crate::tls::verification_failure(&error).is_none() => {
                 let delay = backoff.delay(failures);
                 tracing::warn!(%error, %url, ?delay, "cannot reach the database; retrying");
                 failures += 1;
@@ -91,55 +157,158 @@ pub async fn open(
                     return Ok(None);
                 }
             }
-            Err(error) => return Err(error),
+            Err((url, error)) => return Err(at(url, &describe(&error))),
         }
     }
 }
 
-async fn try_open(
-    options: &PgConnectOptions,
-    migrator: &Migrator,
-    settings: PoolSettings,
-) -> Result<PgPool, sqlx::Error> {
-    create_database_if_missing(options).await?;
-    // A migration may rightly run longer than any statement of ours: its connection is unbounded.
+/// Apply the migrations on a connection of its own: a migration may rightly run longer than any
+/// statement of ours.
+async fn migrate(options: &PgConnectOptions, migrator: &Migrator) -> Result<(), sqlx::Error> {
     let migrating = PgPoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
-    crate::schema::migrate(&migrating, migrator).await?;
+    let migrated = crate::schema::migrate(&migrating, migrator).await;
     migrating.close().await;
-    PgPoolOptions::new()
-        .max_connections(settings.max_connections)
-        .acquire_timeout(settings.acquire_timeout)
-        .connect_with(bounded(options.clone()))
-        .await
+    let denied = |error: &sqlx::Error| match error {
+        sqlx::Error::Database(e) if e.code().as_deref() == Some("42501") => Some(e.message().to_owned()),
+        _ => None,
+    };
+    let message = match &migrated {
+        Err(MigrateError::Execute(error) | MigrateError::ExecuteMigration(error, _)) => denied(error),
+        _ => None,
+    };
+    match (migrated, message) {
+        (_, Some(message)) => Err(sqlx::Error::Configuration(
+            format!(
+                "role {} may not apply the migrations ({}): run them as the schema's owner \
+                     (MIGRATION_DATABASE_URL, docs/operations.md)",
+                options.get_username(),
+                message
+            )
+            .into(),
+        )),
+        (migrated, None) => migrated.map_err(sqlx::Error::from),
+    }
+}
+
+/// Grant the relay's `role` its rights on the outbox (idempotent), as the outbox's owner.
+async fn grant_outbox(options: &PgConnectOptions, role: &str) -> Result<(), sqlx::Error> {
+    let mut owner = PgConnection::connect_with(options).await?;
+    let grant = format!("grant select, update, delete on outbox to \"{}\"", role.replace('"', "\"\""));
+    let granted = sqlx::query(&grant).execute(&mut owner).await;
+    let _ = owner.close().await;
+    match granted {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42501" | "42704")) => {
+            Err(sqlx::Error::Configuration(
+                format!(
+                    "role {} cannot grant OUTBOX_RELAY_ROLE={role} its rights on the outbox ({}): migrate as the \
+                     outbox's owner (MIGRATION_DATABASE_URL), and create the role first (ops/postgres/roles.sql)",
+                    options.get_username(),
+                    e.message()
+                )
+                .into(),
+            ))
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// One line for a start-up error: rustls' reason for a certificate, else sqlx's message.
+fn describe(error: &sqlx::Error) -> String {
+    match crate::tls::verification_failure(error) {
+        Some(reason) => format!("TLS: {reason}"),
+        None => error.to_string(),
+    }
+}
+
+/// The table privileges a service's runtime role needs on every table of its database.
+pub const FULL_ACCESS: [&str; 4] = ["SELECT", "INSERT", "UPDATE", "DELETE"];
+
+/// The privileges in `needed` that the connected role lacks on the tables of the `public` schema
+/// (the migrations' bookkeeping table aside), as an error naming each: `role inventory lacks
+/// INSERT on inbox`. The check runs once at start-up, so that a missing grant is reported by name
+/// instead of as the first failed delivery.
+pub async fn check_grants(pool: &PgPool, needed: &[&str]) -> Result<(), sqlx::Error> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "select tablename::text from pg_tables where schemaname = 'public' and tablename <> '_sqlx_migrations'
+         order by tablename",
+    )
+    .fetch_all(pool)
+    .await?;
+    check_table_grants(pool, &tables, needed).await
+}
+
+/// [`check_grants`] on the named tables only.
+pub async fn check_table_grants(pool: &PgPool, tables: &[String], needed: &[&str]) -> Result<(), sqlx::Error> {
+    let (role, missing): (String, Vec<String>) = sqlx::query_as(
+        "select current_user::text,
+                coalesce(array_agg(p || ' on ' || t order by t, ord) filter (where not has_table_privilege(t, p)), '{}')
+         from unnest($1::text[]) as t, unnest($2::text[]) with ordinality as n(p, ord)",
+    )
+    .bind(tables)
+    .bind(needed)
+    .fetch_one(pool)
+    .await?;
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(sqlx::Error::Configuration(
+        format!(
+            "role {role} lacks {} (grant them, or run ops/postgres/roles.sql: docs/operations.md)",
+            missing.join(", ")
+        )
+        .into(),
+    ))
 }
 
 /// `CREATE DATABASE` if the database named in `options` does not exist, through the `postgres`
-/// maintenance database.
+/// maintenance database. The database is looked for first by connecting to it, so a role that may
+/// not use the maintenance database still starts when its database exists; one that may not
+/// create a missing database gets an error that says so.
 pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<(), sqlx::Error> {
     let Some(name) = options.get_database().map(str::to_owned) else {
         return Ok(());
     };
-    let mut admin = PgConnection::connect_with(&options.clone().database("postgres")).await?;
-    let exists: bool = sqlx::query_scalar("select exists (select 1 from pg_database where datname = $1)")
-        .bind(&name)
-        .fetch_one(&mut admin)
-        .await?;
-    if !exists {
-        let create = format!("create database \"{}\"", name.replace('"', "\"\""));
-        match sqlx::query(&create).execute(&mut admin).await {
-            Ok(_) => tracing::info!(database = %name, "created database"),
-            // Another instance won the race: duplicate_database, or unique_violation on pg_database.
-            Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42P04" | "23505")) => {}
-            Err(error) => return Err(error),
-        }
+    match PgConnection::connect_with(options).await {
+        Ok(connection) => return connection.close().await,
+        // 3D000 invalid_catalog_name: the database does not exist.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => {}
+        Err(error) => return Err(error),
     }
-    admin.close().await
+    let mut admin = PgConnection::connect_with(&options.clone().database("postgres")).await?;
+    let create = format!("create database \"{}\"", name.replace('"', "\"\""));
+    let created = sqlx::query(&create).execute(&mut admin).await;
+    let _ = admin.close().await;
+    match created {
+        Ok(_) => {
+            tracing::info!(database = %name, "created database");
+            Ok(())
+        }
+        // Another instance won the race: duplicate_database, or unique_violation on pg_database.
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42P04" | "23505")) => Ok(()),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => Err(sqlx::Error::Configuration(
+            format!(
+                "database {name} does not exist and role {} may not create it (CREATEDB): a DBA creates it, \
+                 e.g. with ops/postgres/roles.sql (docs/operations.md)",
+                options.get_username()
+            )
+            .into(),
+        )),
+        Err(error) => Err(error),
+    }
 }
 
-/// Whether an error means "the server is not there (yet)", worth waiting for.
+/// Whether an error means "the server is not there (yet)", worth waiting for. A TLS handshake
+/// that fails is one too, unless it failed on a verdict about the certificates
+/// ([`crate::tls::verification_failure`]): a connection that dies during the handshake (or
+/// during the `SSLRequest` before it, which sqlx reports as an unexpected response) is an outage.
 pub fn is_unreachable(error: &sqlx::Error) -> bool {
     match error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
+            crate::tls::verification_failure(error).is_none()
+        }
+        sqlx::Error::Tls(_) => crate::tls::verification_failure(error).is_none(),
+        sqlx::Error::Protocol(message) => message.starts_with("unexpected response from SSLRequest"),
         // Class 08 is connection trouble; 57P01-57P03 are the server shutting down, crashing or
         // starting up.
         sqlx::Error::Database(e) => {

@@ -1,15 +1,22 @@
-//! A small HTTP/1.1 client (hyper's), plain `http://` only: what `msgctl` needs of the RabbitMQ
-//! management API, what the span exporter ([`crate::otel`]) sends to a collector, and what the
-//! tests drive the services with. One connection per request: a pooled connection cannot outlive
-//! the runtime that opened it (every `#[tokio::test]` runs its own), and none of these callers is
-//! hot enough for a pool to matter.
+//! A small HTTP/1.1 client (hyper's), `http://` and `https://` (rustls, [`crate::tls`]): what
+//! `msgctl` and the live page need of the RabbitMQ management API, what the span exporter
+//! ([`crate::otel`]) sends to a collector, and what the tests drive the services with. An
+//! `https://` URL may name a CA file and a client certificate in its query (`cacertfile`,
+//! `certfile`, `keyfile`, removed before the request is sent). One connection per request: a
+//! pooled connection cannot outlive the runtime that opened it (every `#[tokio::test]` runs its
+//! own), and none of these callers is hot enough for a pool to matter.
 
 use std::time::Duration;
 
 use base64::Engine;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use hyper::{body::Bytes, client::conn::http1::SendRequest};
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use std::sync::Arc;
+use tokio::net::TcpStream;
+
+use crate::tls::TlsFiles;
 
 /// A response.
 #[derive(Debug, Clone)]
@@ -53,14 +60,26 @@ pub async fn request_bytes(
     headers: &[(&str, &str)],
     body: Option<&[u8]>,
 ) -> std::io::Result<Response> {
-    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {url}"));
-    let mut target = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+    // Errors name the URL with its password masked.
+    let shown = crate::config::SecretUrl::new(url);
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {shown}"));
+    let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+    let files = TlsFiles::of_url(&parsed);
+    let mut target = TlsFiles::strip(&parsed);
     let credentials = (!target.username().is_empty())
         .then(|| format!("{}:{}", target.username(), target.password().unwrap_or_default()));
     let _ = target.set_username("");
     let _ = target.set_password(None);
 
-    let mut builder = hyper::Request::builder().method(method).uri(target.as_str());
+    let host = match target.port() {
+        Some(port) => format!("{}:{port}", target.host_str().unwrap_or_default()),
+        None => target.host_str().unwrap_or_default().to_owned(),
+    };
+    let path = match target.query() {
+        Some(query) => format!("{}?{query}", target.path()),
+        None => target.path().to_owned(),
+    };
+    let mut builder = hyper::Request::builder().method(method).uri(path).header(hyper::header::HOST, host);
     if let Some(credentials) = credentials {
         let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
         builder = builder.header(hyper::header::AUTHORIZATION, format!("Basic {encoded}"));
@@ -74,9 +93,9 @@ pub async fn request_bytes(
     let body = Full::new(Bytes::copy_from_slice(body.unwrap_or_default()));
     let request = builder.body(body).map_err(|e| invalid(e.to_string()))?;
 
-    let client = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build_http();
     let exchange = async {
-        let response = client.request(request).await.map_err(std::io::Error::other)?;
+        let mut sender = open(&target, &files).await?;
+        let response = sender.send_request(request).await.map_err(std::io::Error::other)?;
         let status = response.status().as_u16();
         let headers = response
             .headers()
@@ -88,22 +107,86 @@ pub async fn request_bytes(
     };
     tokio::time::timeout(Duration::from_secs(30), exchange)
         .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer from {url}")))?
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer from {shown}")))?
+}
+
+/// One HTTP/1.1 connection to `target`'s host, through TLS for `https://`.
+async fn open(target: &url::Url, files: &TlsFiles) -> std::io::Result<SendRequest<Full<Bytes>>> {
+    let invalid = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {target}"));
+    let host = target.host_str().ok_or_else(|| invalid("no host"))?.to_owned();
+    let port = target.port_or_known_default().ok_or_else(|| invalid("no port"))?;
+    let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port)).await?;
+    tcp.set_nodelay(true)?;
+    match target.scheme() {
+        "http" => handshake(tcp).await,
+        "https" => {
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(files.client_config()?));
+            let name = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']').to_owned())
+                .map_err(|_| invalid("not a server name"))?;
+            handshake(connector.connect(name, tcp).await?).await
+        }
+        _ => Err(invalid("only http:// and https:// are supported")),
+    }
+}
+
+async fn handshake<T>(stream: T) -> std::io::Result<SendRequest<Full<Bytes>>>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+/// `base` (a server's URL, which may carry a query such as `?cacertfile=...`) with `path` (which
+/// may carry its own query) as its path: `join("https://mq:15671?cacertfile=/ca.pem",
+/// "/api/overview")` is `https://mq:15671/api/overview?cacertfile=/ca.pem`. `base` as it is if it
+/// is not a URL.
+pub fn join(base: &str, path: &str) -> String {
+    let Ok(mut url) = url::Url::parse(base) else { return format!("{base}{path}") };
+    let (path, query) = match path.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (path, None),
+    };
+    url.set_path(path);
+    if let Some(query) = query {
+        let joined = match url.query() {
+            Some(existing) if !existing.is_empty() => format!("{existing}&{query}"),
+            _ => query.to_owned(),
+        };
+        url.set_query(Some(&joined));
+    }
+    url.to_string()
 }
 
 /// The RabbitMQ management API of the broker at `amqp_url` (`amqp://user:pass@host:port/vhost`),
-/// as `http://user:pass@host:15672`: the broker's host and user, the plugin's default port.
-/// `None` if `amqp_url` is not a URL.
+/// as `http://user:pass@host:15672`: the broker's host and user, the plugin's default port. For
+/// `amqps://` it is `https://user:pass@host:15671`, with the broker URL's TLS files
+/// (`cacertfile`, `certfile`, `keyfile`). `None` if `amqp_url` is not a URL.
 pub fn management_url_of(amqp_url: &str) -> Option<String> {
     let amqp = url::Url::parse(amqp_url).ok()?;
     let (user, password) = match amqp.username() {
         "" => ("guest", "guest"),
         user => (user, amqp.password().unwrap_or_default()),
     };
-    let mut management = url::Url::parse(&format!("http://{}:15672", amqp.host_str()?)).ok()?;
+    let origin = match amqp.scheme() {
+        "amqps" => format!("https://{}:15671", amqp.host_str()?),
+        _ => format!("http://{}:15672", amqp.host_str()?),
+    };
+    let mut management = url::Url::parse(&origin).ok()?;
     management.set_username(user).ok()?;
     management.set_password(Some(password)).ok()?;
-    Some(management.as_str().trim_end_matches('/').to_owned())
+    let files: Vec<(String, String)> = amqp
+        .query_pairs()
+        .filter(|(key, _)| crate::tls::QUERY_KEYS.contains(&key.as_ref()))
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    if files.is_empty() {
+        return Some(management.as_str().trim_end_matches('/').to_owned());
+    }
+    management.query_pairs_mut().extend_pairs(files);
+    Some(management.to_string())
 }
 
 #[cfg(test)]
@@ -118,5 +201,18 @@ mod tests {
         );
         assert_eq!(management_url_of("amqp://127.0.0.1").as_deref(), Some("http://guest:guest@127.0.0.1:15672"));
         assert_eq!(management_url_of("not a url"), None);
+        assert_eq!(
+            management_url_of("amqps://app:pw@mq.internal:5671/shop?cacertfile=/run/ca.pem&heartbeat=10").as_deref(),
+            Some("https://app:pw@mq.internal:15671/?cacertfile=%2Frun%2Fca.pem")
+        );
+    }
+
+    #[test]
+    fn a_path_joins_a_server_url_before_its_query() {
+        assert_eq!(
+            join("https://mq:15671/?cacertfile=%2Fca.pem", "/api/queues/shop?columns=name"),
+            "https://mq:15671/api/queues/shop?cacertfile=%2Fca.pem&columns=name"
+        );
+        assert_eq!(join("http://guest:guest@mq:15672", "/api/overview"), "http://guest:guest@mq:15672/api/overview");
     }
 }

@@ -28,9 +28,11 @@ pub mod outbox;
 pub mod publisher;
 pub mod retention;
 pub mod schema;
+pub mod serve;
 pub mod service;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tls;
 pub mod topology;
 pub mod trace;
 

@@ -5,7 +5,7 @@
 //! `/readyz` and `/metrics`, runs the consumer, and shuts down gracefully on SIGINT or SIGTERM.
 //! `docs/adding-a-service.md` walks through one.
 
-use std::{future::Future, net::SocketAddr, sync::Arc};
+use std::{fmt, future::Future, net::SocketAddr, process::ExitCode, sync::Arc};
 
 use clap::{Args, FromArgMatches};
 use sqlx::migrate::Migrator;
@@ -14,14 +14,49 @@ use tokio::net::TcpListener;
 use crate::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{self, ConsumerSettings, Handler},
-    db::{self, PoolSettings},
+    db::{self, Database, DbTimeouts, PoolSettings},
     health::{self, Health},
+    serve::{self, HttpArgs},
     shutdown::Shutdown,
     topology::Endpoint,
 };
 
 /// Any error a binary's `main` reports.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A reason a binary cannot start that no wait would cure: a certificate that does not verify,
+/// bad credentials, a missing grant, a bad migration. The message names the server and what is
+/// wrong, in one line; [`exit`] prints it and ends the process with status 2, before anything was
+/// written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartupError(pub String);
+
+impl fmt::Display for StartupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StartupError {}
+
+/// How a binary's `main` ends: success; a [`StartupError`] as `NAME: cannot start: REASON` on
+/// one line and status 2 (as for a bad flag); any other error on one line and status 1.
+pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => match error.downcast_ref::<StartupError>() {
+            Some(refusal) => {
+                tracing::error!(reason = %refusal, "cannot start");
+                eprintln!("{name}: cannot start: {refusal}");
+                ExitCode::from(2)
+            }
+            None => {
+                eprintln!("{name}: {error}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
 
 /// A consuming service: the parts that differ from one service to the next.
 #[derive(Debug)]
@@ -52,15 +87,30 @@ pub struct NoFlags {}
 /// The settings every worker takes, as flags with environment fallbacks.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
-    /// Postgres URL of its database (created and migrated at start-up).
+    /// Postgres URL of its database, as its runtime role (created, if missing and the role may,
+    /// and migrated at start-up). TLS: `?sslmode=verify-full&sslrootcert=/run/ca.pem`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: SecretUrl,
+    /// Postgres URL of the same database as the role that owns its schema, to apply the
+    /// migrations with; unset, they run as DATABASE_URL.
+    #[arg(long, env = "MIGRATION_DATABASE_URL", hide_env_values = true)]
+    pub migration_database_url: Option<SecretUrl>,
+    /// The relay's database role, granted SELECT, UPDATE and DELETE on the outbox after the
+    /// migrations (by the migrating role); unset, no grant is made.
+    #[arg(long, env = "OUTBOX_RELAY_ROLE")]
+    pub outbox_relay_role: Option<String>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub db_timeouts: DbTimeouts,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, env = "HTTP_ADDR")]
     pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub http: HttpArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub consumer: ConsumerArgs,
@@ -103,23 +153,36 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
 
     /// Run until `shutdown`: health endpoints on `listener`, the consumer in the foreground.
     /// Returns once in-flight deliveries are settled and the HTTP server has stopped; an error only
-    /// if the database cannot be set up (a bad migration, bad credentials: waiting would not help).
+    /// if it cannot start ([`StartupError`]: a certificate, credentials, a grant, a migration).
     pub async fn run(
         self,
         settings: Settings<F>,
         listener: TcpListener,
         shutdown: Shutdown,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), StartupError> {
         let Settings { common, own } = settings;
+        // Before anything is written: a broker whose certificate does not verify stops us here.
+        crate::broker::check_tls(&common.broker.amqp_url).await?;
         let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, &common.broker);
         // One connection per concurrent delivery, plus one for health checks.
-        let pool_settings =
-            PoolSettings { max_connections: u32::from(consumer.prefetch) + 1, ..PoolSettings::default() };
-        let Some(pool) = db::open(&common.database_url, self.migrator, pool_settings, &shutdown).await? else {
+        let pool_settings = PoolSettings {
+            max_connections: u32::from(consumer.prefetch) + 1,
+            timeouts: common.db_timeouts,
+            ..PoolSettings::default()
+        };
+        let database = Database {
+            url: &common.database_url,
+            migrate_as: common.migration_database_url.as_ref(),
+            relay_role: common.outbox_relay_role.as_deref(),
+        };
+        let Some(pool) = db::open(database, self.migrator, pool_settings, &shutdown).await? else {
             return Ok(());
         };
         let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
-        let server = tokio::spawn(health::serve(listener, health::routes(health.clone()), shutdown.clone()));
+        let routes = health::routes(health.clone());
+        let http = common.http.clone();
+        let server_shutdown = shutdown.clone();
+        let server = tokio::spawn(async move { serve::serve(listener, routes, &http, server_shutdown).await });
         consumer::run(consumer, Arc::new((self.handler)(&own)), pool.clone(), health, shutdown).await;
         match server.await {
             Ok(Err(error)) => tracing::error!(%error, "health server failed"),
@@ -133,20 +196,45 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
     /// What a worker binary's `main` does: parse the flags (exit 2 with clap's message on a bad
     /// one, before touching any server), log to stderr, and run on a multi-threaded runtime until
     /// SIGINT or SIGTERM.
-    pub fn main(self) -> Result<(), BoxError>
+    pub fn main(self) -> ExitCode
     where
         F: Send + 'static,
     {
-        let settings = match self.try_parse_from(std::env::args_os()) {
+        let settings = match self.try_parse_from(command_line(&self.command())) {
             Ok(settings) => settings,
             Err(error) => error.exit(),
         };
         let _telemetry = crate::telemetry::init(self.name);
-        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-        runtime.block_on(run_until_signal(settings.common.http_addr, |listener, shutdown| async move {
+        let (name, addr) = (self.name, settings.common.http_addr);
+        run_binary(name, addr, |listener, shutdown| async move {
             self.run(settings, listener, shutdown).await.map_err(BoxError::from)
-        }))
+        })
     }
+}
+
+/// The process's command line for `command`, with the settings given in files
+/// ([`crate::config::args_with_secret_files`]); exits 2 with the reason if one cannot be read.
+pub fn command_line(command: &clap::Command) -> Vec<std::ffi::OsString> {
+    match crate::config::args_with_secret_files(command, std::env::args_os()) {
+        Ok(args) => args,
+        Err(refusal) => command.clone().error(clap::error::ErrorKind::ValueValidation, refusal).exit(),
+    }
+}
+
+/// What a binary's `main` does once its flags are parsed: on a multi-threaded runtime, bind
+/// `addr`, run the service until SIGINT or SIGTERM ([`run_until_signal`]), and end as [`exit`]
+/// says.
+pub fn run_binary<F, Fut>(name: &str, addr: SocketAddr, run: F) -> ExitCode
+where
+    F: FnOnce(TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>>,
+{
+    let outcome = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(BoxError::from)
+        .and_then(|runtime| runtime.block_on(run_until_signal(addr, run)));
+    exit(name, outcome)
 }
 
 /// What every binary's `main` does after parsing its flags: bind `addr`, turn SIGINT/SIGTERM into

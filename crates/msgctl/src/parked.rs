@@ -289,7 +289,7 @@ async fn endpoints(broker: &Broker, named: Vec<String>) -> Result<Vec<String>, F
              --endpoint, or set RABBITMQ_MANAGEMENT_URL"
         ))
     };
-    let response = http::request("GET", &format!("{}{path}", management.expose().trim_end_matches('/')), &[], None)
+    let response = http::request("GET", &http::join(management.expose(), &path), &[], None)
         .await
         .map_err(|error| unreachable(error.to_string()))?;
     if response.status != 200 {

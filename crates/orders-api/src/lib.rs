@@ -16,8 +16,10 @@ use axum::Router;
 use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer,
-    db::{self, PoolSettings},
+    db::{self, Database, DbTimeouts, PoolSettings},
     health::{self, Health},
+    serve::{self, HttpArgs},
+    service::BoxError,
     shutdown::Shutdown,
 };
 use sqlx::PgPool;
@@ -30,7 +32,8 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Debug, Clone, clap::Parser)]
 #[command(version, about)]
 pub struct Config {
-    /// Postgres URL of the orders database (created and migrated at start-up).
+    /// Postgres URL of the orders database, as its runtime role (created, if missing and the role
+    /// may, and migrated at start-up). TLS: `?sslmode=verify-full&sslrootcert=/run/ca.pem`.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -38,12 +41,30 @@ pub struct Config {
         default_value = "postgres://postgres@localhost:5432/orders"
     )]
     pub database_url: SecretUrl,
+    /// Postgres URL of the orders database as the role that owns its schema, to apply the
+    /// migrations with; unset, they run as DATABASE_URL.
+    #[arg(long, env = "MIGRATION_DATABASE_URL", hide_env_values = true)]
+    pub migration_database_url: Option<SecretUrl>,
+    /// The relay's database role, granted SELECT, UPDATE and DELETE on the outbox after the
+    /// migrations (by the migrating role); unset, no grant is made.
+    #[arg(long, env = "OUTBOX_RELAY_ROLE")]
+    pub outbox_relay_role: Option<String>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub db_timeouts: DbTimeouts,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
-    /// Address of the API (and its /healthz, /readyz, /metrics).
-    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    /// Address of the API (and its /healthz, /readyz, /metrics). Loopback unless told otherwise.
+    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub http: HttpArgs,
+    /// The live page (`GET /`) and its data (`GET /overview`), which place orders and show broker
+    /// data to anyone who can reach the API: `off` removes both routes.
+    #[arg(long, env = "LIVE_PAGE", default_value = "on", value_parser = ["on", "off"])]
+    pub live_page: String,
     /// Database connections for requests and the status consumer.
     #[arg(long, env = "DATABASE_POOL_SIZE", default_value_t = 20)]
     pub pool_size: u32,
@@ -65,12 +86,15 @@ pub struct Config {
     pub consumer: ConsumerArgs,
 }
 
-/// The whole HTTP surface: API routes, the live page, health routes, problem+json 404s, tracing
-/// and failure logs.
-pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: overview::Sources) -> Router {
-    api::router(pool, writers)
-        .merge(overview::routes(page))
-        .merge(openapi::routes())
+/// The whole HTTP surface: API routes, the live page (unless `page` is `None`), health routes,
+/// problem+json 404s, tracing and failure logs.
+pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: Option<overview::Sources>) -> Router {
+    let api = api::router(pool, writers);
+    let api = match page {
+        Some(page) => api.merge(overview::routes(page)),
+        None => api,
+    };
+    api.merge(openapi::routes())
         .merge(health::routes(health))
         .fallback(api::no_route)
         .layer(axum::middleware::from_fn(problem::log_failures))
@@ -80,13 +104,21 @@ pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: overvie
 }
 
 /// Run the API on `listener` and the status consumer until `shutdown`.
-pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
+    // Before anything is written: a broker whose certificate does not verify stops us here.
+    messaging::broker::check_tls(&config.broker.amqp_url).await?;
     let settings = PoolSettings {
         max_connections: config.pool_size,
         // Fail fast into a 503 while the database is down, rather than hanging the client.
         acquire_timeout: std::time::Duration::from_secs(2),
+        timeouts: config.db_timeouts,
     };
-    let Some(pool) = db::open(&config.database_url, &MIGRATOR, settings, &shutdown).await? else {
+    let database = Database {
+        url: &config.database_url,
+        migrate_as: config.migration_database_url.as_ref(),
+        relay_role: config.outbox_relay_role.as_deref(),
+    };
+    let Some(pool) = db::open(database, &MIGRATOR, settings, &shutdown).await? else {
         return Ok(());
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
@@ -98,15 +130,18 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         health.clone(),
         shutdown.clone(),
     ));
-    let page = overview::Sources::new(
-        pool.clone(),
-        health.clone(),
-        config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
-        config.rabbitmq_management_url.clone(),
-    );
-    let served = health::serve(
+    let page = (config.live_page == "on").then(|| {
+        overview::Sources::new(
+            pool.clone(),
+            health.clone(),
+            config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
+            config.rabbitmq_management_url.clone(),
+        )
+    });
+    let served = serve::serve(
         listener,
         app(pool.clone(), writer::Writers::start(pool.clone(), config.order_writers.into()), health, page),
+        &config.http,
         shutdown,
     )
     .await;

@@ -1,16 +1,17 @@
 //! `orders-api`: see the library for what it does; this is start-up only.
 
-use clap::{CommandFactory, Parser};
+use std::process::ExitCode;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let config = orders_api::Config::parse();
+use clap::{CommandFactory, Parser};
+use messaging::service;
+
+fn main() -> ExitCode {
+    let config = orders_api::Config::parse_from(service::command_line(&orders_api::Config::command()));
     if let Err(refusal) = config.consumer.check_inbox_retention() {
         orders_api::Config::command().error(clap::error::ErrorKind::ValueValidation, refusal).exit();
     }
     let _telemetry = messaging::telemetry::init("orders-api");
-    messaging::service::run_until_signal(config.http_addr, |listener, shutdown| {
+    service::run_binary("orders-api", config.http_addr, |listener, shutdown| {
         orders_api::run(config, listener, shutdown)
     })
-    .await
 }

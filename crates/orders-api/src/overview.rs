@@ -9,12 +9,6 @@ use std::{collections::BTreeMap, time::Duration};
 
 use axum::{Json, Router, extract::State, response::Html, routing::get};
 use chrono::{DateTime, Utc};
-use http_body_util::{BodyExt, Empty};
-use hyper::body::Bytes;
-use hyper_util::{
-    client::legacy::{Client, connect::HttpConnector},
-    rt::TokioExecutor,
-};
 use messaging::{config::SecretUrl, health::Health};
 use serde::Serialize;
 use sqlx::PgPool;
@@ -29,47 +23,27 @@ pub struct Sources {
     health: Health,
     metrics: Vec<String>,
     management: Option<SecretUrl>,
-    client: Client<HttpConnector, Empty<Bytes>>,
 }
 
 impl Sources {
     /// The page's sources: this service's pool and health, the other services' `/metrics` URLs,
     /// and the RabbitMQ management API (`http://user:password@host:port`), if any.
     pub fn new(pool: PgPool, health: Health, metrics: Vec<String>, management: Option<SecretUrl>) -> Self {
-        let client = Client::builder(TokioExecutor::new()).build_http();
-        Self { pool, health, metrics, management, client }
+        Self { pool, health, metrics, management }
     }
 
-    /// `GET url` (basic auth from its user info), its body as text, within two seconds.
+    /// `GET url` (basic auth from its user info; `https://` as [`messaging::http`] does it), its
+    /// body as text, within two seconds.
     async fn get(&self, url: &str) -> Result<String, String> {
-        let parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
-        let mut request = hyper::Request::get(url_without_credentials(&parsed));
-        if !parsed.username().is_empty() {
-            use base64::Engine;
-            let credentials = format!("{}:{}", parsed.username(), parsed.password().unwrap_or_default());
-            let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
-            request = request.header(hyper::header::AUTHORIZATION, format!("Basic {encoded}"));
+        let response = tokio::time::timeout(Duration::from_secs(2), messaging::http::request("GET", url, &[], None))
+            .await
+            .map_err(|_| "no answer within 2 s".to_owned())?
+            .map_err(|error| error.to_string())?;
+        if !(200..300).contains(&response.status) {
+            return Err(format!("status {}", response.status));
         }
-        let request = request.body(Empty::new()).map_err(|e| e.to_string())?;
-        let response = tokio::time::timeout(Duration::from_secs(2), async {
-            let response = self.client.request(request).await.map_err(|e| e.to_string())?;
-            let status = response.status();
-            let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-            if !status.is_success() {
-                return Err(format!("{status}"));
-            }
-            String::from_utf8(body.to_vec()).map_err(|e| e.to_string())
-        })
-        .await;
-        response.unwrap_or_else(|_| Err("no answer within 2 s".into()))
+        String::from_utf8(response.body).map_err(|error| error.to_string())
     }
-}
-
-fn url_without_credentials(url: &url::Url) -> String {
-    let mut bare = url.clone();
-    let _ = bare.set_username("");
-    let _ = bare.set_password(None);
-    bare.to_string()
 }
 
 /// `GET /` and `GET /overview`.
@@ -167,7 +141,7 @@ async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiE
     }
     let mut parking = Vec::new();
     if let Some(management) = &sources.management {
-        let url = format!("{}/api/queues/%2f?columns=name,messages", management.expose().trim_end_matches('/'));
+        let url = messaging::http::join(management.expose(), "/api/queues/%2f?columns=name,messages");
         match sources
             .get(&url)
             .await

@@ -23,6 +23,8 @@ use messaging::{
     metrics::ByDatabase,
     outbox,
     publisher::{PublishError, Publisher},
+    serve::{self, HttpArgs},
+    service::{BoxError, StartupError},
     shutdown::Shutdown,
     topology,
 };
@@ -49,13 +51,22 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
-    /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "HTTP_ADDR", default_value = "0.0.0.0:8083")]
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub db_timeouts: db::DbTimeouts,
+    /// Address of /healthz, /readyz and /metrics. Loopback unless told otherwise.
+    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8083")]
     pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub http: HttpArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub relay: RelaySettings,
 }
+
+/// What the relay's role needs on every outbox: claim and read rows, mark them, delete the old.
+pub const OUTBOX_GRANTS: [&str; 3] = ["SELECT", "UPDATE", "DELETE"];
 
 /// How a relay loop claims, waits and retries.
 #[derive(Debug, Clone, clap::Args)]
@@ -104,23 +115,27 @@ struct OutboxDb {
     /// Its name, as labelled in metrics and logs.
     label: String,
     pool: PgPool,
-    /// How to reach the server's `postgres` database, to ask whether this one exists yet.
-    server: PgConnectOptions,
+    /// Its URL, for start-up errors.
+    url: SecretUrl,
 }
 
 /// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
-pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
+    // Before anything is written: a broker whose certificate does not verify stops us here.
+    broker::check_tls(&config.broker.amqp_url).await?;
     let mut databases = Vec::new();
     for url in &config.database_urls {
-        let options = PgConnectOptions::from_str(url.expose())?;
+        let options = PgConnectOptions::from_str(url.expose())
+            .map_err(|error| StartupError(format!("the database at {url}: {error}")))?;
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
-        let server = options.clone().database("postgres");
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(db::bounded(options));
-        databases.push(OutboxDb { label, pool, server });
+            .connect_lazy_with(db::bounded(options, &config.db_timeouts));
+        let outbox = OutboxDb { label, pool, url: url.clone() };
+        outbox.check().await?;
+        databases.push(outbox);
     }
     let health = Health {
         databases: databases.iter().map(|db| (db.label.clone(), db.pool.clone())).collect(),
@@ -138,10 +153,39 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let span = tracing::info_span!("relay", database = %relay.db.label);
         loops.spawn(relay.run(link).instrument(span));
     }
-    let server = health::serve(listener, health::routes(health.clone()), shutdown.clone());
+    let server = serve::serve(listener, health::routes(health.clone()), &config.http, shutdown.clone());
     let (served, _) = tokio::join!(server, async { while loops.join_next().await.is_some() {} });
     served?;
     Ok(())
+}
+
+impl OutboxDb {
+    /// At start-up: a certificate that does not verify, credentials the server refuses, or a
+    /// missing grant on an outbox that exists, is a [`StartupError`]. A database that is not
+    /// there yet (or not reachable) is waited for by its loop.
+    async fn check(&self) -> Result<(), StartupError> {
+        let refused = |reason: String| StartupError(format!("the database at {}: {reason}", self.url));
+        match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
+            Ok(true) => db::check_table_grants(&self.pool, &["outbox".to_owned()], &OUTBOX_GRANTS)
+                .await
+                .map_err(|error| refused(error.to_string())),
+            Ok(false) => Ok(()),
+            Err(error) => match messaging::tls::verification_failure(&error) {
+                Some(reason) => Err(refused(format!("TLS: {reason}"))),
+                None if db::is_unreachable(&error) => Ok(()),
+                None => Err(refused(error.to_string())),
+            },
+        }
+    }
+
+    /// Whether its database and its outbox table exist yet.
+    async fn outbox_exists(&self) -> sqlx::Result<bool> {
+        match sqlx::query_scalar("select to_regclass('outbox') is not null").fetch_one(&self.pool).await {
+            // 3D000: the database does not exist (yet).
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("3D000") => Ok(false),
+            other => other,
+        }
+    }
 }
 
 /// Why a relay session ended.
@@ -208,16 +252,29 @@ impl Relay {
     /// and migrates it, and may start after the relay. Asked through the server's `postgres`
     /// database, so that waiting costs no failed connection (and no FATAL in the server's log).
     /// `false` if shutdown came first.
+    /// Wait until its service has created and migrated the database, and the relay's role holds
+    /// its grants on the outbox (a missing one is logged by name, and checked again, so that a
+    /// DBA's `GRANT` takes effect without a restart).
     async fn wait_for_outbox(&self, shutdown: &Shutdown) -> bool {
         let mut waiting = false;
+        let mut refused = None;
         loop {
-            match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
-                Ok(true) => {
-                    if waiting {
-                        tracing::info!("outbox found");
+            match db::within(db::QUERY_DEADLINE, self.db.outbox_exists()).await {
+                Ok(true) => match db::check_table_grants(&self.db.pool, &["outbox".to_owned()], &OUTBOX_GRANTS).await {
+                    Ok(()) => {
+                        if waiting {
+                            tracing::info!("outbox found");
+                        }
+                        return true;
                     }
-                    return true;
-                }
+                    Err(error) => {
+                        let reason = error.to_string();
+                        if refused.as_ref() != Some(&reason) {
+                            tracing::error!(%reason, "cannot relay this outbox");
+                            refused = Some(reason);
+                        }
+                    }
+                },
                 Ok(false) if !waiting => {
                     tracing::info!("waiting for its service to create and migrate the database");
                 }
@@ -229,19 +286,6 @@ impl Relay {
                 return false;
             }
         }
-    }
-
-    async fn outbox_exists(&self) -> sqlx::Result<bool> {
-        let mut server = <sqlx::PgConnection as sqlx::Connection>::connect_with(&self.db.server).await?;
-        let exists: bool = sqlx::query_scalar("select exists (select 1 from pg_database where datname = $1)")
-            .bind(&self.db.label)
-            .fetch_one(&mut server)
-            .await?;
-        let _ = sqlx::Connection::close(server).await;
-        if !exists {
-            return Ok(false);
-        }
-        sqlx::query_scalar("select to_regclass('outbox') is not null").fetch_one(&self.db.pool).await
     }
 
     /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`); `was_up` is

@@ -1,11 +1,12 @@
 //! `relay`: see the library for what it does; this is start-up only.
 
-use clap::Parser;
+use std::process::ExitCode;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+use clap::{CommandFactory, Parser};
+use messaging::service;
+
+fn main() -> ExitCode {
+    let config = relay::Config::parse_from(service::command_line(&relay::Config::command()));
     let _telemetry = messaging::telemetry::init("relay");
-    let config = relay::Config::parse();
-    messaging::service::run_until_signal(config.http_addr, |listener, shutdown| relay::run(config, listener, shutdown))
-        .await
+    service::run_binary("relay", config.http_addr, |listener, shutdown| relay::run(config, listener, shutdown))
 }

@@ -24,7 +24,7 @@ pub mod shop;
 use std::{future::Future, time::Duration};
 
 use lapin::{
-    Connection, ConnectionProperties,
+    Connection,
     options::{BasicGetOptions, QueueDeclareOptions},
     types::FieldTable,
 };
@@ -32,14 +32,16 @@ use sqlx::{PgPool, postgres::PgPoolOptions};
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
-/// Where the servers are.
+/// Where the servers are. Each URL keeps its query, where TLS settings live
+/// (`?sslmode=verify-full&sslrootcert=...`, `?cacertfile=...`): paths are joined before it
+/// ([`http::join`]).
 #[derive(Debug, Clone)]
 pub struct Servers {
-    /// `postgres://user@host:port` (no database).
+    /// `postgres://user@host:port[?query]` (no database).
     postgres: String,
-    /// `amqp://user:pass@host:port` (no vhost).
+    /// `amqp://user:pass@host:port[?query]` (no vhost).
     amqp: String,
-    /// `http://user:pass@host:port` of the management API.
+    /// `http://user:pass@host:port[?query]` of the management API.
     management: String,
 }
 
@@ -49,11 +51,10 @@ fn env(names: &[&str]) -> Option<String> {
     names.iter().find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
 }
 
-/// A server URL without its path, query or fragment: `scheme://user:password@host:port`.
+/// A server URL without its path or fragment: `scheme://user:password@host:port[?query]`.
 fn origin(url: &str) -> String {
     let mut parsed = url::Url::parse(url).unwrap_or_else(|error| panic!("{url} is no server URL: {error}"));
     parsed.set_path("");
-    parsed.set_query(None);
     parsed.set_fragment(None);
     parsed.as_str().trim_end_matches('/').to_owned()
 }
@@ -155,13 +156,13 @@ mod containers {
         // A reused container was started by another test process and may not be up yet (only a
         // fresh start waits for its log line): a vhost created before the management API answers
         // would go to the local broker's rabbitmqctl instead.
-        let overview = format!("{}/api/overview", servers.management);
+        let overview = super::http::join(&servers.management, "/api/overview");
         super::eventually("the container's RabbitMQ management API", STARTUP, || async {
             let response = super::http::request("GET", &overview, &[], None).await.ok()?;
             (response.status == 200).then_some(())
         })
         .await;
-        let postgres = format!("{}/postgres", servers.postgres);
+        let postgres = super::http::join(&servers.postgres, "/postgres");
         super::eventually("the container's Postgres", STARTUP, || async {
             sqlx::PgPool::connect(&postgres).await.ok().map(drop)
         })
@@ -194,12 +195,12 @@ impl TestEnv {
     /// The URL of this test's database for `service` (e.g. `orders`); created by whoever connects
     /// first through [`messaging::db`], or by [`TestEnv::pool`].
     pub fn database_url(&self, service: &str) -> String {
-        format!("{}/t_{}_{service}", self.servers.postgres, self.id)
+        http::join(&self.servers.postgres, &format!("/t_{}_{service}", self.id))
     }
 
     /// This test's broker URL (its own vhost).
     pub fn amqp_url(&self) -> String {
-        format!("{}/{}", self.servers.amqp, self.vhost)
+        http::join(&self.servers.amqp, &format!("/{}", self.vhost))
     }
 
     /// The broker's management API, `http://user:pass@host:port` (every vhost's).
@@ -232,7 +233,9 @@ impl TestEnv {
 
     /// A broker connection on this test's vhost.
     pub async fn amqp(&self) -> Connection {
-        Connection::connect(&self.amqp_url(), ConnectionProperties::default()).await.expect("connect to test vhost")
+        messaging::broker::connect(&messaging::config::SecretUrl::new(self.amqp_url()), "test")
+            .await
+            .expect("connect to test vhost")
     }
 
     /// Publish `body` as a message of contract `C` belonging to job `job_id`, `copies` times under
@@ -254,7 +257,7 @@ impl TestEnv {
 
     /// The broker's version, e.g. `4.0.5`, from the management API.
     pub async fn broker_version(&self) -> String {
-        let response = http::request("GET", &format!("{}/api/overview", self.servers.management), &[], None)
+        let response = http::request("GET", &http::join(&self.servers.management, "/api/overview"), &[], None)
             .await
             .expect("GET /api/overview of the RabbitMQ management API");
         response.json()["rabbitmq_version"].as_str().expect("rabbitmq_version").to_owned()
@@ -289,6 +292,29 @@ impl TestEnv {
             .map(|key| key.as_str().to_owned())
             .filter(|key| key.starts_with("x-") && Some(key.as_str()) != set_on_delivery)
             .collect()
+    }
+
+    /// The names of the queues in this test's vhost, from the management API.
+    pub async fn queues(&self) -> Vec<String> {
+        let url = http::join(&self.servers.management, &format!("/api/queues/{}?columns=name", self.vhost));
+        let response = http::request("GET", &url, &[], None).await.expect("GET /api/queues of the management API");
+        assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+        let names = response.json();
+        names.as_array().expect("a list").iter().filter_map(|queue| queue["name"].as_str().map(str::to_owned)).collect()
+    }
+
+    /// Whether this test's database for `service` exists (without creating it).
+    pub async fn database_exists(&self, service: &str) -> bool {
+        let server = http::join(&self.servers.postgres, "/postgres");
+        let pool = PgPoolOptions::new().max_connections(1).connect(&server).await.expect("connect to the server");
+        let name = format!("t_{}_{service}", self.id);
+        let exists = sqlx::query_scalar("select exists (select 1 from pg_database where datname = $1)")
+            .bind(&name)
+            .fetch_one(&pool)
+            .await
+            .expect("look the database up");
+        pool.close().await;
+        exists
     }
 
     /// Messages ready in `queue` (`None` if it does not exist).
@@ -334,7 +360,7 @@ impl Drop for TestEnv {
             };
             runtime.block_on(async move {
                 delete_vhost(servers, &vhost).await;
-                let url = format!("{}/postgres", servers.postgres);
+                let url = http::join(&servers.postgres, "/postgres");
                 let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await else {
                     return;
                 };
@@ -357,13 +383,15 @@ impl Drop for TestEnv {
 
 async fn create_vhost(servers: &Servers, vhost: &str) {
     let api = &servers.management;
-    let created = http::request("PUT", &format!("{api}/api/vhosts/{vhost}"), &[], Some("{}")).await;
+    let created = http::request("PUT", &http::join(api, &format!("/api/vhosts/{vhost}")), &[], Some("{}")).await;
     match created {
         Ok(response) if response.status < 300 => {
             let parsed = url::Url::parse(api).expect("management URL");
             let user = Some(parsed.username()).filter(|user| !user.is_empty()).unwrap_or("guest");
             let body = r#"{"configure":".*","write":".*","read":".*"}"#;
-            let granted = http::request("PUT", &format!("{api}/api/permissions/{vhost}/{user}"), &[], Some(body)).await;
+            let granted =
+                http::request("PUT", &http::join(api, &format!("/api/permissions/{vhost}/{user}")), &[], Some(body))
+                    .await;
             assert!(
                 matches!(granted, Ok(ref r) if r.status < 300),
                 "cannot grant permissions on vhost {vhost}: {granted:?}"
@@ -378,7 +406,8 @@ async fn create_vhost(servers: &Servers, vhost: &str) {
 }
 
 async fn delete_vhost(servers: &Servers, vhost: &str) {
-    let deleted = http::request("DELETE", &format!("{}/api/vhosts/{vhost}", servers.management), &[], None).await;
+    let deleted =
+        http::request("DELETE", &http::join(&servers.management, &format!("/api/vhosts/{vhost}")), &[], None).await;
     if !matches!(deleted, Ok(ref r) if r.status < 300) {
         let _ = rabbitmqctl_command(&["delete_vhost", vhost]).output().await;
     }

@@ -65,7 +65,7 @@ async fn bind_probe(env: &TestEnv) {
 async fn start_relay(
     env: &TestEnv,
     trigger: &ShutdownTrigger,
-) -> (tokio::task::JoinHandle<anyhow::Result<()>>, String) {
+) -> (tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));

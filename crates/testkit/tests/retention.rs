@@ -85,7 +85,7 @@ async fn rows_past_retention_are_deleted_and_younger_ones_stay() {
     trigger.trigger();
     let stopped: Result<(), BoxError> = async {
         tokio::time::timeout(WAIT, inventory).await??.map_err(BoxError::from)?;
-        tokio::time::timeout(WAIT, relay).await??.map_err(BoxError::from)
+        tokio::time::timeout(WAIT, relay).await??
     }
     .await;
     stopped.expect("both stop cleanly");

@@ -165,7 +165,8 @@ async fn the_relays_mark_of_a_batch_publishes_each_of_its_queued_jobs_once() {
 }
 
 /// The API and its status consumer, in-process on a test's own database and vhost, without a relay.
-async fn start_api() -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<anyhow::Result<()>>) {
+async fn start_api()
+-> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>) {
     let env = TestEnv::new().await;
     let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

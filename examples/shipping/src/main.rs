@@ -1,5 +1,5 @@
 //! `shipping-worker`: see the library for what it does.
 
-fn main() -> Result<(), messaging::service::BoxError> {
+fn main() -> std::process::ExitCode {
     shipping_worker::worker().main()
 }

@@ -49,7 +49,7 @@ pub async fn start_with(options: Options) -> Shop {
     let (l, url) = listener().await;
     let config = orders_api::Config::parse_from(flags("orders-api", "orders"));
     let run = orders_api::run(config, l, stop.clone());
-    tasks.push((Service::Api, tokio::spawn(async move { run.await.map_err(BoxError::from) })));
+    tasks.push((Service::Api, tokio::spawn(run)));
     http.insert(Service::Api, url);
 
     let faults = ["--demo-faults".to_owned(), options.demo_faults.to_string()];
@@ -69,7 +69,7 @@ pub async fn start_with(options: Options) -> Shop {
     let mut args = vec!["relay".to_owned()];
     args.extend(Options::relay_flags(&databases, &amqp));
     let run = relay::run(relay::Config::parse_from(args), l, stop.clone());
-    tasks.push((Service::Relay, tokio::spawn(async move { run.await.map_err(BoxError::from) })));
+    tasks.push((Service::Relay, tokio::spawn(run)));
     http.insert(Service::Relay, url);
 
     Shop::in_process(env, http, trigger, tasks).await

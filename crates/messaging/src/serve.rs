@@ -1,0 +1,196 @@
+//! The HTTP server every binary runs (the API, and the health and metrics endpoints of the
+//! others), with a bound on every wait a client can impose on it:
+//!
+//! | setting | guards against |
+//! |---|---|
+//! | `HTTP_HEADER_TIMEOUT` | a client that opens a connection and sends its request headers slowly or not at all (slowloris), and a kept-alive connection that sends no next request: the time starts whenever the server waits for a request's headers |
+//! | `HTTP_IDLE_TIMEOUT` | a connection on which nothing moves in either direction: a request body that stalls, a client that stops reading its response |
+//! | `HTTP_REQUEST_TIMEOUT` | a request that takes too long to answer, waiting for a permit included: answered `503` |
+//! | `HTTP_MAX_IN_FLIGHT` | more requests at once than the service can work on: the others wait for a permit (within their request timeout) |
+//! | `HTTP_MAX_CONNECTIONS` | more open connections than file descriptors and memory allow: past it, new connections wait in the kernel's backlog |
+//!
+//! Shutdown stops accepting, lets each connection finish its request in flight, and closes it.
+
+use std::{
+    net::SocketAddr,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use axum::{Router, http::StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::TcpListener,
+    sync::Semaphore,
+};
+
+use crate::{duration::parse_duration, shutdown::Shutdown};
+
+/// Where a binary listens and how long its HTTP server waits for a client.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// How long a client may take to send a request's headers, counted from when the server
+    /// starts waiting for them (on a kept-alive connection, from the end of the last response).
+    #[arg(long, env = "HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub header_timeout: Duration,
+    /// How long a request may take to be answered, waiting for a permit included; past it the
+    /// client gets 503.
+    #[arg(long, env = "HTTP_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+    /// How long a connection may carry no byte in either direction before it is closed (a stalled
+    /// request body, a client that does not read its response).
+    #[arg(long, env = "HTTP_IDLE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+    /// Requests handled at once; more wait for a permit.
+    #[arg(long, env = "HTTP_MAX_IN_FLIGHT", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: u32,
+    /// Open connections at most; more wait in the kernel's backlog until one closes.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+}
+
+impl Default for HttpArgs {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            max_in_flight: 512,
+            max_connections: 4096,
+        }
+    }
+}
+
+/// The default listening address: loopback, so that nothing is reachable from elsewhere unless a
+/// deployment says so (`HTTP_ADDR=0.0.0.0:8080`, as `compose.yaml` does).
+pub fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// Serve `router` on `listener` with `limits` until shutdown, then finish the requests in flight
+/// and close every connection.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: &HttpArgs,
+    shutdown: Shutdown,
+) -> std::io::Result<()> {
+    use tower::ServiceBuilder;
+    let router = router.layer(
+        ServiceBuilder::new()
+            .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+                StatusCode::SERVICE_UNAVAILABLE,
+                limits.request_timeout,
+            ))
+            .layer(tower::limit::GlobalConcurrencyLimitLayer::new(limits.max_in_flight as usize)),
+    );
+    let connections = Arc::new(Semaphore::new(limits.max_connections as usize));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
+    loop {
+        let permit = tokio::select! {
+            permit = Arc::clone(&connections).acquire_owned() => permit.expect("never closed"),
+            () = shutdown.triggered() => break,
+        };
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                // Out of descriptors or a connection reset before it was accepted: keep serving.
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = shutdown.triggered() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let activity = Activity::new();
+        let io = TokioIo::new(Watched { inner: stream, activity: Arc::clone(&activity) });
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let connection = graceful.watch(http.serve_connection(io, service));
+        let idle = limits.idle_timeout;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = connection => {}
+                () = activity.idle_for(idle) => {}
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    // Connections with a request in flight finish it; idle ones close at once.
+    let _ = tokio::time::timeout(limits.request_timeout, graceful.shutdown()).await;
+    Ok(())
+}
+
+/// When a connection last moved a byte, in milliseconds since it was accepted.
+struct Activity {
+    started: Instant,
+    last: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { started: Instant::now(), last: AtomicU64::new(0) })
+    }
+
+    fn touch(&self) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last.store(now, Ordering::Relaxed);
+    }
+
+    /// Resolves once nothing has moved for `limit`.
+    async fn idle_for(&self, limit: Duration) {
+        loop {
+            let last = self.started + Duration::from_millis(self.last.load(Ordering::Relaxed));
+            let deadline = last + limit;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline.into()).await;
+        }
+    }
+}
+
+/// A connection that records its activity.
+struct Watched<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

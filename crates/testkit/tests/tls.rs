@@ -1,0 +1,112 @@
+//! Certificates that do not verify stop every service at start-up: exit status 2, one line that
+//! names the server and rustls' reason, and nothing written (no database created, no queue
+//! declared). Needs the servers of `.ci/tls-servers` (`eval "$(.ci/tls-servers env 3.10)"`), which
+//! set `TEST_TLS_CA`, `TEST_TLS_OTHER_CA` and `TEST_TLS_EXPIRED_POSTGRES_URL`; without them the
+//! tests say so and pass, since there is no TLS server to be refused by.
+
+use std::time::{Duration, Instant};
+
+use testkit::{TestEnv, process, shop::Service};
+
+/// A server URL with one change: its host, or one of its query parameters.
+fn changed(url: &str, host: Option<&str>, query: Option<(&str, &str)>) -> String {
+    let mut parsed = url::Url::parse(url).expect("url");
+    if let Some(host) = host {
+        parsed.set_host(Some(host)).expect("host");
+    }
+    if let Some((key, value)) = query {
+        let kept: Vec<(String, String)> =
+            parsed.query_pairs().filter(|(k, _)| k != key).map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+        parsed.query_pairs_mut().clear().extend_pairs(kept).append_pair(key, value);
+    }
+    parsed.to_string()
+}
+
+fn tls_servers() -> Option<(String, String)> {
+    let other_ca = std::env::var("TEST_TLS_OTHER_CA").ok()?;
+    let expired = std::env::var("TEST_TLS_EXPIRED_POSTGRES_URL").ok()?;
+    Some((other_ca, expired))
+}
+
+/// Run `service` with `database_url` and `amqp_url` until it exits (30 s at most): its status and
+/// the last line it wrote to stderr.
+fn run(service: Service, database_url: &str, amqp_url: &str) -> (Option<i32>, String) {
+    let mut child = std::process::Command::new(process::binary(service.binary()))
+        .env_clear()
+        .env("DATABASE_URL", database_url)
+        .env("AMQP_URL", amqp_url)
+        .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the service");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{} did not stop within 30 s", service.binary());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().expect("output");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    (output.status.code(), stderr.lines().last().unwrap_or_default().to_owned())
+}
+
+/// Every service against `database` and `broker` (one of them bad): exit 2, the line names
+/// `server` and says `reason`, and no database or queue was made.
+async fn refused(env: &TestEnv, database: impl Fn(&str) -> String, broker: &str, server: &str, reason: &str) {
+    for service in Service::ALL {
+        let databases = match service {
+            Service::Relay => ["orders", "inventory", "billing"].map(&database).join(","),
+            Service::Api => database("orders"),
+            Service::Inventory => database("inventory"),
+            Service::Billing => database("billing"),
+        };
+        let (status, line) = run(service, &databases, broker);
+        let name = service.binary();
+        assert_eq!(status, Some(2), "{name}: {line}");
+        assert!(line.starts_with(&format!("{name}: cannot start: the {server} at ")), "{name}: {line}");
+        assert!(line.contains(reason), "{name} says why ({reason}): {line}");
+        assert!(!line.contains("tls-test-password"), "{name} prints no password: {line}");
+    }
+    for name in ["orders", "inventory", "billing"] {
+        assert!(!env.database_exists(name).await, "no {name} database was created");
+    }
+    assert_eq!(env.queues().await, Vec::<String>::new(), "no queue was declared");
+}
+
+#[tokio::test]
+async fn a_database_certificate_that_does_not_verify_stops_every_service() {
+    let Some((other_ca, expired)) = tls_servers() else {
+        eprintln!("no TLS servers (.ci/tls-servers env): nothing to test");
+        return;
+    };
+    let env = TestEnv::new().await;
+    let amqp = env.amqp_url();
+    let wrong_ca = |name: &str| changed(&env.database_url(name), None, Some(("sslrootcert", &other_ca)));
+    refused(&env, wrong_ca, &amqp, "database", "UnknownIssuer").await;
+    let wrong_host = |name: &str| changed(&env.database_url(name), Some("127.0.0.2"), None);
+    refused(&env, wrong_host, &amqp, "database", "not valid for name").await;
+    let expired_certificate = |name: &str| {
+        let mut url = url::Url::parse(&expired).expect("url");
+        url.set_path(name);
+        url.to_string()
+    };
+    refused(&env, expired_certificate, &amqp, "database", "expired").await;
+}
+
+#[tokio::test]
+async fn a_broker_certificate_that_does_not_verify_stops_every_service() {
+    let Some((other_ca, _)) = tls_servers() else {
+        eprintln!("no TLS servers (.ci/tls-servers env): nothing to test");
+        return;
+    };
+    let env = TestEnv::new().await;
+    let database = |name: &str| env.database_url(name);
+    let wrong_ca = changed(&env.amqp_url(), None, Some(("cacertfile", &other_ca)));
+    refused(&env, database, &wrong_ca, "broker", "UnknownIssuer").await;
+    let wrong_host = changed(&env.amqp_url(), Some("127.0.0.2"), None);
+    refused(&env, database, &wrong_host, "broker", "not valid for name").await;
+}
