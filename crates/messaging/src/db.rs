@@ -146,7 +146,7 @@ pub async fn open(
         };
         match step.await {
             Ok(pool) => {
-                check_grants(&pool, &FULL_ACCESS).await.map_err(|e| at(database.url, &e))?;
+                check_grants(&pool, &FULL_ACCESS).await.map_err(|e| at(database.url, &describe(&e)))?;
                 return Ok(Some(pool));
             }
             Err((url, error)) if is_unreachable(&error) && crate::tls::verification_failure(&error).is_none() => {
@@ -163,31 +163,41 @@ pub async fn open(
 }
 
 /// Apply the migrations on a connection of its own: a migration may rightly run longer than any
-/// statement of ours.
+/// statement of ours. A role that may not change the schema (a runtime role without
+/// `MIGRATION_DATABASE_URL`) starts if nothing is left to apply, and is told which versions are
+/// pending otherwise.
 async fn migrate(options: &PgConnectOptions, migrator: &Migrator) -> Result<(), sqlx::Error> {
     let migrating = PgPoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
     let migrated = crate::schema::migrate(&migrating, migrator).await;
+    let denied = |error: &MigrateError| match error {
+        MigrateError::Execute(sqlx::Error::Database(e))
+        | MigrateError::ExecuteMigration(sqlx::Error::Database(e), _)
+            if e.code().as_deref() == Some("42501") =>
+        {
+            Some(e.message().to_owned())
+        }
+        _ => None,
+    };
+    let outcome = match migrated {
+        Err(error) => match denied(&error) {
+            None => Err(sqlx::Error::from(error)),
+            Some(message) => match crate::schema::pending(&migrating, migrator).await {
+                Ok(pending) if pending.is_empty() => Ok(()),
+                Ok(pending) => Err(sqlx::Error::Configuration(
+                    format!(
+                        "role {} may not apply the pending migrations {pending:?} ({message}): run them as the \
+                         schema's owner (MIGRATION_DATABASE_URL, docs/operations.md)",
+                        options.get_username()
+                    )
+                    .into(),
+                )),
+                Err(error) => Err(sqlx::Error::from(error)),
+            },
+        },
+        Ok(()) => Ok(()),
+    };
     migrating.close().await;
-    let denied = |error: &sqlx::Error| match error {
-        sqlx::Error::Database(e) if e.code().as_deref() == Some("42501") => Some(e.message().to_owned()),
-        _ => None,
-    };
-    let message = match &migrated {
-        Err(MigrateError::Execute(error) | MigrateError::ExecuteMigration(error, _)) => denied(error),
-        _ => None,
-    };
-    match (migrated, message) {
-        (_, Some(message)) => Err(sqlx::Error::Configuration(
-            format!(
-                "role {} may not apply the migrations ({}): run them as the schema's owner \
-                     (MIGRATION_DATABASE_URL, docs/operations.md)",
-                options.get_username(),
-                message
-            )
-            .into(),
-        )),
-        (migrated, None) => migrated.map_err(sqlx::Error::from),
-    }
+    outcome
 }
 
 /// Grant the relay's `role` its rights on the outbox (idempotent), as the outbox's owner.
@@ -214,10 +224,12 @@ async fn grant_outbox(options: &PgConnectOptions, role: &str) -> Result<(), sqlx
 }
 
 /// One line for a start-up error: rustls' reason for a certificate, else sqlx's message.
-fn describe(error: &sqlx::Error) -> String {
-    match crate::tls::verification_failure(error) {
-        Some(reason) => format!("TLS: {reason}"),
-        None => error.to_string(),
+pub fn describe(error: &sqlx::Error) -> String {
+    match (crate::tls::verification_failure(error), error) {
+        (Some(reason), _) => format!("TLS: {reason}"),
+        // Ours (a missing grant, a role that may not migrate): the message alone.
+        (None, sqlx::Error::Configuration(message)) => message.to_string(),
+        (None, error) => error.to_string(),
     }
 }
 

@@ -39,6 +39,21 @@ pub async fn combined(service: &Migrator) -> Result<Migrator, MigrateError> {
     Migrator::new(Migrations(all)).await
 }
 
+/// The versions of messaging's and `service`'s migrations that `pool`'s database has not applied
+/// yet: read with `SELECT` alone, so a runtime role that may not migrate can still tell whether
+/// it needs to.
+pub async fn pending(pool: &PgPool, service: &Migrator) -> Result<Vec<i64>, MigrateError> {
+    let applied: Vec<i64> =
+        match sqlx::query_scalar("select version from _sqlx_migrations where success").fetch_all(pool).await {
+            Ok(applied) => applied,
+            // 42P01: no bookkeeping table yet, nothing applied.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Vec::new(),
+            Err(error) => return Err(MigrateError::Execute(error)),
+        };
+    let all = combined(service).await?;
+    Ok(all.iter().map(|migration| migration.version).filter(|version| !applied.contains(version)).collect())
+}
+
 /// Apply messaging's migrations and then `service`'s to `pool`'s database, in one run under
 /// sqlx's advisory lock (several instances may start together).
 pub async fn migrate(pool: &PgPool, service: &Migrator) -> Result<(), MigrateError> {

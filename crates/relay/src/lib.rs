@@ -168,12 +168,12 @@ impl OutboxDb {
         match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
             Ok(true) => db::check_table_grants(&self.pool, &["outbox".to_owned()], &OUTBOX_GRANTS)
                 .await
-                .map_err(|error| refused(error.to_string())),
+                .map_err(|error| refused(db::describe(&error))),
             Ok(false) => Ok(()),
             Err(error) => match messaging::tls::verification_failure(&error) {
                 Some(reason) => Err(refused(format!("TLS: {reason}"))),
                 None if db::is_unreachable(&error) => Ok(()),
-                None => Err(refused(error.to_string())),
+                None => Err(refused(db::describe(&error))),
             },
         }
     }

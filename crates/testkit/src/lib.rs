@@ -19,6 +19,7 @@ pub use messaging::http;
 pub mod ledger;
 pub mod process;
 pub mod proxy;
+pub mod roles;
 pub mod shop;
 
 use std::{future::Future, time::Duration};
@@ -190,6 +191,11 @@ impl TestEnv {
         let vhost = format!("t-{id}");
         create_vhost(servers, &vhost).await;
         Self { id, servers, vhost }
+    }
+
+    /// This test's id: its databases are `t_<id>_<service>`, its vhost `t-<id>`.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// The URL of this test's database for `service` (e.g. `orders`); created by whoever connects
@@ -374,6 +380,16 @@ impl Drop for TestEnv {
                     let _ =
                         sqlx::query(&format!("drop database if exists \"{name}\" with (force)")).execute(&pool).await;
                 }
+                // The roles of a least-privilege shop (`roles::provision`), once their databases are gone.
+                let roles: Vec<String> =
+                    sqlx::query_scalar("select rolname::text from pg_roles where starts_with(rolname, $1)")
+                        .bind(&prefix)
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap_or_default();
+                for role in roles {
+                    let _ = sqlx::query(&format!("drop role if exists \"{role}\"")).execute(&pool).await;
+                }
                 pool.close().await;
             });
         });
@@ -406,6 +422,25 @@ async fn create_vhost(servers: &Servers, vhost: &str) {
 }
 
 async fn delete_vhost(servers: &Servers, vhost: &str) {
+    // The broker users of a least-privilege shop (`roles::provision`) are named after the vhost.
+    if let Ok(users) = http::request("GET", &http::join(&servers.management, "/api/users"), &[], None).await {
+        if users.status == 200 {
+            let prefix = format!("{vhost}-");
+            let names: Vec<String> = users
+                .json()
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|user| user["name"].as_str().map(str::to_owned))
+                .filter(|name| name.starts_with(&prefix))
+                .collect();
+            for name in names {
+                let _ =
+                    http::request("DELETE", &http::join(&servers.management, &format!("/api/users/{name}")), &[], None)
+                        .await;
+            }
+        }
+    }
     let deleted =
         http::request("DELETE", &http::join(&servers.management, &format!("/api/vhosts/{vhost}")), &[], None).await;
     if !matches!(deleted, Ok(ref r) if r.status < 300) {

@@ -84,6 +84,13 @@ impl Process {
         assert!(self.child.is_none(), "{} is already running", self.name);
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
         let mut command = Command::new(&self.binary);
+        // A setting given as a file (`NAME_FILE`) is not also inherited as `NAME` from the tests'
+        // own environment (where DATABASE_URL and AMQP_URL name the servers).
+        for (name, _) in &self.env {
+            if let Some(given) = name.strip_suffix("_FILE") {
+                command.env_remove(given);
+            }
+        }
         command
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(extra.iter().copied())

@@ -66,6 +66,9 @@ pub struct Options {
     /// More variables for the three consumers (the API's status consumer and both workers), such
     /// as `MAX_CRASHES` or `DELIVERY_LIMIT`.
     pub consumer_env: Vec<(&'static str, String)>,
+    /// Each service under its own least-privilege database roles and broker user, made by the
+    /// DBA's scripts ([`crate::roles`]), its URLs given as files (`DATABASE_URL_FILE`, ...).
+    pub least_privilege: bool,
 }
 
 impl Default for Options {
@@ -77,6 +80,7 @@ impl Default for Options {
             demo_faults: false,
             log_filter: "info".into(),
             consumer_env: Vec::new(),
+            least_privilege: false,
         }
     }
 }
@@ -153,6 +157,16 @@ pub struct Shop {
     pub env: TestEnv,
 }
 
+/// `NAME_FILE` for the variables a least-privilege shop gives as files.
+fn secret_file_variable(name: &str) -> &'static str {
+    match name {
+        "DATABASE_URL" => "DATABASE_URL_FILE",
+        "MIGRATION_DATABASE_URL" => "MIGRATION_DATABASE_URL_FILE",
+        "AMQP_URL" => "AMQP_URL_FILE",
+        other => panic!("{other} is not given as a file"),
+    }
+}
+
 /// The relay's poll interval, first and longest retry wait in tests: fast.
 const RELAY_TIMINGS: [&str; 3] = ["200ms", "50ms", "500ms"];
 
@@ -165,6 +179,10 @@ impl Shop {
         let env = TestEnv::new().await;
         let log_dir = std::env::temp_dir().join(format!("shop-{}", Uuid::new_v4().simple()));
         std::fs::create_dir_all(&log_dir).expect("create log directory");
+        let accounts = match options.least_privilege {
+            true => Some(crate::roles::provision(&env).await),
+            false => None,
+        };
         let mut services = BTreeMap::new();
         let mut http = BTreeMap::new();
         for service in Service::ALL {
@@ -179,12 +197,23 @@ impl Shop {
             let (database, database_url) = Proxy::for_url(&database_url).await.expect("database proxy");
             let (broker, amqp_url) = Proxy::for_url(&env.amqp_url()).await.expect("broker proxy");
             let port = process::free_port();
-            let mut vars = vec![
-                ("DATABASE_URL", database_url),
-                ("AMQP_URL", amqp_url),
-                ("HTTP_ADDR", format!("127.0.0.1:{port}")),
-                ("RUST_LOG", options.log_filter.clone()),
-            ];
+            let mut vars = match &accounts {
+                None => vec![("DATABASE_URL", database_url), ("AMQP_URL", amqp_url)],
+                // Secrets as files, the way a deployment keeps them out of the environment.
+                Some(accounts) => accounts
+                    .service_env(service, &database_url, &amqp_url)
+                    .into_iter()
+                    .map(|(name, value)| match name {
+                        "OUTBOX_RELAY_ROLE" => (name, value),
+                        _ => {
+                            let file = log_dir.join(format!("{}.{name}", service.binary()));
+                            std::fs::write(&file, format!("{value}\n")).expect("write a secret file");
+                            (secret_file_variable(name), file.display().to_string())
+                        }
+                    })
+                    .collect(),
+            };
+            vars.extend([("HTTP_ADDR", format!("127.0.0.1:{port}")), ("RUST_LOG", options.log_filter.clone())]);
             if service == Service::Relay {
                 let [poll, initial, max] = RELAY_TIMINGS;
                 vars.extend([

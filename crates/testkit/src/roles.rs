@@ -1,0 +1,113 @@
+//! Least privilege in tests: each service of a test's shop under its own database roles and
+//! broker user, made by the scripts a DBA runs (`ops/postgres/roles.sql`, `ops/rabbitmq/users.sh`),
+//! named after the test (`t_<id>_inventory`, `t-<id>-inventory-worker`) so that tests do not share
+//! them. Every password is the role's own name: these servers are the test's.
+
+use std::path::PathBuf;
+
+use crate::{TestEnv, http, shop::Service};
+
+/// The scripts, from the repository's root.
+fn script(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(path)
+}
+
+/// `url` with `user` (and the same as password) instead of its own user, and `path` as its path.
+pub fn as_user(url: &str, user: &str, path: Option<&str>) -> String {
+    let mut parsed = url::Url::parse(url).expect("server URL");
+    parsed.set_username(user).expect("user");
+    parsed.set_password(Some(user)).expect("password");
+    if let Some(path) = path {
+        parsed.set_path(path);
+    }
+    parsed.to_string()
+}
+
+/// The accounts of one test's shop.
+#[derive(Debug, Clone)]
+pub struct Accounts {
+    /// `t_<id>_`, in front of every database role.
+    pub role_prefix: String,
+    /// `t-<id>-`, in front of every broker user.
+    pub user_prefix: String,
+}
+
+impl Accounts {
+    /// The database role a service runs as (`t_<id>_inventory`; the relay's is `t_<id>_relay`).
+    pub fn runtime_role(&self, database: &str) -> String {
+        format!("{}{database}", self.role_prefix)
+    }
+
+    /// The database role a service migrates as.
+    pub fn owner_role(&self, database: &str) -> String {
+        format!("{}{database}_owner", self.role_prefix)
+    }
+
+    /// The relay's database role.
+    pub fn relay_role(&self) -> String {
+        format!("{}relay", self.role_prefix)
+    }
+
+    /// The broker user of `service` (`t-<id>-inventory-worker`).
+    pub fn broker_user(&self, service: Service) -> String {
+        format!("{}{}", self.user_prefix, service.binary())
+    }
+
+    /// The variables `service` runs with: its runtime and migration URLs, the relay's role, its
+    /// broker user; `database_url` and `amqp_url` are the test's (possibly through proxies), whose
+    /// user is replaced.
+    pub fn service_env(&self, service: Service, database_url: &str, amqp_url: &str) -> Vec<(&'static str, String)> {
+        let user = self.broker_user(service);
+        let mut vars = vec![("AMQP_URL", as_user(amqp_url, &user, None))];
+        if service == Service::Relay {
+            let role = self.relay_role();
+            let urls: Vec<String> = database_url.split(',').map(|url| as_user(url, &role, None)).collect();
+            vars.push(("DATABASE_URL", urls.join(",")));
+            return vars;
+        }
+        let database = url::Url::parse(database_url).expect("database URL").path().trim_start_matches('/').to_owned();
+        let service_name = database.trim_start_matches(&self.role_prefix).to_owned();
+        vars.push(("DATABASE_URL", as_user(database_url, &self.runtime_role(&service_name), None)));
+        vars.push(("MIGRATION_DATABASE_URL", as_user(database_url, &self.owner_role(&service_name), None)));
+        vars.push(("OUTBOX_RELAY_ROLE", self.relay_role()));
+        vars
+    }
+}
+
+/// Make the roles, the databases and the broker users of `env`'s shop with the DBA's scripts.
+pub async fn provision(env: &TestEnv) -> Accounts {
+    let accounts = Accounts { role_prefix: format!("t_{}_", env.id()), user_prefix: format!("t-{}-", env.id()) };
+    let admin = http::join(&env.servers.postgres, "/postgres");
+    for database in ["orders", "inventory", "billing"] {
+        let service = accounts.runtime_role(database);
+        let (owner, relay) = (accounts.owner_role(database), accounts.relay_role());
+        let output = tokio::process::Command::new("psql")
+            .arg(&admin)
+            .args(["-q", "-v", &format!("service={service}"), "-v", &format!("owner_password={owner}")])
+            .args(["-v", &format!("runtime_password={service}"), "-v", &format!("relay={relay}")])
+            .args(["-v", &format!("relay_password={relay}"), "-f"])
+            .arg(script("ops/postgres/roles.sql"))
+            .output()
+            .await
+            .expect("run psql (the postgresql-client package)");
+        assert!(output.status.success(), "roles.sql for {database}: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    // users.sh speaks to the management API with curl: the URL without our query, its CA apart.
+    let management = url::Url::parse(&env.servers.management).expect("management URL");
+    let ca = management.query_pairs().find(|(key, _)| key == "cacertfile").map(|(_, value)| value.into_owned());
+    let mut bare = messaging::tls::TlsFiles::strip(&management);
+    bare.set_query(None);
+    let mut command = tokio::process::Command::new("bash");
+    command.arg(script("ops/rabbitmq/users.sh")).args(["apply", bare.as_str(), &env.vhost]);
+    command.env("USER_PREFIX", &accounts.user_prefix);
+    for service in Service::ALL {
+        let variable = format!("{}_PASSWORD", service.binary().to_uppercase().replace('-', "_"));
+        command.env(variable, accounts.broker_user(service));
+    }
+    if let Some(ca) = ca {
+        command.env("CURL_CA_FILE", ca);
+    }
+    let output = command.output().await.expect("run ops/rabbitmq/users.sh");
+    assert!(output.status.success(), "users.sh: {}", String::from_utf8_lossy(&output.stderr));
+    accounts
+}

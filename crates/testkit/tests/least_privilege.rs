@@ -1,0 +1,121 @@
+//! Every service under its own least-privilege database roles and broker user, made by the DBA's
+//! scripts (`ops/postgres/roles.sql`, `ops/rabbitmq/users.sh`), with its URLs given as files: the
+//! order flow works, and each account can do only what its service needs.
+
+use lapin::{
+    options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions},
+    types::FieldTable,
+};
+use messaging::config::SecretUrl;
+use sqlx::Connection;
+use testkit::{
+    process,
+    roles::as_user,
+    shop::{Options, Service, Shop},
+};
+
+async fn least_privilege_shop() -> Shop {
+    Shop::start(Options { least_privilege: true, ..Options::default() }).await
+}
+
+/// The role names of the shop, from its databases' names (`t_<id>_orders`).
+fn role(shop: &Shop, name: &str) -> String {
+    format!("t_{}_{name}", shop.env.id())
+}
+
+#[tokio::test]
+async fn the_order_flow_runs_with_a_role_and_a_user_per_service() {
+    let mut shop = least_privilege_shop().await;
+    shop.place_burst(20).await;
+    let ledger = shop.assert_books_balance().await;
+    assert!(ledger.succeeded > 0, "{ledger}");
+    // Nobody but the owner made the tables: the runtime roles own nothing.
+    let owners: Vec<String> =
+        sqlx::query_scalar("select distinct tableowner::text from pg_tables where schemaname = 'public'")
+            .fetch_all(&shop.inventory)
+            .await
+            .expect("table owners");
+    assert_eq!(owners, [role(&shop, "inventory_owner")]);
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn the_inventory_role_cannot_reach_the_orders_database_nor_change_its_own_schema() {
+    let shop = least_privilege_shop().await;
+    let inventory = role(&shop, "inventory");
+    let orders_db = format!("/{}", role(&shop, "orders"));
+    let refused = sqlx::PgConnection::connect(&as_user(&shop.env.database_url("orders"), &inventory, Some(&orders_db)))
+        .await
+        .expect_err("the inventory role may not connect to the orders database");
+    let code = refused.as_database_error().and_then(|e| e.code()).map(|code| code.into_owned());
+    assert_eq!(code.as_deref(), Some("42501"), "insufficient_privilege: {refused}");
+
+    let mut own = sqlx::PgConnection::connect(&as_user(&shop.env.database_url("inventory"), &inventory, None))
+        .await
+        .expect("the inventory role connects to its database");
+    for statement in
+        ["create table extra (id int)", "drop table stock", "truncate stock", "alter table stock add x int"]
+    {
+        let error = sqlx::query(statement).execute(&mut own).await.expect_err(statement);
+        let code = error.as_database_error().and_then(|e| e.code()).map(|code| code.into_owned());
+        assert_eq!(code.as_deref(), Some("42501"), "{statement}: {error}");
+    }
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn the_inventory_user_cannot_consume_declare_purge_or_delete_billing_queues() {
+    let shop = least_privilege_shop().await;
+    let user = format!("t-{}-inventory-worker", shop.env.id());
+    let url = SecretUrl::new(as_user(&shop.env.amqp_url(), &user, None));
+    let connection = messaging::broker::connect(&url, "least-privilege test").await.expect("connect as inventory");
+    let billing = "billing.inventory-reserved";
+    // Each refusal closes its channel (403 ACCESS_REFUSED); a fresh channel for each.
+    let channel = connection.create_channel().await.expect("channel");
+    let consumed = channel
+        .basic_consume(billing.into(), "spy".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await;
+    assert!(consumed.is_err(), "consuming the billing queue is refused");
+    let channel = connection.create_channel().await.expect("channel");
+    let declared = channel
+        .queue_declare(
+            format!("{billing}.extra").as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await;
+    assert!(declared.is_err(), "declaring a queue of billing's is refused");
+    let channel = connection.create_channel().await.expect("channel");
+    assert!(channel.queue_purge(billing.into(), QueuePurgeOptions::default()).await.is_err(), "purge is refused");
+    let channel = connection.create_channel().await.expect("channel");
+    assert!(channel.queue_delete(billing.into(), QueueDeleteOptions::default()).await.is_err(), "delete is refused");
+    let _ = connection.close(200, "bye".into()).await;
+    // Its own queue it may consume, and billing's is still there.
+    assert!(shop.env.queue_depth(billing).await.is_some(), "billing's queue is intact");
+    assert!(shop.env.queues().await.iter().all(|queue| !queue.ends_with(".extra")), "nothing was declared");
+    shop.stop().await;
+}
+
+#[tokio::test]
+async fn a_missing_grant_stops_the_service_and_is_named() {
+    let shop = least_privilege_shop().await;
+    let inventory = role(&shop, "inventory");
+    sqlx::query(&format!("revoke insert on inbox from \"{inventory}\""))
+        .execute(&shop.inventory)
+        .await
+        .expect("revoke");
+    let user = format!("t-{}-inventory-worker", shop.env.id());
+    let output = std::process::Command::new(process::binary(Service::Inventory.binary()))
+        .env_clear()
+        .env("DATABASE_URL", as_user(&shop.env.database_url("inventory"), &inventory, None))
+        .env("AMQP_URL", as_user(&shop.env.amqp_url(), &user, None))
+        .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("run inventory-worker");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let line = stderr.lines().last().unwrap_or_default();
+    assert!(line.contains(&format!("role {inventory} lacks INSERT on inbox")), "{line}");
+    shop.stop().await;
+}

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One broker user per service, each limited to its own queues and to the exchanges it binds to or
+# publishes to (docs/operations.md, "Deploying against managed Postgres and RabbitMQ").
+#
+#   ops/rabbitmq/users.sh apply MANAGEMENT_URL VHOST    create or update the users and permissions
+#   ops/rabbitmq/users.sh permissions                  print the table below
+#   ops/rabbitmq/users.sh definitions                  the compose demo's definitions file
+#                                                      (ops/rabbitmq/definitions.json)
+#
+# MANAGEMENT_URL is the management API as an administrator, e.g. https://admin:pw@mq:15671 (add
+# `--cacert FILE` through CURL_CA_FILE if its certificate is not in the system's store). Each
+# user's password is read from the file named by <USER>_PASSWORD_FILE (orders-api ->
+# ORDERS_API_PASSWORD_FILE), else from <USER>_PASSWORD; a user with neither is refused. USER_PREFIX
+# (empty by default) goes in front of every user name (the tests give each test its own users).
+#
+# What the regular expressions allow (RabbitMQ's configure / write / read, on queue and exchange
+# names): each consumer declares, binds, consumes and deletes only its endpoint's queues (`NAME`
+# and `NAME.*`: work, wait tiers, parking, dead-lettered intake), declares the exchanges it binds
+# to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
+# the default exchange (retries and parking go to its own queues by name). The relay declares and
+# publishes to the shop's exchanges and reads nothing. Limits: RabbitMQ checks a publish to the
+# default exchange against `amq.default`, not the queue it lands in, so a consumer's user could
+# put a message into another service's queue by name (never take one out of it); and a user that
+# may declare an exchange may also delete it.
+set -euo pipefail
+
+# user                configure                                    write                                  read
+permissions() {
+    cat <<'TABLE'
+orders-api         ^(orders\.status(\..*)?|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs|amq\.default)$  ^(orders\.status(\..*)?|inventory|billing|jobs)$
+inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs|amq\.default)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
+billing-worker     ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs|amq\.default)$  ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$
+relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
+TABLE
+}
+
+json_string() { python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
+
+password_of() { # user
+    local var
+    var=$(echo "$1" | tr 'a-z-' 'A-Z_')_PASSWORD
+    local file_var="${var}_FILE"
+    if [ -n "${!file_var:-}" ]; then
+        tr -d '\n' <"${!file_var}"
+    elif [ -n "${!var:-}" ]; then
+        printf '%s' "${!var}"
+    else
+        echo "users.sh: no password for $1: set $file_var (or $var)" >&2
+        return 1
+    fi
+}
+
+apply() { # management-url vhost
+    local api=${1%/} vhost=$2 user configure write read password
+    local vhost_path
+    vhost_path=$(python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$vhost")
+    local curl=(curl -sS --fail-with-body -H 'content-type: application/json')
+    [ -z "${CURL_CA_FILE:-}" ] || curl+=(--cacert "$CURL_CA_FILE")
+    while read -r user configure write read; do
+        password=$(password_of "$user")
+        user="${USER_PREFIX:-}$user"
+        "${curl[@]}" -X PUT "$api/api/users/$user" \
+            -d "{\"password\": $(json_string "$password"), \"tags\": \"\"}" >/dev/null
+        "${curl[@]}" -X PUT "$api/api/permissions/$vhost_path/$user" \
+            -d "{\"configure\": $(json_string "$configure"), \"write\": $(json_string "$write"), \"read\": $(json_string "$read")}" >/dev/null
+        echo "users.sh: $user on vhost $vhost: configure $configure, write $write, read $read"
+    done < <(permissions)
+}
+
+# The demo's broker, loaded at boot (ops/rabbitmq/20-shop.conf): the vhost, `guest` as the
+# administrator for the management UI, and the service users, each with its name as its password.
+# The salts are derived from the names so that the file is reproducible: demo passwords only.
+definitions() {
+    permissions | python3 -c '
+import base64, hashlib, json, sys
+def password_hash(user, password):
+    salt = hashlib.sha256(user.encode()).digest()[:4]
+    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
+users = [{"name": "guest", "password_hash": password_hash("guest", "guest"),
+          "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}]
+permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
+for line in sys.stdin:
+    user, configure, write, read = line.split()
+    users.append({"name": user, "password_hash": password_hash(user, user),
+                  "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": [], "limits": {}})
+    permissions.append({"user": user, "vhost": "/", "configure": configure, "write": write, "read": read})
+print(json.dumps({"vhosts": [{"name": "/"}], "users": users, "permissions": permissions}, indent=2))
+'
+}
+
+case "${1:-}" in
+definitions) definitions ;;
+apply) apply "${2:?management URL}" "${3:?vhost}" ;;
+permissions) permissions ;;
+*) echo "usage: $0 apply MANAGEMENT_URL VHOST | permissions | definitions" >&2; exit 2 ;;
+esac
