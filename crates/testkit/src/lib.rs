@@ -423,22 +423,14 @@ async fn create_vhost(servers: &Servers, vhost: &str) {
 
 async fn delete_vhost(servers: &Servers, vhost: &str) {
     // The broker users of a least-privilege shop (`roles::provision`) are named after the vhost.
-    if let Ok(users) = http::request("GET", &http::join(&servers.management, "/api/users"), &[], None).await {
-        if users.status == 200 {
-            let prefix = format!("{vhost}-");
-            let names: Vec<String> = users
-                .json()
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|user| user["name"].as_str().map(str::to_owned))
-                .filter(|name| name.starts_with(&prefix))
-                .collect();
-            for name in names {
-                let _ =
-                    http::request("DELETE", &http::join(&servers.management, &format!("/api/users/{name}")), &[], None)
-                        .await;
-            }
+    let users = http::request("GET", &http::join(&servers.management, "/api/users"), &[], None).await;
+    if let Some(users) = users.ok().filter(|users| users.status == 200) {
+        let prefix = format!("{vhost}-");
+        let listed = users.json();
+        let names = listed.as_array().into_iter().flatten().filter_map(|user| user["name"].as_str());
+        for name in names.filter(|name| name.starts_with(&prefix)) {
+            let user = http::join(&servers.management, &format!("/api/users/{name}"));
+            let _ = http::request("DELETE", &user, &[], None).await;
         }
     }
     let deleted =
