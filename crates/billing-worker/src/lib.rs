@@ -19,7 +19,7 @@ pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
         about: "Invoices reserved orders.",
         version: env!("CARGO_PKG_VERSION"),
         database: "billing",
-        http_addr: "0.0.0.0:8082",
+        http_addr: "127.0.0.1:8082",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>(),
         handler: |faults| CreateInvoice { faults: *faults },

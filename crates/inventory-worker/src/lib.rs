@@ -19,7 +19,7 @@ pub fn worker() -> Worker<DemoFaults, ReserveStock> {
         about: "Reserves stock for placed orders.",
         version: env!("CARGO_PKG_VERSION"),
         database: "inventory",
-        http_addr: "0.0.0.0:8081",
+        http_addr: "127.0.0.1:8081",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>(),
         handler: |faults| ReserveStock { faults: *faults },

@@ -21,8 +21,9 @@
 //! `http/json`); `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`; `OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT`
 //! (10000 ms); `OTEL_SERVICE_NAME` (else `service.name` in `OTEL_RESOURCE_ATTRIBUTES`, else the
 //! binary's name); `OTEL_RESOURCE_ATTRIBUTES`; `OTEL_BSP_SCHEDULE_DELAY` (5000 ms),
-//! `OTEL_BSP_MAX_QUEUE_SIZE` (2048), `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` (512). Only `http://`
-//! endpoints: run the collector (or an agent) beside the service, and let it speak TLS onwards.
+//! `OTEL_BSP_MAX_QUEUE_SIZE` (2048), `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` (512);
+//! `OTEL_EXPORTER_OTLP[_TRACES]_CERTIFICATE` (the CA file of an `https://` endpoint, beside the
+//! system's roots), `..._CLIENT_CERTIFICATE` and `..._CLIENT_KEY` (a client certificate).
 
 use std::{
     sync::{
@@ -92,12 +93,25 @@ impl Config {
                 None => return Ok(None),
             },
         };
-        if !endpoint.starts_with("http://") {
-            return Err(format!(
-                "OTLP endpoint {endpoint}: only plain http:// is supported; run the collector (or an agent) beside \
-                 the service and let it speak TLS onwards"
-            ));
+        let mut endpoint = match url::Url::parse(&endpoint) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => url,
+            _ => return Err(format!("OTLP endpoint {endpoint}: not an http:// or https:// URL")),
+        };
+        // TLS files, handed to our HTTP client in the URL's query (crate::tls).
+        let files = [
+            ("cacertfile", either("CERTIFICATE")),
+            ("certfile", either("CLIENT_CERTIFICATE")),
+            ("keyfile", either("CLIENT_KEY")),
+        ];
+        if endpoint.scheme() == "https" && files.iter().any(|(_, file)| file.is_some()) {
+            let mut query = endpoint.query_pairs_mut();
+            for (key, file) in &files {
+                if let Some(file) = file {
+                    query.append_pair(key, file.trim());
+                }
+            }
         }
+        let endpoint = endpoint.to_string();
         if let Some(protocol) = either("PROTOCOL").filter(|protocol| protocol.trim() != "http/json") {
             return Err(format!(
                 "OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: this exporter sends `http/json`, which every collector's \
@@ -488,10 +502,23 @@ mod tests {
     }
 
     #[test]
+    fn an_https_endpoint_carries_its_tls_files_to_the_client() {
+        let on = config(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318"),
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/run/ca.pem"),
+        ])
+        .expect("valid")
+        .expect("on");
+        assert_eq!(on.endpoint, "https://collector:4318/v1/traces?cacertfile=%2Frun%2Fca.pem");
+        let files = crate::tls::TlsFiles::of_url(&url::Url::parse(&on.endpoint).expect("url"));
+        assert_eq!(files.ca.as_deref(), Some(std::path::Path::new("/run/ca.pem")));
+    }
+
+    #[test]
     fn what_it_cannot_honour_is_refused_by_name() {
         let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318");
         for (vars, names) in [
-            (vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318")], "https://collector:4318/v1/traces"),
+            (vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://collector:4318")], "ftp://collector:4318/v1/traces"),
             (vec![endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")], "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
             (vec![endpoint, ("OTEL_TRACES_EXPORTER", "zipkin")], "OTEL_TRACES_EXPORTER=zipkin"),
             (vec![endpoint, ("OTEL_BSP_SCHEDULE_DELAY", "5s")], "OTEL_BSP_SCHEDULE_DELAY=5s"),

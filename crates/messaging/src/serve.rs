@@ -194,3 +194,102 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use axum::routing::{get, post};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// Serve `router` with `limits` on a free port.
+    async fn start(router: Router, limits: HttpArgs) -> (SocketAddr, crate::shutdown::ShutdownTrigger) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (trigger, shutdown) = crate::shutdown::channel();
+        tokio::spawn(async move { serve(listener, router, &limits, shutdown).await });
+        (addr, trigger)
+    }
+
+    /// Read until the server closes the connection (within 10 s); what it sent.
+    async fn until_closed(stream: &mut tokio::net::TcpStream) -> String {
+        let mut received = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut received))
+            .await
+            .expect("the server closes the connection")
+            .expect("read");
+        String::from_utf8_lossy(&received).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_client_that_does_not_finish_its_headers_is_cut_off() {
+        let limits = HttpArgs { header_timeout: Duration::from_millis(300), ..HttpArgs::default() };
+        let (addr, _trigger) = start(Router::new().route("/", get(|| async { "ok" })), limits).await;
+        let mut slow = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        slow.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.expect("write");
+        let started = Instant::now();
+        let answer = until_closed(&mut slow).await;
+        assert!(started.elapsed() >= Duration::from_millis(300), "not before the timeout");
+        assert!(!answer.contains("200 OK"), "no answer to a request it never finished: {answer}");
+        // The server still answers others.
+        let mut quick = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        quick.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+        assert!(until_closed(&mut quick).await.starts_with("HTTP/1.1 200 OK"));
+    }
+
+    #[tokio::test]
+    async fn a_request_that_takes_too_long_is_answered_503() {
+        let limits = HttpArgs { request_timeout: Duration::from_millis(200), ..HttpArgs::default() };
+        let slow = || async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            "late"
+        };
+        let (addr, _trigger) = start(Router::new().route("/", get(slow)), limits).await;
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+        let answer = until_closed(&mut client).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn a_stalled_request_body_is_cut_off_by_the_idle_timeout() {
+        let limits = HttpArgs { idle_timeout: Duration::from_millis(300), ..HttpArgs::default() };
+        let (addr, _trigger) = start(Router::new().route("/", post(|body: String| async move { body })), limits).await;
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        client.write_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nten bytes.").await.expect("write");
+        let answer = until_closed(&mut client).await;
+        assert!(!answer.contains("ten bytes."), "the handler never got the whole body: {answer}");
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_in_flight_limit_wait_for_a_permit() {
+        let limits = HttpArgs { max_in_flight: 2, ..HttpArgs::default() };
+        let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (n, m) = (Arc::clone(&now), Arc::clone(&most));
+        let handler = move || {
+            let (now, most) = (Arc::clone(&n), Arc::clone(&m));
+            async move {
+                let running = now.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(running, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                "ok"
+            }
+        };
+        let (addr, _trigger) = start(Router::new().route("/", get(handler)), limits).await;
+        let mut clients = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            clients.spawn(async move {
+                let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+                client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+                until_closed(&mut client).await
+            });
+        }
+        while let Some(answer) = clients.join_next().await {
+            assert!(answer.expect("joined").starts_with("HTTP/1.1 200 OK"), "every request is answered");
+        }
+        assert_eq!(most.load(Ordering::SeqCst), 2, "never more than the limit at once");
+    }
+}

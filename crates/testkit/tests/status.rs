@@ -164,16 +164,37 @@ async fn the_relays_mark_of_a_batch_publishes_each_of_its_queued_jobs_once() {
     task.await.expect("api task").expect("api ran");
 }
 
+#[tokio::test]
+async fn with_the_live_page_off_neither_the_page_nor_its_data_is_served() {
+    let (api, trigger, task) = start_api_with(&["--live-page", "off"]).await;
+    for path in ["/", "/overview"] {
+        let response = http::request("GET", &format!("{}{path}", api.base), &[], None).await.expect("GET");
+        assert_eq!(response.status, 404, "{path}");
+    }
+    let (job_id, _, _) = api.place().await;
+    assert_eq!(api.job(&job_id).await["jobId"], job_id, "the API itself still works");
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}
+
 /// The API and its status consumer, in-process on a test's own database and vhost, without a relay.
 async fn start_api()
 -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>) {
+    start_api_with(&[]).await
+}
+
+/// [`start_api`] with more flags.
+async fn start_api_with(
+    extra: &[&str],
+) -> (Api, shutdown::ShutdownTrigger, tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>) {
     let env = TestEnv::new().await;
     let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (trigger, stop) = shutdown::channel();
-    let flags = ["orders-api", "--database-url", &env.database_url("orders"), "--amqp-url", &env.amqp_url()];
-    let config = orders_api::Config::parse_from(flags);
+    let (database, amqp) = (env.database_url("orders"), env.amqp_url());
+    let flags = ["orders-api", "--database-url", &database, "--amqp-url", &amqp];
+    let config = orders_api::Config::parse_from(flags.iter().chain(extra));
     let task = tokio::spawn(orders_api::run(config, listener, stop));
     testkit::wait_ready(&base, WAIT, "").await;
     (Api { env, base, orders }, trigger, task)

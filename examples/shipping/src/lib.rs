@@ -22,7 +22,7 @@ pub fn worker() -> Worker<NoFlags, ScheduleShipment> {
         about: "Schedules a shipment for every invoiced order.",
         version: env!("CARGO_PKG_VERSION"),
         database: "shipping",
-        http_addr: "0.0.0.0:8084",
+        http_addr: "127.0.0.1:8084",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("shipping.invoice-created").consume::<InvoiceCreated>(),
         handler: |_| ScheduleShipment,
