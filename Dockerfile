@@ -16,6 +16,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 FROM debian:bookworm-slim
 RUN useradd --system --uid 10001 shop
+# The system's CA certificates, which TLS to managed Postgres, RabbitMQ and collectors trusts
+# besides any CA file a URL names (docs/operations.md); the build image has Debian's bundle.
+COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=build /out/ /usr/local/bin/
 USER shop
 CMD ["orders-api"]

@@ -59,8 +59,11 @@ apply() { # management-url vhost
     while read -r user configure write read; do
         password=$(password_of "$user")
         user="${USER_PREFIX:-}$user"
+        # The API's user reads parking depths for the live page through the management API.
+        local tags=""
+        [ "${user#"${USER_PREFIX:-}"}" != orders-api ] || tags=management
         "${curl[@]}" -X PUT "$api/api/users/$user" \
-            -d "{\"password\": $(json_string "$password"), \"tags\": \"\"}" >/dev/null
+            -d "{\"password\": $(json_string "$password"), \"tags\": \"$tags\"}" >/dev/null
         "${curl[@]}" -X PUT "$api/api/permissions/$vhost_path/$user" \
             -d "{\"configure\": $(json_string "$configure"), \"write\": $(json_string "$write"), \"read\": $(json_string "$read")}" >/dev/null
         echo "users.sh: $user on vhost $vhost: configure $configure, write $write, read $read"
@@ -68,7 +71,8 @@ apply() { # management-url vhost
 }
 
 # The demo's broker, loaded at boot (ops/rabbitmq/20-shop.conf): the vhost, `guest` as the
-# administrator for the management UI, and the service users, each with its name as its password.
+# administrator for the management UI, and the service users, each with its name as its password
+# (orders-api's with the `management` tag, as `apply` gives it).
 # The salts are derived from the names so that the file is reproducible: demo passwords only.
 definitions() {
     permissions | python3 -c '
@@ -81,8 +85,9 @@ users = [{"name": "guest", "password_hash": password_hash("guest", "guest"),
 permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
 for line in sys.stdin:
     user, configure, write, read = line.split()
+    tags = ["management"] if user == "orders-api" else []
     users.append({"name": user, "password_hash": password_hash(user, user),
-                  "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": [], "limits": {}})
+                  "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": tags, "limits": {}})
     permissions.append({"user": user, "vhost": "/", "configure": configure, "write": write, "read": read})
 print(json.dumps({"vhosts": [{"name": "/"}], "users": users, "permissions": permissions}, indent=2))
 '

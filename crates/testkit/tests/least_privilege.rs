@@ -119,3 +119,20 @@ async fn a_missing_grant_stops_the_service_and_is_named() {
     assert!(line.contains(&format!("role {inventory} lacks INSERT on inbox")), "{line}");
     shop.stop().await;
 }
+
+#[test]
+fn the_demo_broker_s_definitions_are_what_users_sh_makes() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let made = std::process::Command::new("bash")
+        .arg(root.join("ops/rabbitmq/users.sh"))
+        .arg("definitions")
+        .output()
+        .expect("run ops/rabbitmq/users.sh definitions");
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let committed = std::fs::read_to_string(root.join("ops/rabbitmq/definitions.json")).expect("definitions.json");
+    assert_eq!(
+        String::from_utf8_lossy(&made.stdout),
+        committed,
+        "ops/rabbitmq/definitions.json is stale: ops/rabbitmq/users.sh definitions > ops/rabbitmq/definitions.json"
+    );
+}
