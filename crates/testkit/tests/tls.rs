@@ -1,8 +1,8 @@
 //! Certificates that do not verify stop every service at start-up: exit status 2, one line that
 //! names the server and rustls' reason, and nothing written (no database created, no queue
 //! declared). Needs the servers of `.ci/tls-servers` (`eval "$(.ci/tls-servers env 3.10)"`), which
-//! set `TEST_TLS_CA`, `TEST_TLS_OTHER_CA` and `TEST_TLS_EXPIRED_POSTGRES_URL`; without them the
-//! tests say so and pass, since there is no TLS server to be refused by.
+//! set `TEST_TLS_OTHER_CA`, `TEST_TLS_EXPIRED_POSTGRES_URL` and `TEST_TLS_EXPIRED_AMQP_URL`;
+//! without them the tests say so and pass, since there is no TLS server to be refused by.
 
 use std::time::{Duration, Instant};
 
@@ -22,10 +22,12 @@ fn changed(url: &str, host: Option<&str>, query: Option<(&str, &str)>) -> String
     parsed.to_string()
 }
 
-fn tls_servers() -> Option<(String, String)> {
+/// The other CA's file, and the servers with an expired certificate (Postgres, RabbitMQ).
+fn tls_servers() -> Option<(String, String, String)> {
     let other_ca = std::env::var("TEST_TLS_OTHER_CA").ok()?;
-    let expired = std::env::var("TEST_TLS_EXPIRED_POSTGRES_URL").ok()?;
-    Some((other_ca, expired))
+    let expired_postgres = std::env::var("TEST_TLS_EXPIRED_POSTGRES_URL").ok()?;
+    let expired_broker = std::env::var("TEST_TLS_EXPIRED_AMQP_URL").ok()?;
+    Some((other_ca, expired_postgres, expired_broker))
 }
 
 /// Run `service` with `database_url` and `amqp_url` until it exits (30 s at most): its status and
@@ -79,7 +81,7 @@ async fn refused(env: &TestEnv, database: impl Fn(&str) -> String, broker: &str,
 
 #[tokio::test]
 async fn a_database_certificate_that_does_not_verify_stops_every_service() {
-    let Some((other_ca, expired)) = tls_servers() else {
+    let Some((other_ca, expired, _)) = tls_servers() else {
         eprintln!("no TLS servers (.ci/tls-servers env): nothing to test");
         return;
     };
@@ -99,7 +101,7 @@ async fn a_database_certificate_that_does_not_verify_stops_every_service() {
 
 #[tokio::test]
 async fn a_broker_certificate_that_does_not_verify_stops_every_service() {
-    let Some((other_ca, _)) = tls_servers() else {
+    let Some((other_ca, _, expired)) = tls_servers() else {
         eprintln!("no TLS servers (.ci/tls-servers env): nothing to test");
         return;
     };
@@ -109,4 +111,5 @@ async fn a_broker_certificate_that_does_not_verify_stops_every_service() {
     refused(&env, database, &wrong_ca, "broker", "UnknownIssuer").await;
     let wrong_host = changed(&env.amqp_url(), Some("127.0.0.2"), None);
     refused(&env, database, &wrong_host, "broker", "not valid for name").await;
+    refused(&env, database, &expired, "broker", "expired").await;
 }
