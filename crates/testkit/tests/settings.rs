@@ -1,0 +1,103 @@
+//! Settings a deployment relies on: secrets given as files never show (not in `--help`, the logs,
+//! `/metrics` or a start-up error), and the database timeouts reach the server.
+
+use std::time::Duration;
+
+use messaging::db::{self, DbTimeouts};
+use sqlx::{ConnectOptions, postgres::PgConnectOptions};
+use testkit::{TestEnv, http, process, shop::Service};
+
+/// The inventory database's URL with a password no server needs (the test servers trust local
+/// connections) that must never be printed, and that password.
+fn with_secret(env: &TestEnv) -> (String, String) {
+    let secret = format!("s3cret-{}", uuid::Uuid::new_v4().simple());
+    let mut url = url::Url::parse(&env.database_url("inventory")).expect("url");
+    if let Some(password) = url.password().filter(|password| !password.is_empty()) {
+        // A server that checks passwords: its own is the secret.
+        return (url.to_string(), password.to_owned());
+    }
+    url.set_password(Some(&secret)).expect("password");
+    (url.to_string(), secret)
+}
+
+#[tokio::test]
+async fn a_secret_given_as_a_file_is_never_printed() {
+    let env = TestEnv::new().await;
+    let (url, secret) = with_secret(&env);
+    let dir = std::env::temp_dir().join(format!("secrets-{}", env.id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("database-url");
+    std::fs::write(&file, format!("{url}\n")).expect("write the secret");
+    let binary = process::binary(Service::Inventory.binary());
+    let base = || {
+        let mut command = std::process::Command::new(&binary);
+        command.env_clear().env("DATABASE_URL_FILE", &file).env("AMQP_URL", env.amqp_url());
+        command
+    };
+
+    let help = base().arg("--help").output().expect("--help");
+    assert!(help.status.success());
+    assert!(!String::from_utf8_lossy(&help.stdout).contains(&secret), "--help");
+
+    // Both the variable and its file: refused, naming neither value.
+    let both = base().env("DATABASE_URL", &url).output().expect("run");
+    assert_eq!(both.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&both.stderr);
+    assert!(said.contains("DATABASE_URL and DATABASE_URL_FILE are both set"), "{said}");
+    assert!(!said.contains(&secret), "{said}");
+
+    // Running: the logs and /metrics.
+    let port = process::free_port();
+    let log = dir.join("inventory.log");
+    let mut running = tokio::process::Command::new(&binary)
+        .env_clear()
+        .env("DATABASE_URL_FILE", &file)
+        .env("AMQP_URL", env.amqp_url())
+        .env("HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "debug")
+        .stdout(std::fs::File::create(&log).expect("log"))
+        .stderr(std::fs::File::options().append(true).open(&log).expect("log"))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start inventory-worker");
+    let base_url = format!("http://127.0.0.1:{port}");
+    testkit::wait_ready(&base_url, Duration::from_secs(60), "").await;
+    let metrics = http::request("GET", &format!("{base_url}/metrics"), &[], None).await.expect("GET /metrics");
+    assert!(!String::from_utf8_lossy(&metrics.body).contains(&secret), "/metrics");
+    running.kill().await.expect("kill");
+    let logged = std::fs::read_to_string(&log).expect("log");
+    assert!(logged.contains("listening"), "the log is the service's: {logged}");
+    assert!(!logged.contains(&secret), "the log");
+
+    // A start-up error names the server with the password masked.
+    let mut unknown_role = url::Url::parse(&url).expect("url");
+    unknown_role.set_username("no_such_role").expect("user");
+    std::fs::write(&file, unknown_role.as_str()).expect("write");
+    let refused = base().env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port())).output().expect("run");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    let line = said.lines().last().unwrap_or_default();
+    assert!(line.starts_with("inventory-worker: cannot start: the database at postgres://no_such_role:***@"), "{line}");
+    assert!(!said.contains(&secret), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn every_pooled_connection_carries_the_database_timeouts() {
+    let env = TestEnv::new().await;
+    let _pool = env.pool("orders").await;
+    let options: PgConnectOptions = env.database_url("orders").parse().expect("url");
+    let timeouts = DbTimeouts {
+        statement: Duration::from_millis(4500),
+        lock: Duration::from_millis(1500),
+        idle_in_transaction: Duration::from_secs(20),
+    };
+    let mut connection = db::bounded(options, &timeouts).connect().await.expect("connect");
+    let mut shown = Vec::new();
+    for setting in ["statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"] {
+        let value: String =
+            sqlx::query_scalar(&format!("show {setting}")).fetch_one(&mut connection).await.expect("show");
+        shown.push(value);
+    }
+    assert_eq!(shown, ["4500ms", "1500ms", "20s"]);
+}
