@@ -1,6 +1,6 @@
 # One image with the four service binaries and `msgctl`; compose picks the binary per service
-# (`command`), `docker compose exec relay msgctl …` operates parking and the outboxes with the
-# relay's settings, and `docker run reliable-orders:local` starts the API. Needs BuildKit (`RUN --mount`): compose v2
+# (`command`), `docker compose run --rm msgctl …` operates parking and the outboxes with the
+# operator's accounts, and `docker run reliable-orders:local` starts the API. Needs BuildKit (`RUN --mount`): compose v2
 # uses it; for `docker build`, set DOCKER_BUILDKIT=1.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src

@@ -18,7 +18,9 @@
 # and `NAME.*`: work, wait tiers, parking, dead-lettered intake), declares the exchanges it binds
 # to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
 # the default exchange (retries and parking go to its own queues by name). The relay declares and
-# publishes to the shop's exchanges and reads nothing. Limits: RabbitMQ checks a publish to the
+# publishes to the shop's exchanges and reads nothing. The operator's `msgctl` reads parking
+# queues, puts redriven messages back by queue name and publishes their job events; it and
+# orders-api (the live page's parking depths) have the `management` tag, to list queues. Limits: RabbitMQ checks a publish to the
 # default exchange against `amq.default`, not the queue it lands in, so a consumer's user could
 # put a message into another service's queue by name (never take one out of it); and a user that
 # may declare an exchange may also delete it.
@@ -31,6 +33,7 @@ orders-api         ^(orders\.status(\..*)?|inventory|billing|jobs)$  ^(orders\.s
 inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs|amq\.default)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
 billing-worker     ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs|amq\.default)$  ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$
 relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
+msgctl             ^$  ^(amq\.default|jobs)$  ^.*\.parking$
 TABLE
 }
 
@@ -61,7 +64,7 @@ apply() { # management-url vhost
         user="${USER_PREFIX:-}$user"
         # The API's user reads parking depths for the live page through the management API.
         local tags=""
-        [ "${user#"${USER_PREFIX:-}"}" != orders-api ] || tags=management
+        case "${user#"${USER_PREFIX:-}"}" in orders-api | msgctl) tags=management ;; esac
         "${curl[@]}" -X PUT "$api/api/users/$user" \
             -d "{\"password\": $(json_string "$password"), \"tags\": \"$tags\"}" >/dev/null
         "${curl[@]}" -X PUT "$api/api/permissions/$vhost_path/$user" \
@@ -72,7 +75,7 @@ apply() { # management-url vhost
 
 # The demo's broker, loaded at boot (ops/rabbitmq/20-shop.conf): the vhost, `guest` as the
 # administrator for the management UI, and the service users, each with its name as its password
-# (orders-api's with the `management` tag, as `apply` gives it).
+# (orders-api's and msgctl's with the `management` tag, as `apply` gives it).
 # The salts are derived from the names so that the file is reproducible: demo passwords only.
 definitions() {
     permissions | python3 -c '
@@ -85,7 +88,7 @@ users = [{"name": "guest", "password_hash": password_hash("guest", "guest"),
 permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
 for line in sys.stdin:
     user, configure, write, read = line.split()
-    tags = ["management"] if user == "orders-api" else []
+    tags = ["management"] if user in ("orders-api", "msgctl") else []
     users.append({"name": user, "password_hash": password_hash(user, user),
                   "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": tags, "limits": {}})
     permissions.append({"user": user, "vhost": "/", "configure": configure, "write": write, "read": read})

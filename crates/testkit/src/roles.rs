@@ -104,6 +104,8 @@ pub async fn provision(env: &TestEnv) -> Accounts {
         let variable = format!("{}_PASSWORD", service.binary().to_uppercase().replace('-', "_"));
         command.env(variable, accounts.broker_user(service));
     }
+    // The operator's user too, which the shop's services do not use.
+    command.env("MSGCTL_PASSWORD", format!("{}msgctl", accounts.user_prefix));
     if let Some(ca) = ca {
         command.env("CURL_CA_FILE", ca);
     }
