@@ -10,7 +10,7 @@ mod parked;
 
 use std::{process::ExitCode, time::Duration};
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use messaging::{
     config::{BrokerArgs, SecretUrl},
     duration::parse_duration,
@@ -62,7 +62,8 @@ impl<E: std::fmt::Display> From<E> for Failure {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Its settings may be given as files too (DATABASE_URL_FILE, AMQP_URL_FILE, ...).
+    let cli = Cli::parse_from(messaging::service::command_line(&Cli::command()));
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

@@ -64,3 +64,23 @@ async fn without_endpoint_a_vhost_with_no_parking_queue_is_one_line_and_exit_1()
     let error = one_line_error(&output);
     assert!(error.contains("no parking queue (`<endpoint>.parking`) in vhost `t-"), "{error}");
 }
+
+#[tokio::test]
+async fn the_broker_url_may_be_given_as_a_file() {
+    let env = TestEnv::new().await;
+    // A parking queue only the test's vhost has: found there, and nowhere else.
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let durable = lapin::options::QueueDeclareOptions::durable();
+    channel.queue_declare("from-file.parking".into(), durable, Default::default()).await.expect("declare");
+    let file = std::env::temp_dir().join(format!("msgctl-amqp-url-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&file, format!("{}\n", env.amqp_url())).expect("write");
+    let output = std::process::Command::new(BINARY)
+        .env_remove("AMQP_URL")
+        .env("AMQP_URL_FILE", &file)
+        .args(["parked", "list", "--endpoint", "from-file"])
+        .output()
+        .expect("run msgctl");
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(output.status.code(), Some(0), "it reached the file's vhost: {output:?}");
+}
