@@ -22,6 +22,11 @@ bench *args:
     cargo build --release --bins
     cargo run --release -p bench -- {{args}}
 
+# 1,000 clients sending their headers a byte a second against the API, beside ordinary orders.
+slow-clients clients="1000":
+    cargo build --release --bins
+    cargo run --release -p bench --bin slow_clients -- --clients {{clients}}
+
 # Restart the local RabbitMQ mid-burst (disturbs anything else using it).
 broker-restart:
     cargo build --bins
