@@ -36,6 +36,10 @@ pub struct Ledger {
     pub duplicated_effects: i64,
     /// SKUs where `available + reserved` differs from the start.
     pub stock_not_conserved: Vec<String>,
+    /// Outbox rows, in the three databases, that the relay has not marked published: a settled
+    /// shop has none (a relay that cannot mark republishes its rows for ever, which the inboxes
+    /// absorb and the other figures would not show).
+    pub unpublished: i64,
     /// Invoices written.
     pub invoices: i64,
     /// Succeeded orders without an invoice, plus invoices for orders that did not succeed.
@@ -95,6 +99,15 @@ impl Ledger {
             .map(|(sku, total)| format!("{sku}: {total} -> {:?}", now.get(sku)))
             .collect();
 
+        let mut unpublished = 0;
+        for pool in [orders, inventory, billing] {
+            let rows: i64 = sqlx::query_scalar("select count(*) from outbox where published_at is null")
+                .fetch_one(pool)
+                .await
+                .expect("count unpublished outbox rows");
+            unpublished += rows;
+        }
+
         let invoice_mismatches = succeeded_orders.iter().filter(|id| !invoiced.contains(id)).count()
             + invoiced.iter().filter(|id| !succeeded_orders.contains(id)).count();
 
@@ -107,6 +120,7 @@ impl Ledger {
             stuck,
             duplicated_effects,
             stock_not_conserved,
+            unpublished,
             invoices: invoiced.len() as i64,
             invoice_mismatches: invoice_mismatches as i64,
         }
@@ -118,6 +132,7 @@ impl Ledger {
             && self.stuck == 0
             && self.duplicated_effects == 0
             && self.stock_not_conserved.is_empty()
+            && self.unpublished == 0
             && self.invoice_mismatches == 0
     }
 }
@@ -146,6 +161,7 @@ impl fmt::Display for Ledger {
         writeln!(f, "  stuck             {:>8}", self.stuck)?;
         writeln!(f, "lost                {:>8}", self.lost)?;
         writeln!(f, "duplicated effects  {:>8}", self.duplicated_effects)?;
+        writeln!(f, "outbox unpublished  {:>8}", self.unpublished)?;
         writeln!(
             f,
             "invoices            {:>8}  (mismatched with succeeded: {})",
