@@ -183,6 +183,13 @@ impl Batching {
     }
 }
 
+/// The name of an endpoint's consumer in `/readyz` (and in the broker's management UI). A service
+/// sets it not ready before it serves `/readyz`, so that a probe that comes before the consumer
+/// has started is not answered "ready".
+pub fn readiness_flag(endpoint: &Endpoint) -> String {
+    format!("consumer:{}", endpoint.name)
+}
+
 /// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
 /// connection, reconnect with backoff and resume. Never returns early on a broker or database
 /// failure: those are waited out.
@@ -196,7 +203,7 @@ pub async fn run<H: Handler>(
     let name = settings.endpoint.name;
     let link = Link {
         url: settings.amqp_url.clone(),
-        name: format!("consumer:{name}"),
+        name: readiness_flag(&settings.endpoint),
         backoff: settings.reconnect,
         readiness: Arc::clone(&health.readiness),
     };

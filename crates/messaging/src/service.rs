@@ -179,6 +179,8 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             return Ok(());
         };
         let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
+        // Not ready until the consumer is up, from the first probe on.
+        health.readiness.set(&consumer::readiness_flag(&consumer.endpoint), false);
         let routes = health::routes(health.clone());
         let http = common.http.clone();
         let server_shutdown = shutdown.clone();

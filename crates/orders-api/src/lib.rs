@@ -123,6 +123,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
     let status = consumer::ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
+    // Not ready until the status consumer is up, from the first probe on.
+    health.readiness.set(&consumer::readiness_flag(&status.endpoint), false);
     let consumer = tokio::spawn(consumer::run(
         status,
         Arc::new(status::JobStatus { metrics: Arc::clone(&health.metrics) }),

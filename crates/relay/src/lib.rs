@@ -150,6 +150,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             backoff: Backoff::default(),
             readiness: health.readiness.clone(),
         };
+        // Not ready until this loop is up, from the first probe on.
+        health.readiness.set(&relay.flag(), false);
         let span = tracing::info_span!("relay", database = %relay.db.label);
         loops.spawn(relay.run(link).instrument(span));
     }
