@@ -98,6 +98,34 @@ impl Default for PoolSettings {
     }
 }
 
+/// How a service that owns a database (migrates it) reaches it beside its `DATABASE_URL`: the
+/// schema owner's URL, the relay's role, and the server-side bounds.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SchemaArgs {
+    /// Postgres URL of the same database as the role that owns its schema, to apply the
+    /// migrations with; unset, they run as DATABASE_URL.
+    #[arg(long, env = "MIGRATION_DATABASE_URL", hide_env_values = true)]
+    pub migration_database_url: Option<SecretUrl>,
+    /// The relay's database role, granted SELECT, UPDATE and DELETE on the outbox after the
+    /// migrations (by the migrating role); unset, no grant is made.
+    #[arg(long, env = "OUTBOX_RELAY_ROLE")]
+    pub outbox_relay_role: Option<String>,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub timeouts: DbTimeouts,
+}
+
+impl SchemaArgs {
+    /// The database at `url` (the runtime role's), as these settings say to open it.
+    pub fn database<'a>(&'a self, url: &'a SecretUrl) -> Database<'a> {
+        Database {
+            url,
+            migrate_as: self.migration_database_url.as_ref(),
+            relay_role: self.outbox_relay_role.as_deref(),
+        }
+    }
+}
+
 /// Where a service's database is: the URL it runs as, and optionally another it migrates as (the
 /// schema's owner, when the runtime role may not change the schema).
 #[derive(Debug, Clone)]
@@ -149,7 +177,7 @@ pub async fn open(
                 check_grants(&pool, &FULL_ACCESS).await.map_err(|e| at(database.url, &describe(&e)))?;
                 return Ok(Some(pool));
             }
-            Err((url, error)) if is_unreachable(&error) && crate::tls::verification_failure(&error).is_none() => {
+            Err((url, error)) if is_unreachable(&error) => {
                 let delay = backoff.delay(failures);
                 tracing::warn!(%error, %url, ?delay, "cannot reach the database; retrying");
                 failures += 1;

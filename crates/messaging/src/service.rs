@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{self, ConsumerSettings, Handler},
-    db::{self, Database, DbTimeouts, PoolSettings},
+    db::{self, PoolSettings, SchemaArgs},
     health::{self, Health},
     serve::{self, HttpArgs},
     shutdown::Shutdown,
@@ -91,17 +91,9 @@ pub struct WorkerArgs {
     /// and migrated at start-up). TLS: `?sslmode=verify-full&sslrootcert=/run/ca.pem`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: SecretUrl,
-    /// Postgres URL of the same database as the role that owns its schema, to apply the
-    /// migrations with; unset, they run as DATABASE_URL.
-    #[arg(long, env = "MIGRATION_DATABASE_URL", hide_env_values = true)]
-    pub migration_database_url: Option<SecretUrl>,
-    /// The relay's database role, granted SELECT, UPDATE and DELETE on the outbox after the
-    /// migrations (by the migrating role); unset, no grant is made.
-    #[arg(long, env = "OUTBOX_RELAY_ROLE")]
-    pub outbox_relay_role: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub db_timeouts: DbTimeouts,
+    pub schema: SchemaArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
@@ -167,14 +159,10 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         // One connection per concurrent delivery, plus one for health checks.
         let pool_settings = PoolSettings {
             max_connections: u32::from(consumer.prefetch) + 1,
-            timeouts: common.db_timeouts,
+            timeouts: common.schema.timeouts,
             ..PoolSettings::default()
         };
-        let database = Database {
-            url: &common.database_url,
-            migrate_as: common.migration_database_url.as_ref(),
-            relay_role: common.outbox_relay_role.as_deref(),
-        };
+        let database = common.schema.database(&common.database_url);
         let Some(pool) = db::open(database, self.migrator, pool_settings, &shutdown).await? else {
             return Ok(());
         };

@@ -16,7 +16,7 @@ use axum::Router;
 use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer,
-    db::{self, Database, DbTimeouts, PoolSettings},
+    db::{self, PoolSettings, SchemaArgs},
     health::{self, Health},
     serve::{self, HttpArgs},
     service::BoxError,
@@ -41,17 +41,9 @@ pub struct Config {
         default_value = "postgres://postgres@localhost:5432/orders"
     )]
     pub database_url: SecretUrl,
-    /// Postgres URL of the orders database as the role that owns its schema, to apply the
-    /// migrations with; unset, they run as DATABASE_URL.
-    #[arg(long, env = "MIGRATION_DATABASE_URL", hide_env_values = true)]
-    pub migration_database_url: Option<SecretUrl>,
-    /// The relay's database role, granted SELECT, UPDATE and DELETE on the outbox after the
-    /// migrations (by the migrating role); unset, no grant is made.
-    #[arg(long, env = "OUTBOX_RELAY_ROLE")]
-    pub outbox_relay_role: Option<String>,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub db_timeouts: DbTimeouts,
+    pub schema: SchemaArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
@@ -111,14 +103,10 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         max_connections: config.pool_size,
         // Fail fast into a 503 while the database is down, rather than hanging the client.
         acquire_timeout: std::time::Duration::from_secs(2),
-        timeouts: config.db_timeouts,
+        timeouts: config.schema.timeouts,
     };
-    let database = Database {
-        url: &config.database_url,
-        migrate_as: config.migration_database_url.as_ref(),
-        relay_role: config.outbox_relay_role.as_deref(),
-    };
-    let Some(pool) = db::open(database, &MIGRATOR, settings, &shutdown).await? else {
+    let Some(pool) = db::open(config.schema.database(&config.database_url), &MIGRATOR, settings, &shutdown).await?
+    else {
         return Ok(());
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
