@@ -35,10 +35,28 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// A free local port (bound, then released for the child to take).
+/// A free local port for a child to listen on (checked by binding it, then released). Taken below
+/// Linux's ephemeral range (32768 to 60999), from which every outgoing connection draws its source
+/// port: an ephemeral port released here could be taken by one of those before the child binds
+/// it (seen in CI: a relay exited with "Address already in use", and the harness's readiness
+/// probe on that port reached another test's service). Ports are handed out in turn from a
+/// random start, so one process never gets the same port twice, and two processes rarely collide.
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local address").port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    if NEXT.load(Ordering::Relaxed) == u32::MAX {
+        let _ = NEXT.compare_exchange(u32::MAX, fastrand::u32(0..COUNT), Ordering::Relaxed, Ordering::Relaxed);
+    }
+    for _ in 0..COUNT {
+        let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT;
+        let port = u16::try_from(port).expect("below 32768");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}..{}", FIRST + COUNT);
 }
 
 /// One running (or stopped) service process. Its stdout and stderr go to `<log_dir>/<name>.log`,
