@@ -241,7 +241,11 @@ impl Shop {
                 wait_ready_at(&http[&service], &log_dir).await;
             }
         }
-        Self::assemble(env, Run::Processes(services), http, log_dir).await
+        let mut shop = Self::assemble(env, Run::Processes(services), http, log_dir).await;
+        // Ready on its port is not enough: a service that could not bind it answers nothing, and
+        // whatever else holds the port does.
+        shop.assert_all_running();
+        shop
     }
 
     /// A shop whose services the caller started as tasks of this process, stopped by `trigger`:
