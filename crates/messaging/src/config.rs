@@ -79,8 +79,8 @@ impl fmt::Debug for SecretUrl {
 /// file: every flag whose environment variable is `NAME` also takes `NAME_FILE`, the path of a
 /// file holding its value (a trailing newline is dropped), the way the official Postgres image
 /// takes `POSTGRES_PASSWORD_FILE`. The value goes to the parser only, never to the environment,
-/// the process's arguments or a log. Both `NAME` and `NAME_FILE` set is refused, as is a file
-/// that cannot be read (the message names the file, never its content).
+/// the process's arguments or a log. `NAME_FILE` beside `NAME` or the flag itself is refused, as
+/// is a file that cannot be read (the message names the file, never its content).
 pub fn args_with_secret_files(
     command: &clap::Command,
     args: impl IntoIterator<Item = std::ffi::OsString>,
@@ -95,13 +95,19 @@ pub fn args_with_secret_files(
         if set(&env).is_some() {
             return Err(format!("{env} and {file_env} are both set: set one of them"));
         }
+        let flag = format!("--{long}");
+        let given = |arg: &std::ffi::OsString| {
+            arg.to_str().is_some_and(|arg| arg == flag || arg.starts_with(&format!("{flag}=")))
+        };
+        if args.iter().skip(1).any(given) {
+            return Err(format!("{flag} and {file_env} are both given: give one of them"));
+        }
         let path = std::path::PathBuf::from(path);
         let value = std::fs::read_to_string(&path)
             .map_err(|error| format!("{file_env}={}: cannot read it: {error}", path.display()))?;
         let value = value.strip_suffix('\n').unwrap_or(&value);
         let value = value.strip_suffix('\r').unwrap_or(value);
-        // Right after the binary's name: a flag given on the command line as well is refused by
-        // the parser as given twice.
+        // Right after the binary's name, before any subcommand.
         args.insert(1.min(args.len()), format!("--{long}={value}").into());
     }
     Ok(args)

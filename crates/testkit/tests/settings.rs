@@ -46,6 +46,21 @@ async fn a_secret_given_as_a_file_is_never_printed() {
     assert!(said.contains("DATABASE_URL and DATABASE_URL_FILE are both set"), "{said}");
     assert!(!said.contains(&secret), "{said}");
 
+    // The file and the flag: refused too (the relay's list would otherwise take both).
+    let relay = process::binary(Service::Relay.binary());
+    let run = tokio::process::Command::new(&relay)
+        .env_clear()
+        .env("DATABASE_URL_FILE", &file)
+        .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
+        .args(["--database-url", &url])
+        .kill_on_drop(true)
+        .output();
+    let both = tokio::time::timeout(Duration::from_secs(20), run).await.expect("refused at once").expect("run");
+    assert_eq!(both.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&both.stderr);
+    assert!(said.contains("--database-url and DATABASE_URL_FILE are both given"), "{said}");
+    assert!(!said.contains(&secret), "{said}");
+
     // Running: the logs and /metrics.
     let port = process::free_port();
     let log = dir.join("inventory.log");
