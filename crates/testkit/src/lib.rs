@@ -370,26 +370,25 @@ impl Drop for TestEnv {
                 let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await else {
                     return;
                 };
-                let names: Vec<String> =
-                    sqlx::query_scalar("select datname from pg_database where starts_with(datname, $1)")
-                        .bind(&prefix)
-                        .fetch_all(&pool)
-                        .await
-                        .unwrap_or_default();
-                for name in names {
-                    let _ =
-                        sqlx::query(&format!("drop database if exists \"{name}\" with (force)")).execute(&pool).await;
-                }
+                let drop_each = |list: &'static str, drop: fn(&str) -> String| {
+                    let (pool, prefix) = (&pool, &prefix);
+                    async move {
+                        let names: Vec<String> =
+                            sqlx::query_scalar(list).bind(prefix).fetch_all(pool).await.unwrap_or_default();
+                        for name in names {
+                            let _ = sqlx::query(&drop(&name)).execute(pool).await;
+                        }
+                    }
+                };
+                drop_each("select datname::text from pg_database where starts_with(datname, $1)", |name| {
+                    format!("drop database if exists \"{name}\" with (force)")
+                })
+                .await;
                 // The roles of a least-privilege shop (`roles::provision`), once their databases are gone.
-                let roles: Vec<String> =
-                    sqlx::query_scalar("select rolname::text from pg_roles where starts_with(rolname, $1)")
-                        .bind(&prefix)
-                        .fetch_all(&pool)
-                        .await
-                        .unwrap_or_default();
-                for role in roles {
-                    let _ = sqlx::query(&format!("drop role if exists \"{role}\"")).execute(&pool).await;
-                }
+                drop_each("select rolname::text from pg_roles where starts_with(rolname, $1)", |name| {
+                    format!("drop role if exists \"{name}\"")
+                })
+                .await;
                 pool.close().await;
             });
         });

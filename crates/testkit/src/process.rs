@@ -59,6 +59,18 @@ pub fn free_port() -> u16 {
     panic!("no free port in {FIRST}..{}", FIRST + COUNT);
 }
 
+/// Run `command` to its end and return its output, its stdin closed and stdout and stderr
+/// captured; a panic if it has not ended within `limit` (a service that should have refused to
+/// start and did not), which kills it.
+pub async fn run_to_exit(mut command: Command, limit: Duration) -> std::process::Output {
+    command.stdin(Stdio::null()).kill_on_drop(true);
+    let shown = format!("{:?}", command.as_std().get_program());
+    match tokio::time::timeout(limit, command.output()).await {
+        Ok(output) => output.unwrap_or_else(|error| panic!("run {shown}: {error}")),
+        Err(_) => panic!("{shown} did not end within {limit:?}"),
+    }
+}
+
 /// One running (or stopped) service process. Its stdout and stderr go to `<log_dir>/<name>.log`,
 /// appended across restarts. Dropping it kills the process.
 #[derive(Debug)]

@@ -105,14 +105,14 @@ async fn a_missing_grant_stops_the_service_and_is_named() {
         .await
         .expect("revoke");
     let user = format!("t-{}-inventory-worker", shop.env.id());
-    let output = std::process::Command::new(process::binary(Service::Inventory.binary()))
+    let mut command = tokio::process::Command::new(process::binary(Service::Inventory.binary()));
+    command
         .env_clear()
         .env("DATABASE_URL", as_user(&shop.env.database_url("inventory"), &inventory, None))
         .env("AMQP_URL", as_user(&shop.env.amqp_url(), &user, None))
         .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
-        .env("RUST_LOG", "off")
-        .output()
-        .expect("run inventory-worker");
+        .env("RUST_LOG", "off");
+    let output = process::run_to_exit(command, std::time::Duration::from_secs(30)).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     let line = stderr.lines().last().unwrap_or_default();

@@ -30,17 +30,22 @@ async fn a_secret_given_as_a_file_is_never_printed() {
     std::fs::write(&file, format!("{url}\n")).expect("write the secret");
     let binary = process::binary(Service::Inventory.binary());
     let base = || {
-        let mut command = std::process::Command::new(&binary);
+        let mut command = tokio::process::Command::new(&binary);
         command.env_clear().env("DATABASE_URL_FILE", &file).env("AMQP_URL", env.amqp_url());
         command
     };
+    let run = |command| process::run_to_exit(command, Duration::from_secs(30));
 
-    let help = base().arg("--help").output().expect("--help");
+    let mut help = base();
+    help.arg("--help");
+    let help = run(help).await;
     assert!(help.status.success());
     assert!(!String::from_utf8_lossy(&help.stdout).contains(&secret), "--help");
 
     // Both the variable and its file: refused, naming neither value.
-    let both = base().env("DATABASE_URL", &url).output().expect("run");
+    let mut both = base();
+    both.env("DATABASE_URL", &url);
+    let both = run(both).await;
     assert_eq!(both.status.code(), Some(2));
     let said = String::from_utf8_lossy(&both.stderr);
     assert!(said.contains("DATABASE_URL and DATABASE_URL_FILE are both set"), "{said}");
@@ -48,14 +53,12 @@ async fn a_secret_given_as_a_file_is_never_printed() {
 
     // The file and the flag: refused too (the relay's list would otherwise take both).
     let relay = process::binary(Service::Relay.binary());
-    let run = tokio::process::Command::new(&relay)
-        .env_clear()
+    let mut both = tokio::process::Command::new(&relay);
+    both.env_clear()
         .env("DATABASE_URL_FILE", &file)
         .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
-        .args(["--database-url", &url])
-        .kill_on_drop(true)
-        .output();
-    let both = tokio::time::timeout(Duration::from_secs(20), run).await.expect("refused at once").expect("run");
+        .args(["--database-url", &url]);
+    let both = run(both).await;
     assert_eq!(both.status.code(), Some(2));
     let said = String::from_utf8_lossy(&both.stderr);
     assert!(said.contains("--database-url and DATABASE_URL_FILE are both given"), "{said}");
@@ -88,7 +91,9 @@ async fn a_secret_given_as_a_file_is_never_printed() {
     let mut unknown_role = url::Url::parse(&url).expect("url");
     unknown_role.set_username("no_such_role").expect("user");
     std::fs::write(&file, unknown_role.as_str()).expect("write");
-    let refused = base().env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port())).output().expect("run");
+    let mut refused = base();
+    refused.env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()));
+    let refused = run(refused).await;
     let said = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(2), "{said}");
     let line = said.lines().last().unwrap_or_default();

@@ -4,7 +4,7 @@
 //! set `TEST_TLS_OTHER_CA`, `TEST_TLS_EXPIRED_POSTGRES_URL` and `TEST_TLS_EXPIRED_AMQP_URL`;
 //! without them the tests say so and pass, since there is no TLS server to be refused by.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use testkit::{TestEnv, process, shop::Service};
 
@@ -32,26 +32,15 @@ fn tls_servers() -> Option<(String, String, String)> {
 
 /// Run `service` with `database_url` and `amqp_url` until it exits (30 s at most): its status and
 /// the last line it wrote to stderr.
-fn run(service: Service, database_url: &str, amqp_url: &str) -> (Option<i32>, String) {
-    let mut child = std::process::Command::new(process::binary(service.binary()))
+async fn run(service: Service, database_url: &str, amqp_url: &str) -> (Option<i32>, String) {
+    let mut command = tokio::process::Command::new(process::binary(service.binary()));
+    command
         .env_clear()
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the service");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{} did not stop within 30 s", service.binary());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().expect("output");
+        .env("RUST_LOG", "warn");
+    let output = process::run_to_exit(command, Duration::from_secs(30)).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     (output.status.code(), stderr.lines().last().unwrap_or_default().to_owned())
 }
@@ -66,7 +55,7 @@ async fn refused(env: &TestEnv, database: impl Fn(&str) -> String, broker: &str,
             Service::Inventory => database("inventory"),
             Service::Billing => database("billing"),
         };
-        let (status, line) = run(service, &databases, broker);
+        let (status, line) = run(service, &databases, broker).await;
         let name = service.binary();
         assert_eq!(status, Some(2), "{name}: {line}");
         assert!(line.starts_with(&format!("{name}: cannot start: the {server} at ")), "{name}: {line}");
