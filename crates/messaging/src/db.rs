@@ -155,6 +155,11 @@ pub async fn open(
     let options = PgConnectOptions::from_str(database.url.expose()).map_err(|e| at(database.url, &e))?;
     let migrating_url = database.migrate_as.unwrap_or(database.url);
     let migrating = PgConnectOptions::from_str(migrating_url.expose()).map_err(|e| at(migrating_url, &e))?;
+    for url in [database.url, migrating_url] {
+        if let Some(reason) = crate::tls::unreadable_postgres_file(url.expose()) {
+            return Err(at(url, &reason));
+        }
+    }
     let backoff = Backoff::default();
     let mut failures = 0;
     loop {

@@ -55,7 +55,8 @@ impl TlsFiles {
 
     fn read(path: &PathBuf, what: &str) -> std::io::Result<Vec<u8>> {
         std::fs::read(path).map_err(|error| {
-            std::io::Error::new(error.kind(), format!("cannot read the {what} {}: {error}", path.display()))
+            let message = format!("cannot read the {what} {}: {error}", path.display());
+            std::io::Error::new(error.kind(), UnreadableFile(message))
         })
     }
 
@@ -90,8 +91,7 @@ impl TlsFiles {
             std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: {error}"))
         };
         let mut roots = rustls::RootCertStore::empty();
-        // Unreadable system certificates are skipped, as every TLS client does.
-        roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        roots.add_parsable_certificates(system_roots().iter().cloned());
         if let Some(ca) = &self.ca {
             let pem = Self::read(ca, "CA file")?;
             let certs = CertificateDer::pem_slice_iter(&pem)
@@ -120,6 +120,38 @@ impl TlsFiles {
     }
 }
 
+/// A TLS file named by a connection that cannot be read: the next try would fail the same way.
+#[derive(Debug)]
+struct UnreadableFile(String);
+
+impl std::fmt::Display for UnreadableFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl StdError for UnreadableFile {}
+
+/// The first TLS file a Postgres URL names (`sslrootcert`, `sslcert`, `sslkey`, which sqlx reads
+/// itself) that cannot be read, as a start-up refusal: sqlx reports a missing one as an I/O error,
+/// which would otherwise be waited out as an outage for ever.
+pub fn unreadable_postgres_file(url: &str) -> Option<String> {
+    let parsed = url::Url::parse(url).ok()?;
+    parsed.query_pairs().filter(|(key, _)| matches!(key.as_ref(), "sslrootcert" | "sslcert" | "sslkey")).find_map(
+        |(key, path)| {
+            std::fs::File::open(path.as_ref()).err().map(|error| format!("TLS: cannot read the {key} {path}: {error}"))
+        },
+    )
+}
+
+/// The system's CA certificates, read once per process (unreadable ones skipped, as every TLS
+/// client does): an exporter or a page that sends a request every few seconds does not parse the
+/// whole store each time. A connection's own CA file is still read at every connect.
+fn system_roots() -> &'static [rustls::pki_types::CertificateDer<'static>] {
+    static ROOTS: std::sync::OnceLock<Vec<rustls::pki_types::CertificateDer<'static>>> = std::sync::OnceLock::new();
+    ROOTS.get_or_init(|| rustls_native_certs::load_native_certs().certs)
+}
+
 /// The reason a TLS handshake failed, if `error` (or anything it wraps) is one that retrying
 /// cannot cure: a certificate that does not verify (unknown issuer, expired, not valid for the
 /// name), a TLS alert from the server (it refused our certificate), or TLS files that cannot be
@@ -145,10 +177,8 @@ pub fn verification_failure(error: &(dyn StdError + 'static)) -> Option<String> 
             if let Some(found) = io.get_ref().and_then(|inner| verification_failure(inner)) {
                 return Some(found);
             }
-            if matches!(io.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied)
-                && io.to_string().starts_with("cannot read the ")
-            {
-                return Some(io.to_string());
+            if let Some(unreadable) = io.get_ref().and_then(|inner| inner.downcast_ref::<UnreadableFile>()) {
+                return Some(unreadable.to_string());
             }
         }
         next = error.source();
@@ -182,6 +212,12 @@ mod tests {
             verification_failure(&error).as_deref(),
             Some("cannot read the CA file /nonexistent/ca.pem: No such file or directory (os error 2)")
         );
+        let postgres = "postgres://app@db/shop?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem";
+        assert_eq!(
+            unreadable_postgres_file(postgres).as_deref(),
+            Some("TLS: cannot read the sslrootcert /nonexistent/ca.pem: No such file or directory (os error 2)")
+        );
+        assert_eq!(unreadable_postgres_file("postgres://app@db/shop?sslmode=require"), None);
         let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         assert_eq!(verification_failure(&refused), None, "an outage is worth retrying");
     }

@@ -167,6 +167,9 @@ impl OutboxDb {
     /// there yet (or not reachable) is waited for by its loop.
     async fn check(&self) -> Result<(), StartupError> {
         let refused = |reason: String| StartupError(format!("the database at {}: {reason}", self.url));
+        if let Some(reason) = messaging::tls::unreadable_postgres_file(self.url.expose()) {
+            return Err(refused(reason));
+        }
         match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
             Ok(true) => db::check_table_grants(&self.pool, &["outbox".to_owned()], &OUTBOX_GRANTS)
                 .await
