@@ -9,8 +9,8 @@ use shop::{InventoryReserved, InvoiceCreated, demo::DemoFaults};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// This service's own migrations (`crates/billing-worker/migrations`), applied after messaging's.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// This service's own migrations (`migrations/billing`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
 
 /// The worker: consumes `inventory.reserved` on endpoint `billing.inventory-reserved`.
 pub fn worker() -> Worker<DemoFaults, CreateInvoice> {

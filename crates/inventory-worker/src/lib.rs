@@ -9,8 +9,8 @@ use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::D
 use sqlx::{Acquire, PgConnection};
 use uuid::Uuid;
 
-/// This service's own migrations (`crates/inventory-worker/migrations`), applied after messaging's.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// This service's own migrations (`migrations/inventory`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/inventory");
 
 /// The worker: consumes `order.placed` on endpoint `inventory.order-placed`.
 pub fn worker() -> Worker<DemoFaults, ReserveStock> {

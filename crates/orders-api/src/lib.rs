@@ -25,8 +25,8 @@ use messaging::{
 use sqlx::PgPool;
 use tower_http::trace::TraceLayer;
 
-/// This service's own migrations (`crates/orders-api/migrations`), applied after messaging's.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// This service's own migrations (`migrations/orders`), applied after messaging's.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/orders");
 
 /// `orders-api`: accepts orders and reports their jobs.
 #[derive(Debug, Clone, clap::Parser)]

@@ -277,9 +277,9 @@ async fn a_database_of_the_previous_release_migrates_forward_and_its_old_jobs_st
     // of messaging's 0001 and 0003, applied in version order by one migrator.
     let previous = std::env::temp_dir().join(format!("orders-migrations-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&previous).expect("folder");
-    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for folder in ["messaging/migrations", "orders-api/migrations"] {
-        for entry in std::fs::read_dir(crates.join(folder)).expect("migrations") {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for folder in ["crates/messaging/migrations", "migrations/orders"] {
+        for entry in std::fs::read_dir(workspace.join(folder)).expect("migrations") {
             let path = entry.expect("entry").path();
             let name = path.file_name().expect("name").to_string_lossy().into_owned();
             if name.as_str() < "0005" {

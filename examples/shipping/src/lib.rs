@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 /// This service's own migrations, applied after messaging's. Named by timestamp
 /// (`sqlx migrate add`'s default), so they never take one of messaging's versions.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/shipping");
 
 /// The worker.
 pub fn worker() -> Worker<NoFlags, ScheduleShipment> {
