@@ -1,0 +1,98 @@
+//! The transaction of one message, or of one batch: inbox row, handler, commit, all or nothing,
+//! within the handler timeout.
+
+use sqlx::PgConnection;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::{Applied, Handler, HandlerError, Runtime, settle::Member};
+use crate::{db, duration::format_duration, envelope::Incoming, failpoint, inbox, metrics::Handling, trace};
+
+impl<H: Handler> Runtime<H> {
+    /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,
+    /// within `handler_timeout`: all or nothing. Each handler runs in its message's span and trace
+    /// context, so the outbox rows it writes continue that message's trace.
+    pub(super) async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
+        let all = async {
+            let mut tx = self.pool.begin().await?;
+            let messages: Vec<(Uuid, &str)> = members
+                .iter()
+                .map(|member| (member.message.message_id, member.message.message_type.as_str()))
+                .collect();
+            let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
+            let mut outcomes = Vec::with_capacity(members.len());
+            for (member, new) in members.iter().zip(new) {
+                if !new {
+                    outcomes.push(Applied::Duplicate);
+                    continue;
+                }
+                let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
+                trace::scope(member.context, handled).await?;
+                outcomes.push(Applied::Done);
+            }
+            commit(tx).await?;
+            Ok(outcomes)
+        };
+        let limit = self.settings.handler_timeout;
+        tokio::time::timeout(limit, all).await.unwrap_or_else(|_| {
+            Err(HandlerError::Transient(format!("the batch did not finish within {}", format_duration(limit))))
+        })
+    }
+
+    /// [`Self::apply_unbounded`] within `handler_timeout`. An abandoned transaction rolls back with
+    /// its connection; whose fault the wait was decides what it costs.
+    pub(super) async fn apply(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let started = std::time::Instant::now();
+        let applied = self.apply_within_timeout(message).await;
+        let outcome = match &applied {
+            Ok(applied) => applied.handling(),
+            Err(HandlerError::Unavailable(_)) => Handling::Unavailable,
+            Err(_) => Handling::Failed,
+        };
+        self.metrics.handling(outcome, started.elapsed().as_secs_f64());
+        applied
+    }
+
+    async fn apply_within_timeout(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let limit = self.settings.handler_timeout;
+        match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
+            Ok(outcome) => outcome,
+            Err(_) if db::answers(&self.pool).await => {
+                Err(HandlerError::Transient(format!("the handler did not finish within {}", format_duration(limit))))
+            }
+            Err(_) => {
+                Err(HandlerError::Unavailable(format!("the database did not answer within {}", format_duration(limit))))
+            }
+        }
+    }
+
+    /// Inbox row, handler, commit: all or nothing.
+    async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+        let mut tx = self.pool.begin().await?;
+        let applied = self.record_and_handle(&mut tx, message).await?;
+        // A duplicate changed nothing: its transaction rolls back.
+        if let Applied::Done = applied {
+            commit(tx).await?;
+        }
+        Ok(applied)
+    }
+
+    /// The inbox row and the handler's effect for `message`, in `tx`, not committed; `Duplicate`
+    /// (and nothing done) if the inbox has seen it.
+    async fn record_and_handle(&self, tx: &mut PgConnection, message: &Incoming) -> Result<Applied, HandlerError> {
+        let endpoint = self.settings.endpoint.name;
+        if !inbox::record(tx, message.message_id, &message.message_type, endpoint).await? {
+            return Ok(Applied::Duplicate);
+        }
+        self.handler.handle(message, tx).await?;
+        Ok(Applied::Done)
+    }
+}
+
+/// Commit a message's (or a batch's) transaction, between the workers' two failpoints.
+async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), HandlerError> {
+    failpoint::hit(failpoint::WORKER_BEFORE_COMMIT).await;
+    tx.commit().await?;
+    failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
+    Ok(())
+}

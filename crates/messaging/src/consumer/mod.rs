@@ -1,0 +1,264 @@
+//! The consumer runtime (DESIGN §5). A service writes a [`Handler`]; the runtime does the rest,
+//! once, for every endpoint:
+//!
+//! 1. manual acks and a bounded prefetch. Ready deliveries are applied in batches of up to
+//!    `BATCH_SIZE`, one transaction and one ack per batch, one batch at a time; if anything in a
+//!    batch fails, its messages are applied again one by one, so that each outcome below is what
+//!    it would be alone (decision 0008). With `BATCH_SIZE=1`, each delivery has its own task and
+//!    transaction, up to the prefetch at once;
+//! 2. a delivery without a readable `message_id`, or of an unknown type or major version, is
+//!    parked at once;
+//! 3. otherwise one transaction records the message in the inbox, runs the handler and commits;
+//!    only then is the delivery acked. A message the inbox has seen is acked without effect;
+//! 4. a transient error re-publishes a copy to the next wait tier with `retry-count + 1`
+//!    (confirmed), then acks the original; the last allowed attempt, or a permanent error, parks
+//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event. An
+//!    unreachable database is not the message's fault: the delivery is held and applied again
+//!    with backoff until the database answers, spending no attempt (decision 0003);
+//! 5. there is no `nack(requeue = true)` for a failure: a message that fails never spins. Only
+//!    shutdown and lost connections leave deliveries unacked, and the broker redelivers those;
+//! 6. a redelivery (the broker's `redelivered` flag) may be the message that crashed the last
+//!    process, so it runs alone, with its start committed first to the crash ledger
+//!    (the crash ledger, `crashes`). A message that keeps killing its consumer is parked once it has
+//!    started `max_crashes` times alone without finishing; the messages prefetched beside it lose
+//!    nothing (decision 0005). A handler that hangs is abandoned after `handler_timeout`;
+//! 7. what the broker itself dead-letters (its delivery limit, a last resort) arrives in the
+//!    endpoint's intake queue and is parked with the broker's reason and a job event, like any
+//!    other parked message.
+//!
+//! Its parts: `scheduler` decides what to start next (a pure state machine), `session` does
+//! the broker I/O around it, `settle` turns a delivery into its outcome, `apply` runs the
+//! transaction, `park` publishes retry and parked copies, and `acks` is the one place a delivery
+//! is acked: it cannot be acked twice, nor before its outcome is durable.
+
+mod acks;
+mod apply;
+mod park;
+mod scheduler;
+mod session;
+mod settle;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use sqlx::{PgConnection, PgPool};
+use tracing::Instrument;
+
+use crate::{
+    backoff::Backoff,
+    broker::{self, Link},
+    config::{BrokerArgs, ConsumerArgs, SecretUrl},
+    envelope::{Incoming, Unreadable},
+    health::Health,
+    metrics::{EndpointMetrics, Handling},
+    shutdown::Shutdown,
+    topology::{Endpoint, RetryPolicy},
+};
+
+/// How a handler failed. Business refusals are not errors: they commit an outcome like any result.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandlerError {
+    /// The database cannot be reached: not the message's fault, so no attempt is spent. The
+    /// runtime keeps the delivery and applies it again once the database answers.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// Might work later (a deadlock, a serialization failure, a flaky dependency): retry after a
+    /// wait, spending an attempt.
+    #[error("{0}")]
+    Transient(String),
+    /// Will never work (a bug, a message we cannot make sense of): park now.
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl From<sqlx::Error> for HandlerError {
+    /// An unreachable database is `Unavailable`; transaction conflicts, resource limits and a
+    /// garbled connection are transient; anything the database rejects on its merits (a
+    /// constraint, a type) would fail the same way again, so it is permanent.
+    fn from(error: sqlx::Error) -> Self {
+        if crate::db::is_unreachable(&error) {
+            return Self::Unavailable(error.to_string());
+        }
+        let transient = match &error {
+            sqlx::Error::Database(e) => {
+                // 40 rollback (serialization, deadlock), 53 resources, 57 operator (e.g. a
+                // cancelled statement; the shutdown codes are `Unavailable`).
+                let class = e.code().map(|code| code.chars().take(2).collect::<String>());
+                matches!(class.as_deref(), Some("40" | "53" | "57"))
+            }
+            sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+            _ => false,
+        };
+        if transient { Self::Transient(error.to_string()) } else { Self::Permanent(error.to_string()) }
+    }
+}
+
+impl From<Unreadable> for HandlerError {
+    fn from(error: Unreadable) -> Self {
+        Self::Permanent(error.to_string())
+    }
+}
+
+/// What a service implements: apply one message inside the runtime's transaction. The inbox row
+/// is already written in `tx`; the handler adds its effect and any outbox rows, and must not
+/// commit. Returning an error rolls everything back, inbox row included.
+pub trait Handler: Send + Sync + 'static {
+    /// Apply `message`.
+    fn handle(
+        &self,
+        message: &Incoming,
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// Everything a consumer needs besides its handler.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    /// The endpoint it consumes.
+    pub endpoint: Endpoint,
+    /// Retry tiers and attempt cap.
+    pub policy: RetryPolicy,
+    /// Unacked deliveries at once (and, without batching, handled concurrently).
+    pub prefetch: u16,
+    /// How deliveries are grouped into transactions.
+    pub batch: Batching,
+    /// The broker.
+    pub amqp_url: SecretUrl,
+    /// Between reconnects (and between tries while the database is unreachable).
+    pub reconnect: Backoff,
+    /// Starts of a redelivered message, alone and never finished, before it is parked as the one
+    /// crashing its consumer. Each is a process that died: a message is parked after at most
+    /// `max_crashes + 1` crashes (the first may have been concurrent with others).
+    pub max_crashes: u32,
+    /// How long one handler transaction may run. A handler still running then is abandoned (its
+    /// transaction rolls back): a database that answers a ping makes it a transient failure of the
+    /// message, one that does not an outage (no attempt spent).
+    pub handler_timeout: Duration,
+    /// How long inbox rows are kept (`INBOX_RETENTION`): older ones are deleted hourly.
+    pub inbox_retention: Duration,
+}
+
+impl ConsumerSettings {
+    /// Settings for `endpoint` from a binary's flags: its retry, prefetch, crash and timeout flags,
+    /// its broker, and the default reconnect backoff.
+    pub fn from_args(endpoint: Endpoint, args: &ConsumerArgs, broker: &BrokerArgs) -> Self {
+        Self {
+            endpoint: Endpoint { delivery_limit: args.delivery_limit, ..endpoint },
+            policy: args.retry_policy(),
+            prefetch: args.prefetch,
+            batch: Batching { max_size: usize::from(args.batch_size), max_wait: args.batch_wait },
+            amqp_url: broker.amqp_url.clone(),
+            reconnect: Backoff::default(),
+            max_crashes: args.max_crashes,
+            handler_timeout: args.handler_timeout,
+            inbox_retention: args.inbox_retention,
+        }
+    }
+}
+
+/// Several ready deliveries applied in one transaction (one inbox row each, one commit, one
+/// ack), one batch at a time. `max_size` 1 turns it off: each delivery is applied in its own
+/// transaction, up to `prefetch` at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Deliveries per transaction, at most.
+    pub max_size: usize,
+    /// How long a batch that is not full waits for more before it starts.
+    pub max_wait: Duration,
+}
+
+impl Batching {
+    /// One delivery per transaction.
+    pub const OFF: Self = Self { max_size: 1, max_wait: Duration::ZERO };
+
+    fn on(&self) -> bool {
+        self.max_size > 1
+    }
+}
+
+/// The name of an endpoint's consumer in `/readyz` (and in the broker's management UI). A service
+/// sets it not ready before it serves `/readyz`, so that a probe that comes before the consumer
+/// has started is not answered "ready".
+pub fn readiness_flag(endpoint: &Endpoint) -> String {
+    format!("consumer:{}", endpoint.name)
+}
+
+/// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
+/// connection, reconnect with backoff and resume. Never returns early on a broker or database
+/// failure: those are waited out.
+pub async fn run<H: Handler>(
+    settings: ConsumerSettings,
+    handler: Arc<H>,
+    pool: PgPool,
+    health: Health,
+    shutdown: Shutdown,
+) {
+    let name = settings.endpoint.name;
+    let link = Link {
+        url: settings.amqp_url.clone(),
+        name: readiness_flag(&settings.endpoint),
+        backoff: settings.reconnect,
+        readiness: Arc::clone(&health.readiness),
+    };
+    let retention = settings.inbox_retention;
+    let prune = crate::retention::run("inbox", shutdown.clone(), {
+        let pool = pool.clone();
+        move || {
+            let pool = pool.clone();
+            async move { crate::inbox::delete_received_before(&pool, retention, crate::retention::BATCH).await }
+        }
+    });
+    let metrics = health.metrics.endpoint(name);
+    let mut runtime = Arc::new(Runtime { settings, handler, pool, health, metrics, flag: link.name.clone(), shutdown });
+    let shutdown = runtime.shutdown.clone();
+    async {
+        let pruning = tokio::spawn(prune.in_current_span());
+        broker::run_sessions(&link, &shutdown, &mut runtime).await;
+        let _ = pruning.await;
+        tracing::info!("consumer stopped");
+    }
+    .instrument(tracing::info_span!("consumer", endpoint = name))
+    .await;
+}
+
+struct Runtime<H> {
+    settings: ConsumerSettings,
+    handler: Arc<H>,
+    pool: PgPool,
+    health: Health,
+    /// Its endpoint's series, looked up once.
+    metrics: EndpointMetrics,
+    /// The readiness flag of its link.
+    flag: String,
+    shutdown: Shutdown,
+}
+
+/// The outcome of the transaction for one message.
+#[derive(Debug, Clone, Copy)]
+enum Applied {
+    Done,
+    Duplicate,
+}
+
+impl Applied {
+    /// How its transaction ended, for `message_handling_duration_seconds`.
+    fn handling(self) -> Handling {
+        match self {
+            Self::Done => Handling::Succeeded,
+            Self::Duplicate => Handling::Duplicate,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HandlerError;
+
+    #[test]
+    fn database_errors_are_classified_by_whose_fault_they_are() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(matches!(HandlerError::from(sqlx::Error::Io(refused)), HandlerError::Unavailable(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::PoolTimedOut), HandlerError::Unavailable(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::Protocol("garbled".into())), HandlerError::Transient(_)));
+        assert!(matches!(HandlerError::from(sqlx::Error::RowNotFound), HandlerError::Permanent(_)));
+    }
+}

@@ -1,0 +1,145 @@
+//! The outcomes that are not an ack: a retry copy to the next wait tier, or a parked copy with
+//! its reason, each confirmed and reported as a `job.*` event before the original is acked.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use lapin::{BasicProperties, types::AMQPValue};
+use tracing::Instrument;
+use uuid::Uuid;
+
+use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
+use crate::{
+    contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
+    envelope::{self, Headers, Incoming},
+    metrics::Handled,
+    publisher::{Pending, PublishError, Publisher},
+};
+
+impl<H: Handler> Runtime<H> {
+    /// Re-publish a copy to the wait tier for `delay`, then ack the original. The copy goes to the
+    /// wait queue by name and comes back to this endpoint's work queue only.
+    pub(super) async fn retry(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        message: &Incoming,
+        delay: std::time::Duration,
+        error: &str,
+    ) -> Result<(), PublishError> {
+        let endpoint = &self.settings.endpoint;
+        let next_retry = i64::from(message.retry_count) + 1;
+        let properties = envelope::with_headers(
+            &delivery.delivery().properties,
+            &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
+        );
+        let copy = publisher.send("", &endpoint.wait_queue(delay), &delivery.delivery().data, properties).await?;
+        let event = message.correlation_id.map(|job_id| JobRetryScheduled {
+            job_id,
+            endpoint: endpoint.name.to_owned(),
+            message_id: message.message_id,
+            message_type: message.message_type.clone(),
+            attempt: message.attempt(),
+            next_attempt: message.attempt() + 1,
+            next_attempt_at: Utc::now() + delay,
+            error: error.to_owned(),
+        });
+        let event = self.send_event(publisher, event).await;
+        copy.confirmed().await?;
+        self.settle_event(event).await;
+        delivery.ack().await?;
+        self.count(Handled::Retried);
+        tracing::warn!(?delay, error, "transient failure; retry scheduled");
+        Ok(())
+    }
+
+    /// Publish the delivery, untouched but for our headers, to the parking queue; then ack it.
+    pub(super) async fn park(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        retry_count: u32,
+        reason: &str,
+    ) -> Result<(), PublishError> {
+        let endpoint = &self.settings.endpoint;
+        let properties = &delivery.delivery().properties;
+        let parked_properties = envelope::with_headers(
+            properties,
+            &[
+                (envelope::HEADER_LAST_ERROR, envelope::string_value(reason)),
+                (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(i64::from(retry_count))),
+                (envelope::HEADER_ENDPOINT, envelope::string_value(endpoint.name)),
+                (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
+            ],
+        );
+        let parked =
+            publisher.send("", &endpoint.parking_queue(), &delivery.delivery().data, parked_properties).await?;
+        let event = envelope::correlation_id(properties).map(|job_id| JobQuarantined {
+            job_id,
+            endpoint: endpoint.name.to_owned(),
+            message_id: envelope::message_id(properties),
+            message_type: properties.kind().as_ref().map(|kind| kind.to_string()),
+            attempt: retry_count + 1,
+            error: reason.to_owned(),
+            redrive_count: properties
+                .headers()
+                .as_ref()
+                .and_then(|headers| envelope::header_u32(headers, envelope::HEADER_REDRIVE_COUNT))
+                .unwrap_or(0),
+        });
+        let event = self.send_event(publisher, event).await;
+        parked.confirmed().await?;
+        self.settle_event(event).await;
+        delivery.ack().await?;
+        self.count(Handled::Parked);
+        tracing::error!(reason, "message parked");
+        Ok(())
+    }
+
+    /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
+    /// broker's reason, our headers only, and a `job.quarantined` event, so that its job ends too.
+    pub(super) async fn park_dead_lettered(self: Arc<Self>, delivery: InFlight, io: Io) -> Result<(), PublishError> {
+        let raw = delivery.delivery();
+        let span = delivery_span("dead_letter", self.settings.endpoint.name, raw, None);
+        let reason = envelope::broker_death(&raw.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
+        let retry_count = envelope::retry_count(raw);
+        self.park(delivery, &io.publisher, retry_count, &reason).instrument(span).await
+    }
+
+    /// Send a `job.*` event (pipelined with the retry or park publish it reports).
+    async fn send_event<C: JobEvent>(&self, publisher: &Publisher, event: Option<C>) -> Option<Pending> {
+        let event = event?;
+        let body = serde_json::to_vec(&event).ok()?;
+        let properties: BasicProperties =
+            Headers::of::<C>(Some(event.job_id())).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+        match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
+            Ok(pending) => Some(pending),
+            Err(error) => {
+                tracing::warn!(%error, event = C::TYPE, "job event not sent");
+                None
+            }
+        }
+    }
+
+    /// Job events are informational (the status consumer applies them monotonically): a lost one
+    /// is logged, and does not stop the retry or park it describes from being acked.
+    async fn settle_event(&self, pending: Option<Pending>) {
+        if let Some(pending) = pending
+            && let Err(error) = pending.confirmed().await
+        {
+            tracing::warn!(%error, "job event not confirmed");
+        }
+    }
+
+    pub(super) fn count(&self, outcome: Handled) {
+        self.metrics.handled(outcome);
+        let span = tracing::Span::current();
+        span.record("outcome", outcome.as_str());
+        if matches!(outcome, Handled::Retried | Handled::Parked) {
+            // A failed attempt: its exported span shows as an error (`crate::otel`).
+            span.record("otel.status_code", "error");
+        }
+        // In the delivery's span: with its trace and span ids, for whoever follows a trace in logs.
+        tracing::debug!(outcome = outcome.as_str(), "delivery settled");
+    }
+}
