@@ -21,6 +21,10 @@ use prometheus_client::{
 pub const MESSAGES_HANDLED: &str = "messages_handled_total";
 /// Deliveries skipped because the inbox had already recorded their message id, by `endpoint`.
 pub const INBOX_DUPLICATES: &str = "inbox_duplicates_skipped_total";
+/// Batches of deliveries (`BATCH_SIZE` above 1) by endpoint and outcome: `committed` in one
+/// transaction, or `fell_back` (something in it failed, and its messages were applied again one by
+/// one).
+pub const CONSUMER_BATCHES: &str = "consumer_batches_total";
 /// Outbox rows published and confirmed, by `database`.
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Outbox publishes returned or nacked by the broker, by `database`.
@@ -86,6 +90,8 @@ pub struct Metrics {
     pub handled: Family<ByOutcome, Counter>,
     /// [`INBOX_DUPLICATES`].
     pub duplicates: Family<ByEndpoint, Counter>,
+    /// [`CONSUMER_BATCHES`].
+    pub batches: Family<ByOutcome, Counter>,
     /// [`OUTBOX_PUBLISHED`].
     pub published: Family<ByDatabase, Counter>,
     /// [`OUTBOX_PUBLISH_FAILURES`].
@@ -113,6 +119,12 @@ impl Default for Metrics {
             "inbox_duplicates_skipped",
             "Redelivered messages skipped because the inbox had already processed them",
             duplicates.clone(),
+        );
+        let batches = Family::default();
+        registry.register(
+            "consumer_batches",
+            "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
+            batches.clone(),
         );
         let published = Family::default();
         registry.register("outbox_published", "Outbox rows published with a broker confirm", published.clone());
@@ -160,6 +172,7 @@ impl Default for Metrics {
             registry,
             handled,
             duplicates,
+            batches,
             published,
             publish_failures,
             handling,
@@ -235,6 +248,8 @@ pub struct EndpointMetrics {
     handled: [Counter; 4],
     handling: [Histogram; 4],
     duplicates: Counter,
+    /// Committed, fell back.
+    batches: [Counter; 2],
 }
 
 impl EndpointMetrics {
@@ -252,6 +267,11 @@ impl EndpointMetrics {
     pub fn duplicate(&self) {
         self.duplicates.inc();
     }
+
+    /// Count a batch: `committed` in one transaction, or not (applied again one by one).
+    pub fn batch(&self, committed: bool) {
+        self.batches[usize::from(!committed)].inc();
+    }
 }
 
 impl Metrics {
@@ -262,6 +282,7 @@ impl Metrics {
             handled: Handled::ALL.map(|outcome| self.handled.get_or_create(&by(outcome.as_str())).clone()),
             handling: Handling::ALL.map(|outcome| self.handling.get_or_create(&by(outcome.as_str())).clone()),
             duplicates: self.duplicates.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
+            batches: ["committed", "fell_back"].map(|outcome| self.batches.get_or_create(&by(outcome)).clone()),
         }
     }
 

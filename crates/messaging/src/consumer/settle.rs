@@ -86,6 +86,7 @@ impl<H: Handler> Runtime<H> {
                     let (deliveries, spans): (Vec<InFlight>, Vec<tracing::Span>) =
                         members.into_iter().map(|member| (member.delivery, member.span)).unzip();
                     InFlight::ack_all(deliveries).await?;
+                    self.metrics.batch(true);
                     let seconds = started.elapsed().as_secs_f64();
                     for (span, applied) in spans.iter().zip(outcomes) {
                         span.in_scope(|| {
@@ -96,6 +97,7 @@ impl<H: Handler> Runtime<H> {
                     return Ok(());
                 }
                 Err(error) => {
+                    self.metrics.batch(false);
                     tracing::info!(messages = members.len(), %error, "batch not applied; applying its messages one by one");
                 }
             }
