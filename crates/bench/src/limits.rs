@@ -18,7 +18,8 @@ use lapin::{
 };
 use messaging::{consumer::Handler, envelope::Incoming, inbox, outbox, publisher::Publisher};
 use orders_api::{
-    api::{Accepted, OrderLineRequest, PlaceOrder},
+    api::{OrderLineRequest, PlaceOrder},
+    order::{Accepted, ValidOrder},
     writer::{NewOrder, insert_orders},
 };
 use sqlx::{PgPool, postgres::PgPoolOptions};
@@ -49,6 +50,11 @@ pub fn sample_order(i: usize, catalog: Catalog) -> PlaceOrder {
     };
     let line = |n: usize| OrderLineRequest { sku: sku(n), quantity: 1 };
     PlaceOrder { customer_id: "bench".into(), lines: vec![line(i), line(i + 1)] }
+}
+
+/// [`sample_order`] of the hot catalog, parsed as the API parses it.
+fn valid_order(i: usize) -> ValidOrder {
+    sample_order(i, Catalog::Hot).parse().expect("the sample order is valid")
 }
 
 /// Run `count` jobs on `concurrency` tasks; returns jobs per second.
@@ -92,7 +98,7 @@ pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f
         async move {
             let mut conn = pool.acquire().await.expect("connection");
             let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-            let order = NewOrder::new(ids, &sample_order(i, Catalog::Hot), None);
+            let order = NewOrder::new(ids, &valid_order(i), None);
             insert_orders(&mut conn, &[&order]).await.expect("insert order");
         }
     })
@@ -113,8 +119,7 @@ pub async fn smallest_order_transaction(pool: &PgPool, concurrency: usize, count
     run_concurrently(concurrency, count, move |i| {
         let pool = pool.clone();
         async move {
-            let order = sample_order(i, Catalog::Hot);
-            let placed = order.placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
+            let placed = valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
             let mut tx = pool.begin().await.expect("begin");
             sqlx::query("insert into smallest_orders (id, customer_id, lines) values ($1, $2, $3)")
                 .bind(placed.order_id)

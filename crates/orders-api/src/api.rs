@@ -21,21 +21,13 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
+    order::{Accepted, CustomerId, IdempotencyKey, Line, OrderStatus, Quantity, Sku, ValidOrder},
     problem::{ApiError, Problem},
-    writer::{NewOrder, Writers},
+    writer::{Claim, NewOrder, Writers},
 };
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
-/// Most lines in one order.
-pub const MAX_LINES: usize = 100;
-/// Accepted quantities per line.
-pub const QUANTITY: std::ops::RangeInclusive<i32> = 1..=1000;
-const MAX_ID_CHARS: usize = 200;
-/// Failpoint (`messaging::failpoint`): the API holds a database connection for a batch of orders
-/// (one or more, [`crate::writer`]) and has not yet sent the one statement that writes them (and
-/// commits, all or nothing).
-pub const BEFORE_COMMIT: &str = "api.before-commit";
 
 /// The API's routes: reads on `pool`, orders written by `writers`.
 pub fn router(pool: PgPool, writers: Writers) -> Router {
@@ -93,46 +85,23 @@ pub struct OrderLineRequest {
 }
 
 impl PlaceOrder {
-    /// This order's `order.placed` body, under `ids`.
-    pub fn placed(&self, ids: &Accepted) -> shop::OrderPlaced {
-        shop::OrderPlaced {
-            order_id: ids.order_id,
-            job_id: ids.job_id,
-            customer_id: self.customer_id.clone(),
-            lines: self.lines.iter().map(|l| OrderLine { sku: l.sku.clone(), quantity: l.quantity }).collect(),
-        }
-    }
-
-    /// Check what the type system cannot.
-    fn validate(&self) -> Result<(), ApiError> {
-        let bad = |detail: String| Err(ApiError::BadRequest(detail));
-        if !is_name(&self.customer_id) {
-            return bad(format!(
-                "customerId must be 1 to {MAX_ID_CHARS} characters, not all blank, no control characters"
-            ));
-        }
-        if self.lines.is_empty() {
-            return bad("lines must not be empty".into());
-        }
-        if self.lines.len() > MAX_LINES {
-            return bad(format!("at most {MAX_LINES} lines per order, got {}", self.lines.len()));
-        }
-        for (i, line) in self.lines.iter().enumerate() {
-            if !is_name(&line.sku) {
-                return bad(format!(
-                    "lines[{i}].sku must be 1 to {MAX_ID_CHARS} characters, not all blank, no control characters"
-                ));
-            }
-            if !QUANTITY.contains(&line.quantity) {
-                return bad(format!(
-                    "lines[{i}].quantity must be between {} and {}, got {}",
-                    QUANTITY.start(),
-                    QUANTITY.end(),
-                    line.quantity
-                ));
-            }
-        }
-        Ok(())
+    /// The order this request asks for, if every part of it is valid; else a 400 naming the first
+    /// part that is not (`lines[2].sku must be …`): the customer, each line, then their number.
+    pub fn parse(&self) -> Result<ValidOrder, ApiError> {
+        let bad = |field: String| move |invalid| ApiError::BadRequest(format!("{field} {invalid}"));
+        let customer_id = CustomerId::parse(self.customer_id.clone()).map_err(bad("customerId".into()))?;
+        let lines = self
+            .lines
+            .iter()
+            .enumerate()
+            .map(|(i, line)| {
+                Ok(Line {
+                    sku: Sku::parse(line.sku.clone()).map_err(bad(format!("lines[{i}].sku")))?,
+                    quantity: Quantity::parse(line.quantity).map_err(bad(format!("lines[{i}].quantity")))?,
+                })
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        ValidOrder::new(customer_id, lines).map_err(|invalid| ApiError::BadRequest(invalid.to_string()))
     }
 }
 
@@ -145,22 +114,6 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
     whole
         .and_then(|n| i32::try_from(n).ok())
         .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number, got {number}")))
-}
-
-/// A customer id or a SKU: 1 to [`MAX_ID_CHARS`] characters, not all blank, and no control
-/// characters (Postgres cannot store NUL in text; the others have no place in an identifier).
-fn is_name(value: &str) -> bool {
-    !value.trim().is_empty() && value.chars().count() <= MAX_ID_CHARS && !value.chars().any(char::is_control)
-}
-
-/// `202` body.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Accepted {
-    /// Poll `/jobs/{jobId}`.
-    pub job_id: Uuid,
-    /// The order created.
-    pub order_id: Uuid,
 }
 
 /// Accept an order: the order, its lines, its job and its `order.placed` message are written in
@@ -191,9 +144,13 @@ pub(crate) async fn place_order(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let order = read_json::<PlaceOrder>(&headers, body).await?;
-    order.validate()?;
-    let key = idempotency_key(&headers)?;
+    let request = read_json::<PlaceOrder>(&headers, body).await?;
+    let order = request.parse()?;
+    let claim = match idempotency_key(&headers)? {
+        // The request as parsed, to tell a retry (the same body) from another use of the key.
+        Some(key) => Some(Claim { key, request: serde_json::to_value(&request).map_err(ApiError::internal)? }),
+        None => None,
+    };
     // The request starts the order's trace, or continues the caller's: the `order.placed` row
     // names this request's span as its parent (W3C trace context, `messaging::trace`).
     let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
@@ -213,7 +170,7 @@ pub(crate) async fn place_order(
     context.record_on(&span);
     // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
     // the request for the kernel's TCP timeout.
-    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, key.as_deref())).instrument(span.clone());
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim)).instrument(span.clone());
     let accepted = trace::scope(context, accepted).await.inspect_err(|_| {
         span.record("otel.status_code", "error");
     })?;
@@ -233,39 +190,35 @@ async fn read_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Bo
     serde_json::from_slice(&bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {
         return Ok(None);
     };
-    match value.to_str() {
-        Ok(key) if !key.is_empty() && key.len() <= 255 && key.bytes().all(|b| b.is_ascii_graphic()) => {
-            Ok(Some(key.to_owned()))
-        }
-        _ => Err(ApiError::BadRequest("Idempotency-Key must be 1 to 255 visible ASCII characters".into())),
-    }
+    // A header that is not even text fails as an empty one does.
+    let key = IdempotencyKey::parse(value.to_str().unwrap_or_default());
+    key.map(Some).map_err(|invalid| ApiError::BadRequest(invalid.to_string()))
 }
 
 /// Write the order, its lines, its job, its `order.placed` outbox row and (with a key) the
 /// idempotency record in ONE statement, all or nothing; concurrent orders may share it
 /// ([`crate::writer`]), each with its own outcome.
-async fn accept(pool: &PgPool, writers: &Writers, order: &PlaceOrder, key: Option<&str>) -> Result<Accepted, ApiError> {
+async fn accept(
+    pool: &PgPool,
+    writers: &Writers,
+    order: &ValidOrder,
+    claim: Option<Claim>,
+) -> Result<Accepted, ApiError> {
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-    let claim = match key {
-        Some(key) => {
-            Some((key.to_owned(), serde_json::to_value(order).map_err(|e| ApiError::BadRequest(e.to_string()))?))
-        }
-        None => None,
-    };
     if writers.write(NewOrder::new(accepted.clone(), order, claim.clone())).await? {
         return Ok(accepted);
     }
     // The key was claimed before (or just now, by a concurrent request, which this one waited
     // for): the same request gets the same job. jsonb equality ignores key order and whitespace.
     // (Without a key the statement always writes.)
-    let (key, request) = claim.ok_or(ApiError::Internal(sqlx::Error::RowNotFound))?;
+    let Claim { key, request } = claim.ok_or_else(|| ApiError::internal("an order without a key was not written"))?;
     let (same, job_id, order_id): (bool, Uuid, Uuid) =
         sqlx::query_as("select request = $2, job_id, order_id from idempotency_keys where key = $1")
-            .bind(key)
+            .bind(key.as_str())
             .bind(request)
             .fetch_one(pool)
             .await?;
@@ -343,8 +296,9 @@ pub struct Order {
     pub job_id: Uuid,
     /// Who ordered.
     pub customer_id: String,
-    /// accepted, reserved, invoiced, rejected, failed.
-    pub status: String,
+    /// Where it is.
+    #[sqlx(try_from = "String")]
+    pub status: OrderStatus,
     /// What.
     #[sqlx(json)]
     #[schema(value_type = Vec<OrderLineRequest>)]

@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use crate::order::OrderStatus;
+
 /// The state of a job (DESIGN §7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -84,17 +86,30 @@ fn final_states() -> Vec<&'static str> {
     JobState::FINAL.map(JobState::as_str).to_vec()
 }
 
-/// The order's status move that goes with a job's move: `order_id` takes `status` if it is in one
-/// of `from`. It is written in the job's statement (a data-modifying `WITH`), so that applying an
-/// event costs one round trip; it is made whether or not the job itself moves.
+/// The order's status move that goes with a job's move: `order_id` takes `to` if its status is
+/// one `to` may be reached from ([`OrderStatus::moves_from`]; a later one stays). It is written in
+/// the job's statement (a data-modifying `WITH`), so that applying an event costs one round trip;
+/// it is made whether or not the job itself moves.
 #[derive(Debug, Clone, Copy)]
-pub struct OrderMove<'a> {
+pub struct OrderMove {
     /// The job's order.
     pub order_id: Uuid,
     /// Its new status.
-    pub status: &'a str,
-    /// The statuses it may move from (a later one stays).
-    pub from: &'a [&'a str],
+    pub to: OrderStatus,
+}
+
+/// The order of `job_id` moves to `to`, if its status is one `to` may be reached from.
+pub async fn move_order_of(tx: &mut PgConnection, job_id: Uuid, to: OrderStatus) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "update orders set status = $2, updated_at = now()
+          where id = (select order_id from jobs where id = $1) and status = any($3)",
+    )
+    .bind(job_id)
+    .bind(to.as_str())
+    .bind(to.moves_from_names())
+    .execute(tx)
+    .await
+    .map(drop)
 }
 
 /// The step of `endpoint` succeeded: a queued job is published (this result proves `order.placed`
@@ -104,7 +119,7 @@ pub async fn step_succeeded(
     tx: &mut PgConnection,
     job_id: Uuid,
     endpoint: &str,
-    order: OrderMove<'_>,
+    order: OrderMove,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "with order_moved as (
@@ -120,8 +135,8 @@ pub async fn step_succeeded(
     .bind(JobState::Queued.as_str())
     .bind(JobState::RetryWait.as_str())
     .bind(order.order_id)
-    .bind(order.status)
-    .bind(order.from)
+    .bind(order.to.as_str())
+    .bind(order.to.moves_from_names())
     .execute(tx)
     .await
     .map(drop)
@@ -138,7 +153,7 @@ pub async fn retry_scheduled(
         "update jobs set state = $5, retry_endpoint = $2, attempt = greatest(attempt, $3),
                 last_error = $4, updated_at = now()
           where id = $1 and state <> all($6)
-            and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> 'accepted'))",
+            and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> $8))",
     )
     .bind(event.job_id)
     .bind(&event.endpoint)
@@ -147,6 +162,7 @@ pub async fn retry_scheduled(
     .bind(JobState::RetryWait.as_str())
     .bind(terminal())
     .bind(done_step)
+    .bind(OrderStatus::Accepted.as_str())
     .execute(tx)
     .await
     .map(drop)
@@ -193,7 +209,7 @@ pub async fn ended(
     outcome: JobState,
     result_key: Option<&str>,
     error: Option<&str>,
-    order: OrderMove<'_>,
+    order: OrderMove,
 ) -> Result<Ended, sqlx::Error> {
     debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
     sqlx::query_scalar(
@@ -211,8 +227,8 @@ pub async fn ended(
     .bind(error)
     .bind(final_states())
     .bind(order.order_id)
-    .bind(order.status)
-    .bind(order.from)
+    .bind(order.to.as_str())
+    .bind(order.to.moves_from_names())
     .fetch_optional(tx)
     .await
 }

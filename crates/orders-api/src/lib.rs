@@ -5,6 +5,7 @@
 pub mod api;
 pub mod jobs;
 pub mod openapi;
+pub mod order;
 pub mod overview;
 pub mod problem;
 pub mod status;

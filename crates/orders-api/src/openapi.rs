@@ -9,7 +9,7 @@
 use axum::{Json, Router, routing::get};
 use utoipa::OpenApi;
 
-use crate::{api, jobs, overview, problem};
+use crate::{api, jobs, order, overview, problem};
 
 /// The document.
 #[derive(OpenApi)]
@@ -33,7 +33,8 @@ use crate::{api, jobs, overview, problem};
     components(schemas(
         api::PlaceOrder,
         api::OrderLineRequest,
-        api::Accepted,
+        order::Accepted,
+        order::OrderStatus,
         api::Job,
         api::Order,
         jobs::JobState,

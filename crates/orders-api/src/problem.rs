@@ -9,7 +9,10 @@ use axum::{
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
+use messaging::service::BoxError;
 use serde::Serialize;
+
+use crate::writer::WriteError;
 
 /// Everything a request can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -31,15 +34,28 @@ pub enum ApiError {
     IdempotencyMismatch,
     /// The database is unreachable: try again later (503).
     #[error("service temporarily unavailable, retry later")]
-    Unavailable(#[source] sqlx::Error),
+    Unavailable(#[source] BoxError),
     /// Anything else (500): details are logged, never returned.
     #[error("internal error")]
-    Internal(#[source] sqlx::Error),
+    Internal(#[source] BoxError),
+}
+
+impl ApiError {
+    /// A 500 caused by `cause`.
+    pub fn internal(cause: impl Into<BoxError>) -> Self {
+        Self::Internal(cause.into())
+    }
 }
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        if messaging::db::is_unreachable(&error) { Self::Unavailable(error) } else { Self::Internal(error) }
+        if messaging::db::is_unreachable(&error) { Self::Unavailable(error.into()) } else { Self::internal(error) }
+    }
+}
+
+impl From<WriteError> for ApiError {
+    fn from(error: WriteError) -> Self {
+        if error.is_unreachable() { Self::Unavailable(error.into()) } else { Self::internal(error) }
     }
 }
 

@@ -15,7 +15,10 @@ use chrono::Utc;
 use messaging::metrics::{ByJobState, Metrics};
 use sqlx::PgConnection;
 
-use crate::jobs::{self, JobState, OrderMove};
+use crate::{
+    jobs::{self, JobState, OrderMove},
+    order::OrderStatus,
+};
 
 /// The endpoint of inventory's step (it consumes `order.placed`).
 const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
@@ -57,19 +60,19 @@ impl Handler for JobStatus {
                 // Seeing a downstream result proves order.placed left: queued -> published, in
                 // case this event overtook the relay's own mark; and inventory's step is done, so a
                 // job waiting on its retry is not waiting any more.
-                let order = OrderMove { order_id: event.order_id, status: "reserved", from: &["accepted"] };
+                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Reserved };
                 jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?;
             }
             InventoryRejected::TYPE => {
                 let event: InventoryRejected = message.json()?;
-                let order = OrderMove { order_id: event.order_id, status: "rejected", from: &["accepted", "reserved"] };
+                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Rejected };
                 let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
                 self.ended(JobState::Rejected, ended);
             }
             InvoiceCreated::TYPE => {
                 let event: InvoiceCreated = message.json()?;
                 let invoice_id = event.invoice_id.to_string();
-                let order = OrderMove { order_id: event.order_id, status: "invoiced", from: &["accepted", "reserved"] };
+                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Invoiced };
                 let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
                 self.ended(JobState::Succeeded, ended);
             }
@@ -82,25 +85,13 @@ impl Handler for JobStatus {
                 let ended =
                     jobs::quarantined(tx, event.job_id, event.attempt, &event.error, event.redrive_count).await?;
                 self.ended(JobState::Quarantined, ended);
-                sqlx::query(
-                    "update orders set status = 'failed', updated_at = now()
-                      where id = (select order_id from jobs where id = $1) and status in ('accepted', 'reserved')",
-                )
-                .bind(event.job_id)
-                .execute(&mut *tx)
-                .await?;
+                jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
             }
             JobRedriven::TYPE => {
                 let event: JobRedriven = message.json()?;
                 // The order starts over from `accepted`: the redriven step's result moves it on.
                 if jobs::redriven(tx, event.job_id, event.redrive_count).await? {
-                    sqlx::query(
-                        "update orders set status = 'accepted', updated_at = now()
-                          where id = (select order_id from jobs where id = $1) and status = 'failed'",
-                    )
-                    .bind(event.job_id)
-                    .execute(&mut *tx)
-                    .await?;
+                    jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?;
                 }
             }
             // The runtime only hands over accepted types; this is a programming error.

@@ -29,12 +29,26 @@ use sqlx::{PgConnection, PgPool, types::Json};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::api::{Accepted, BEFORE_COMMIT, PlaceOrder};
+use crate::order::{Accepted, IdempotencyKey, ValidOrder};
 
+/// Failpoint (`messaging::failpoint`): a writer holds a database connection for a batch of orders
+/// (one or more) and has not yet sent the one statement that writes them (and commits, all or
+/// nothing).
+pub const BEFORE_COMMIT: &str = "api.before-commit";
 /// Most orders in one statement.
 pub const MAX_ORDERS: usize = 64;
 /// Orders waiting for a writer, at most; a request beyond it waits for room.
 const QUEUE: usize = 1024;
+
+/// An idempotency key, and the request it came with: a later request with the key gets the same
+/// job if it brings the same request, and a 422 if not.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The key.
+    pub key: IdempotencyKey,
+    /// The request as parsed (`jsonb` equality ignores key order and whitespace).
+    pub request: serde_json::Value,
+}
 
 /// One accepted order, ready to be written: everything [`insert_orders`] binds.
 #[derive(Debug)]
@@ -43,8 +57,8 @@ pub struct NewOrder {
     pub ids: Accepted,
     /// Its `order.placed` body (it also holds the customer and the lines).
     pub placed: OrderPlaced,
-    /// The idempotency key and the parsed request it was given with, if any.
-    pub claim: Option<(String, serde_json::Value)>,
+    /// Its idempotency claim, if a key came with it.
+    pub claim: Option<Claim>,
     /// The outbox row's id.
     pub message_id: Uuid,
     /// The outbox row's headers: the job as correlation id, and the trace context current when
@@ -54,7 +68,7 @@ pub struct NewOrder {
 
 impl NewOrder {
     /// `order` under `ids`, with the current trace context.
-    pub fn new(ids: Accepted, order: &PlaceOrder, claim: Option<(String, serde_json::Value)>) -> Self {
+    pub fn new(ids: Accepted, order: &ValidOrder, claim: Option<Claim>) -> Self {
         let placed = order.placed(&ids);
         // The job names its order.placed row, so that the row's confirm marks it `published`.
         let outbox::Outgoing { message_id, headers: Json(headers), .. } =
@@ -83,8 +97,8 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
         .bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| o.ids.job_id).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| o.placed.customer_id.as_str()).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.claim.as_ref().map(|(key, _)| key.as_str())).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.claim.as_ref().map(|(_, request)| request)).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.claim.as_ref().map(|claim| claim.key.as_str())).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.claim.as_ref().map(|claim| &claim.request)).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| o.message_id).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| Json(&o.placed)).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| Json(&o.headers)).collect::<Vec<_>>())
@@ -132,10 +146,42 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
     )
 });
 
+/// Why an order was not written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// Its statement failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// The statement of the batch it was in failed for all of them, as `error` says (the database
+    /// is unreachable, or it was the only order).
+    #[error("{error} (in a batch of orders)")]
+    Batch {
+        /// The failure, as the batch's first order got it.
+        error: String,
+        /// Whether the database was unreachable.
+        unreachable: bool,
+    },
+    /// The writers have stopped (the service is shutting down).
+    #[error("the order writers have stopped")]
+    Stopped,
+}
+
+impl WriteError {
+    /// Whether the client should retry later (a 503): the database did not answer, or the service
+    /// is stopping.
+    pub fn is_unreachable(&self) -> bool {
+        match self {
+            Self::Database(error) => db::is_unreachable(error),
+            Self::Batch { unreachable, .. } => *unreachable,
+            Self::Stopped => true,
+        }
+    }
+}
+
 /// An order on its way to a writer, and where its outcome goes.
 struct Pending {
     order: NewOrder,
-    reply: oneshot::Sender<Result<bool, sqlx::Error>>,
+    reply: oneshot::Sender<Result<bool, WriteError>>,
 }
 
 /// The queue to the writer tasks. Cloning it is cheap; the writers stop once every clone is
@@ -158,10 +204,10 @@ impl Writers {
 
     /// Write `order`, with whatever else is waiting. `false`: its idempotency key was already
     /// claimed, and nothing was written.
-    pub async fn write(&self, order: NewOrder) -> Result<bool, sqlx::Error> {
+    pub async fn write(&self, order: NewOrder) -> Result<bool, WriteError> {
         let (reply, outcome) = oneshot::channel();
-        self.queue.send(Pending { order, reply }).await.map_err(|_| sqlx::Error::PoolClosed)?;
-        outcome.await.map_err(|_| sqlx::Error::PoolClosed)?
+        self.queue.send(Pending { order, reply }).await.map_err(|_| WriteError::Stopped)?;
+        outcome.await.map_err(|_| WriteError::Stopped)?
     }
 }
 
@@ -199,23 +245,18 @@ async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>) {
         let mut outcomes = Vec::with_capacity(orders.len());
         for order in &orders {
             let written = db::within(QUERY_DEADLINE, insert_orders(&mut conn, &[order])).await;
-            outcomes.push(written.map(|written| !written.is_empty()));
+            outcomes.push(written.map(|written| !written.is_empty()).map_err(WriteError::from));
         }
         Ok(outcomes)
     };
-    let outcomes: Vec<Result<bool, sqlx::Error>> = match outcomes.await {
+    let outcomes: Vec<Result<bool, WriteError>> = match outcomes.await {
         Ok(outcomes) => outcomes,
-        // One request gets the error as it is, the others its description, still an unreachable
+        // One request gets the error as it is, the others what it was: still an unreachable
         // database's (a 503) or, for a lone order, its own.
         Err(error) => {
-            let description = error.to_string();
-            std::iter::once(Err(error))
-                .chain(std::iter::repeat_with(|| {
-                    Err(sqlx::Error::Io(std::io::Error::new(
-                        std::io::ErrorKind::ConnectionAborted,
-                        description.clone(),
-                    )))
-                }))
+            let (description, unreachable) = (error.to_string(), db::is_unreachable(&error));
+            std::iter::once(Err(WriteError::Database(error)))
+                .chain(std::iter::repeat_with(|| Err(WriteError::Batch { error: description.clone(), unreachable })))
                 .take(batch.len())
                 .collect()
         }
