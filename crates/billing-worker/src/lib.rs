@@ -29,15 +29,11 @@ pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
 /// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is
 /// selected from the inserted invoice, so an order invoiced before under another message id gets
 /// neither: it was announced then.
-static INSERT_INVOICE: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "with invoice as (
-             insert into invoices (id, order_id, job_id, total_cents, lines) values ($1, $2, $3, $4, $5)
-             on conflict (order_id) do nothing
-             returning id
-         )
-         insert into outbox ({}) select $6, $7, $8, $9, $10, $11 from invoice",
-        outbox::COLUMNS
+static INSERT_INVOICE: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
+    outbox::WithEffect::new(
+        "insert into invoices (id, order_id, job_id, total_cents, lines) values ($1, $2, $3, $4, $5)
+         on conflict (order_id) do nothing
+         returning id",
     )
 });
 
@@ -72,13 +68,20 @@ impl Handler for CreateInvoice {
         let invoice_id = Uuid::now_v7();
         let created = InvoiceCreated { order_id: reserved.order_id, job_id: reserved.job_id, invoice_id, total_cents };
         let announced = outbox::Outgoing::of(&created, message.correlation_id.or(Some(reserved.job_id)));
-        let invoice = sqlx::query(&INSERT_INVOICE)
-            .bind(invoice_id)
-            .bind(reserved.order_id)
-            .bind(reserved.job_id)
-            .bind(total_cents)
-            .bind(sqlx::types::Json(&reserved.lines));
-        announced.bind_to(invoice).execute(&mut *tx).await?;
+        INSERT_INVOICE
+            .query(
+                |effect| {
+                    effect
+                        .bind(invoice_id)
+                        .bind(reserved.order_id)
+                        .bind(reserved.job_id)
+                        .bind(total_cents)
+                        .bind(sqlx::types::Json(&reserved.lines))
+                },
+                announced,
+            )
+            .execute(&mut *tx)
+            .await?;
         Ok(())
     }
 }

@@ -63,15 +63,11 @@ impl Handler for ReserveStock {
 /// The reservation and its `inventory.reserved` in one statement (one round trip). The outbox row
 /// is selected from the inserted reservation, so an order reserved before under another message id
 /// gets neither, and the statement's row count says which happened.
-static INSERT_RESERVATION: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "with reservation as (
-             insert into reservations (id, order_id, job_id, lines) values ($1, $2, $3, $4)
-             on conflict (order_id) do nothing
-             returning id
-         )
-         insert into outbox ({}) select $5, $6, $7, $8, $9, $10 from reservation",
-        outbox::COLUMNS
+static INSERT_RESERVATION: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
+    outbox::WithEffect::new(
+        "insert into reservations (id, order_id, job_id, lines) values ($1, $2, $3, $4)
+         on conflict (order_id) do nothing
+         returning id",
     )
 });
 
@@ -99,12 +95,16 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
         lines: order.lines.clone(),
     };
     let announced = outbox::Outgoing::of(&reserved, job_id);
-    let reservation = sqlx::query(&INSERT_RESERVATION)
-        .bind(reservation_id)
-        .bind(order.order_id)
-        .bind(order.job_id)
-        .bind(sqlx::types::Json(&lines));
-    if announced.bind_to(reservation).execute(&mut *savepoint).await?.rows_affected() == 0 {
+    let written = INSERT_RESERVATION
+        .query(
+            |effect| {
+                effect.bind(reservation_id).bind(order.order_id).bind(order.job_id).bind(sqlx::types::Json(&lines))
+            },
+            announced,
+        )
+        .execute(&mut *savepoint)
+        .await?;
+    if written.rows_affected() == 0 {
         savepoint.rollback().await?;
         return Ok(Reservation::AlreadyMade);
     }

@@ -7,7 +7,7 @@ use std::{sync::LazyLock, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use sqlx::{PgConnection, PgExecutor, Postgres, postgres::PgArguments, query::Query, types::Json};
+use sqlx::{PgConnection, PgExecutor, Postgres, postgres::PgArguments, types::Json};
 use uuid::Uuid;
 
 use crate::{contracts::Contract, envelope::Headers};
@@ -33,14 +33,110 @@ pub async fn enqueue<C: Contract>(
 static INSERT: LazyLock<String> =
     LazyLock::new(|| format!("insert into outbox ({COLUMNS}) values ($1, $2, $3, $4, $5, $6)"));
 
-/// The outbox columns a new message fills, in [`Outgoing`]'s order, for a caller that writes the
-/// row in a statement of its own (`insert into outbox (COLUMNS) select …`) to save a round trip.
-pub const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
+/// The outbox columns a new message fills, in [`Outgoing`]'s order.
+const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
 
-/// A message as its outbox row will hold it: what [`enqueue`] inserts. A caller that writes its
-/// change and the message in one statement names the [`COLUMNS`] and lets
-/// [`Outgoing::bind_to`] bind their values.
-/// The headers carry the current trace context ([`crate::trace::current`]).
+/// A Postgres query with its arguments, as [`WithEffect::query`] hands it to be bound.
+pub type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
+
+/// A statement that writes a service's effect and, only if the effect wrote a row, the message
+/// that announces it: one round trip, and never the one without the other. The effect is one
+/// data-modifying statement with `returning` that writes at most one row (typically `insert … on
+/// conflict do nothing returning id`), whose parameters are its own, `$1` on; the message's
+/// values are bound after them, at numbers this type works out.
+///
+/// ```
+/// use messaging::{contracts::Contract, outbox::{Outgoing, WithEffect}};
+/// # #[derive(serde::Serialize)] struct Shipped { order_id: uuid::Uuid }
+/// # impl Contract for Shipped { const TYPE: &'static str = "shipped"; const EXCHANGE: &'static str = "shop"; }
+/// static SHIP: std::sync::LazyLock<WithEffect> = std::sync::LazyLock::new(|| {
+///     WithEffect::new("insert into shipments (id, order_id) values ($1, $2) on conflict do nothing returning id")
+/// });
+///
+/// # async fn ship(tx: &mut sqlx::PgConnection, id: uuid::Uuid, order_id: uuid::Uuid) -> sqlx::Result<()> {
+/// let shipped = Shipped { order_id };
+/// let written = SHIP
+///     .query(|effect| effect.bind(id).bind(order_id), Outgoing::of(&shipped, None))
+///     .execute(tx)
+///     .await?;
+/// // 0: the shipment existed already, and nothing was announced again.
+/// let new = written.rows_affected() == 1;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct WithEffect {
+    sql: String,
+}
+
+impl WithEffect {
+    /// The statement for `effect` (see [`WithEffect`]).
+    pub fn new(effect: &str) -> Self {
+        let first = highest_parameter(effect) + 1;
+        let values: Vec<String> = (first..first + 6).map(|n| format!("${n}")).collect();
+        let values = values.join(", ");
+        Self {
+            sql: format!(
+                "with effect as ({effect}) insert into outbox ({COLUMNS}) select {values} from effect limit 1"
+            ),
+        }
+    }
+
+    /// The query: `bind_effect` binds the effect's parameters, then `message`'s values follow.
+    /// Its `rows_affected` is 1 if the effect wrote its row (and the message was written), 0 if
+    /// not.
+    pub fn query<'q, C: Contract>(
+        &'q self,
+        bind_effect: impl FnOnce(Query<'q>) -> Query<'q>,
+        message: Outgoing<'q, C>,
+    ) -> Query<'q> {
+        message.bind_to(bind_effect(sqlx::query(&self.sql)))
+    }
+}
+
+/// The highest `$n` in `sql` (0 if none).
+fn highest_parameter(sql: &str) -> usize {
+    sql.split('$')
+        .skip(1)
+        .filter_map(|after| after.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// The outbox rows a statement of the caller's writes for many messages at once, selected from a
+/// relation of its own (`from`, e.g. a CTE and its `order by`), each column given as an
+/// expression over it: `insert into outbox (…) select … from …`. For one message beside one
+/// effect, [`WithEffect`] does the numbering too.
+#[derive(Debug, Clone, Copy)]
+pub struct Selected<'a> {
+    /// The message ids (a new UUIDv7 each).
+    pub message_id: &'a str,
+    /// The contracts' types.
+    pub message_type: &'a str,
+    /// Their exchanges.
+    pub exchange: &'a str,
+    /// Their routing keys (their types).
+    pub routing_key: &'a str,
+    /// The bodies, `jsonb`.
+    pub payload: &'a str,
+    /// The headers ([`Headers`]), `jsonb`.
+    pub headers: &'a str,
+}
+
+impl Selected<'_> {
+    /// The `insert` statement, selecting from `from` (which may carry `where` and `order by`:
+    /// the rows are published in the order they are inserted).
+    pub fn insert_from(&self, from: &str) -> String {
+        let Self { message_id, message_type, exchange, routing_key, payload, headers } = self;
+        format!(
+            "insert into outbox ({COLUMNS}) select {message_id}, {message_type}, {exchange}, {routing_key}, {payload}, \
+             {headers} from {from}"
+        )
+    }
+}
+
+/// A message as its outbox row will hold it: what [`enqueue`] inserts, and what [`WithEffect`]
+/// writes beside an effect. The headers carry the current trace context
+/// ([`crate::trace::current`]).
 #[derive(Debug)]
 pub struct Outgoing<'a, C> {
     /// A new UUIDv7.
@@ -70,8 +166,8 @@ impl<'a, C: Contract> Outgoing<'a, C> {
         }
     }
 
-    /// Bind its six values, in [`COLUMNS`]' order, as the next parameters of `query`.
-    pub fn bind_to(self, query: Query<'a, Postgres, PgArguments>) -> Query<'a, Postgres, PgArguments> {
+    /// Bind its six values, in the outbox columns' order, as the next parameters of `query`.
+    fn bind_to(self, query: Query<'a>) -> Query<'a> {
         query
             .bind(self.message_id)
             .bind(self.message_type)
@@ -202,4 +298,35 @@ pub async fn counts<'e>(db: impl PgExecutor<'e>) -> sqlx::Result<OutboxCounts> {
     )
     .fetch_one(db)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Selected, WithEffect, highest_parameter};
+
+    #[test]
+    fn the_message_s_values_follow_the_effect_s_own_parameters() {
+        assert_eq!(highest_parameter("insert into t (a, b) values ($1, $2)"), 2);
+        assert_eq!(highest_parameter("select $10, $9::int, $3"), 10);
+        assert_eq!(highest_parameter("select 1"), 0);
+        let statement = WithEffect::new("insert into t (a) values ($1) returning a");
+        assert!(statement.sql.ends_with("select $2, $3, $4, $5, $6, $7 from effect limit 1"), "{}", statement.sql);
+    }
+
+    #[test]
+    fn selected_rows_name_every_column_in_the_outbox_s_order() {
+        let columns = Selected {
+            message_id: "m",
+            message_type: "$1",
+            exchange: "$2",
+            routing_key: "$1",
+            payload: "p",
+            headers: "h",
+        };
+        assert_eq!(
+            columns.insert_from("go order by n"),
+            "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers) \
+             select m, $1, $2, $1, p, h from go order by n"
+        );
+    }
 }

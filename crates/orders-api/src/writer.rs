@@ -139,10 +139,18 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
          ), new_jobs as (
              insert into jobs (id, order_id, order_placed_message_id) select job_id, order_id, message_id from go
          ), new_messages as (
-             insert into outbox ({}) select message_id, $13, $14, $13, payload, headers from go order by n
+             {}
          )
          select job_id from go",
-        outbox::COLUMNS
+        outbox::Selected {
+            message_id: "message_id",
+            message_type: "$13",
+            exchange: "$14",
+            routing_key: "$13",
+            payload: "payload",
+            headers: "headers",
+        }
+        .insert_from("go order by n")
     )
 });
 
