@@ -189,7 +189,7 @@ pub async fn consume(connection: &Connection, queue: &str, count: usize, prefetc
 pub async fn worker_transaction(url: &str, prefetch: usize, batch: usize, count: usize) -> f64 {
     let concurrency = if batch > 1 { 1 } else { prefetch };
     let pool = pool(url, concurrency as u32 + 1).await;
-    let handler = Arc::new(inventory_worker::ReserveStock::default());
+    let handler = Arc::new(inventory_worker::handler(shop::demo::DemoFaults::default()));
     let transactions = count.div_ceil(batch);
     let rate = run_concurrently(concurrency, transactions, move |t| {
         let (pool, handler) = (pool.clone(), Arc::clone(&handler));

@@ -13,7 +13,7 @@ use uuid::Uuid;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
 
 /// The worker: consumes `inventory.reserved` on endpoint `billing.inventory-reserved`.
-pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
+pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
     Worker {
         name: "billing-worker",
         about: "Invoices reserved orders.",
@@ -22,8 +22,13 @@ pub fn worker() -> Worker<DemoFaults, CreateInvoice> {
         http_addr: "127.0.0.1:8082",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>(),
-        handler: |faults| CreateInvoice { faults: *faults },
+        handler: |faults| handler(*faults),
     }
+}
+
+/// The endpoint's handler: `inventory.reserved` to [`CreateInvoice`].
+pub fn handler(faults: DemoFaults) -> Routes<CreateInvoice> {
+    Routes::new(CreateInvoice { faults }).on::<InventoryReserved>()
 }
 
 /// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is
@@ -44,10 +49,14 @@ pub struct CreateInvoice {
     pub faults: DemoFaults,
 }
 
-impl Handler for CreateInvoice {
-    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let reserved: InventoryReserved = message.json()?;
-        self.faults.apply(reserved.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
+impl Handle<InventoryReserved> for CreateInvoice {
+    async fn handle(
+        &self,
+        reserved: InventoryReserved,
+        context: &Context,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        self.faults.apply(reserved.lines.iter().map(|line| line.sku.as_str()), context.attempt)?;
         let skus: Vec<&str> = reserved.lines.iter().map(|line| line.sku.as_str()).collect();
         let prices: HashMap<String, i64> =
             sqlx::query_as("select sku, unit_price_cents from prices where sku = any($1)")
@@ -67,7 +76,7 @@ impl Handler for CreateInvoice {
         }
         let invoice_id = Uuid::now_v7();
         let created = InvoiceCreated { order_id: reserved.order_id, job_id: reserved.job_id, invoice_id, total_cents };
-        let announced = outbox::Outgoing::of(&created, message.correlation_id.or(Some(reserved.job_id)));
+        let announced = outbox::Outgoing::of(&created, context.job_id);
         INSERT_INVOICE
             .query(
                 |effect| {

@@ -13,7 +13,7 @@ use uuid::Uuid;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/inventory");
 
 /// The worker: consumes `order.placed` on endpoint `inventory.order-placed`.
-pub fn worker() -> Worker<DemoFaults, ReserveStock> {
+pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
     Worker {
         name: "inventory-worker",
         about: "Reserves stock for placed orders.",
@@ -22,8 +22,13 @@ pub fn worker() -> Worker<DemoFaults, ReserveStock> {
         http_addr: "127.0.0.1:8081",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>(),
-        handler: |faults| ReserveStock { faults: *faults },
+        handler: |faults| handler(*faults),
     }
+}
+
+/// The endpoint's handler: `order.placed` to [`ReserveStock`].
+pub fn handler(faults: DemoFaults) -> Routes<ReserveStock> {
+    Routes::new(ReserveStock { faults }).on::<OrderPlaced>()
 }
 
 /// The `order.placed` handler.
@@ -42,11 +47,10 @@ enum Reservation {
     AlreadyMade,
 }
 
-impl Handler for ReserveStock {
-    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let order: OrderPlaced = message.json()?;
-        self.faults.apply(order.lines.iter().map(|line| line.sku.as_str()), message.attempt())?;
-        let job_id = message.correlation_id.or(Some(order.job_id));
+impl Handle<OrderPlaced> for ReserveStock {
+    async fn handle(&self, order: OrderPlaced, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.faults.apply(order.lines.iter().map(|line| line.sku.as_str()), context.attempt)?;
+        let job_id = context.job_id;
         match reserve(tx, &order, job_id).await? {
             Reservation::Made | Reservation::AlreadyMade => {}
             Reservation::Refused(reason) => {

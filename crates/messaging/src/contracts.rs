@@ -20,6 +20,13 @@ pub trait Contract: Serialize {
     const EXCHANGE: &'static str;
     /// The schema major version this code writes and reads.
     const VERSION: u32 = 1;
+
+    /// The job a message of this contract belongs to, as its body names it, if it does: the
+    /// runtime's fallback when a message carries no correlation id
+    /// ([`crate::consumer::Context::job_id`]).
+    fn job(&self) -> Option<Uuid> {
+        None
+    }
 }
 
 macro_rules! contract {
@@ -27,6 +34,10 @@ macro_rules! contract {
         impl Contract for $name {
             const TYPE: &'static str = $type;
             const EXCHANGE: &'static str = $exchange;
+
+            fn job(&self) -> Option<Uuid> {
+                Some(self.job_id)
+            }
         }
     };
 }

@@ -39,7 +39,7 @@ pub mod trace;
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        consumer::{Handler, HandlerError},
+        consumer::{Context, Handle, Handler, HandlerError, Routes},
         contracts::Contract,
         envelope::Incoming,
         outbox,

@@ -116,7 +116,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     health.readiness.set(&consumer::readiness_flag(&status.endpoint), false);
     let consumer = tokio::spawn(consumer::run(
         status,
-        Arc::new(status::JobStatus { metrics: Arc::clone(&health.metrics) }),
+        Arc::new(status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) })),
         pool.clone(),
         health.clone(),
         shutdown.clone(),

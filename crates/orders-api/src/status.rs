@@ -3,9 +3,8 @@
 //! never changes again and attempt numbers only grow, so late or reordered events are harmless.
 
 use messaging::{
-    consumer::{Handler, HandlerError},
-    contracts::{Contract, JOBS_EXCHANGE, JobQuarantined, JobRedriven, JobRetryScheduled},
-    envelope::{Incoming, Unreadable},
+    consumer::{Context, Handle, HandlerError, Routes},
+    contracts::{JOBS_EXCHANGE, JobQuarantined, JobRedriven, JobRetryScheduled},
     topology::Endpoint,
 };
 use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
@@ -35,7 +34,18 @@ pub fn endpoint() -> Endpoint {
         .accept::<JobRedriven>()
 }
 
-/// The handler.
+/// The endpoint's handler: every contract it accepts to [`JobStatus`].
+pub fn handler(status: JobStatus) -> Routes<JobStatus> {
+    Routes::new(status)
+        .on::<InventoryReserved>()
+        .on::<InventoryRejected>()
+        .on::<InvoiceCreated>()
+        .on::<JobRetryScheduled>()
+        .on::<JobQuarantined>()
+        .on::<JobRedriven>()
+}
+
+/// The handler: one `Handle` per contract.
 #[derive(Debug, Clone, Default)]
 pub struct JobStatus {
     /// Where each job's duration is recorded when it ends.
@@ -52,50 +62,57 @@ impl JobStatus {
     }
 }
 
-impl Handler for JobStatus {
-    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        match message.message_type.as_str() {
-            InventoryReserved::TYPE => {
-                let event: InventoryReserved = message.json()?;
-                // Seeing a downstream result proves order.placed left: queued -> published, in
-                // case this event overtook the relay's own mark; and inventory's step is done, so a
-                // job waiting on its retry is not waiting any more.
-                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Reserved };
-                jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?;
-            }
-            InventoryRejected::TYPE => {
-                let event: InventoryRejected = message.json()?;
-                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Rejected };
-                let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
-                self.ended(JobState::Rejected, ended);
-            }
-            InvoiceCreated::TYPE => {
-                let event: InvoiceCreated = message.json()?;
-                let invoice_id = event.invoice_id.to_string();
-                let order = OrderMove { order_id: event.order_id, to: OrderStatus::Invoiced };
-                let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
-                self.ended(JobState::Succeeded, ended);
-            }
-            JobRetryScheduled::TYPE => {
-                let event: JobRetryScheduled = message.json()?;
-                jobs::retry_scheduled(tx, &event, INVENTORY_ENDPOINT).await?;
-            }
-            JobQuarantined::TYPE => {
-                let event: JobQuarantined = message.json()?;
-                let ended =
-                    jobs::quarantined(tx, event.job_id, event.attempt, &event.error, event.redrive_count).await?;
-                self.ended(JobState::Quarantined, ended);
-                jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
-            }
-            JobRedriven::TYPE => {
-                let event: JobRedriven = message.json()?;
-                // The order starts over from `accepted`: the redriven step's result moves it on.
-                if jobs::redriven(tx, event.job_id, event.redrive_count).await? {
-                    jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?;
-                }
-            }
-            // The runtime only hands over accepted types; this is a programming error.
-            other => return Err(Unreadable::UnknownType(other.to_owned()).into()),
+// Seeing a downstream result proves order.placed left: queued -> published, in case this event
+// overtook the relay's own mark; and inventory's step is done, so a job waiting on its retry is not
+// waiting any more.
+impl Handle<InventoryReserved> for JobStatus {
+    async fn handle(&self, event: InventoryReserved, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let order = OrderMove { order_id: event.order_id, to: OrderStatus::Reserved };
+        jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?;
+        Ok(())
+    }
+}
+
+impl Handle<InventoryRejected> for JobStatus {
+    async fn handle(&self, event: InventoryRejected, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let order = OrderMove { order_id: event.order_id, to: OrderStatus::Rejected };
+        let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
+        self.ended(JobState::Rejected, ended);
+        Ok(())
+    }
+}
+
+impl Handle<InvoiceCreated> for JobStatus {
+    async fn handle(&self, event: InvoiceCreated, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let invoice_id = event.invoice_id.to_string();
+        let order = OrderMove { order_id: event.order_id, to: OrderStatus::Invoiced };
+        let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
+        self.ended(JobState::Succeeded, ended);
+        Ok(())
+    }
+}
+
+impl Handle<JobRetryScheduled> for JobStatus {
+    async fn handle(&self, event: JobRetryScheduled, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        jobs::retry_scheduled(tx, &event, INVENTORY_ENDPOINT).await?;
+        Ok(())
+    }
+}
+
+impl Handle<JobQuarantined> for JobStatus {
+    async fn handle(&self, event: JobQuarantined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let ended = jobs::quarantined(tx, event.job_id, event.attempt, &event.error, event.redrive_count).await?;
+        self.ended(JobState::Quarantined, ended);
+        jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
+        Ok(())
+    }
+}
+
+impl Handle<JobRedriven> for JobStatus {
+    async fn handle(&self, event: JobRedriven, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        // The order starts over from `accepted`: the redriven step's result moves it on.
+        if jobs::redriven(tx, event.job_id, event.redrive_count).await? {
+            jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?;
         }
         Ok(())
     }

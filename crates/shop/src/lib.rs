@@ -50,6 +50,10 @@ pub struct OrderPlaced {
 impl Contract for OrderPlaced {
     const TYPE: &'static str = "order.placed";
     const EXCHANGE: &'static str = exchanges::ORDERS;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
 }
 
 /// All lines of an order are reserved: bill it.
@@ -68,6 +72,10 @@ pub struct InventoryReserved {
 impl Contract for InventoryReserved {
     const TYPE: &'static str = "inventory.reserved";
     const EXCHANGE: &'static str = exchanges::INVENTORY;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
 }
 
 /// The order cannot be served (unknown SKU, not enough stock): a business outcome, not an error.
@@ -84,6 +92,10 @@ pub struct InventoryRejected {
 impl Contract for InventoryRejected {
     const TYPE: &'static str = "inventory.rejected";
     const EXCHANGE: &'static str = exchanges::INVENTORY;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
 }
 
 /// The order is invoiced: the job has succeeded.
@@ -102,4 +114,8 @@ pub struct InvoiceCreated {
 impl Contract for InvoiceCreated {
     const TYPE: &'static str = "invoice.created";
     const EXCHANGE: &'static str = exchanges::BILLING;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
 }

@@ -16,7 +16,7 @@ use uuid::Uuid;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/shipping");
 
 /// The worker.
-pub fn worker() -> Worker<NoFlags, ScheduleShipment> {
+pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
     Worker {
         name: "shipping-worker",
         about: "Schedules a shipment for every invoiced order.",
@@ -25,7 +25,7 @@ pub fn worker() -> Worker<NoFlags, ScheduleShipment> {
         http_addr: "127.0.0.1:8084",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("shipping.invoice-created").consume::<InvoiceCreated>(),
-        handler: |_| ScheduleShipment,
+        handler: |_| Routes::new(ScheduleShipment).on::<InvoiceCreated>(),
     }
 }
 
@@ -50,9 +50,13 @@ impl Contract for ShipmentScheduled {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ScheduleShipment;
 
-impl Handler for ScheduleShipment {
-    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let invoice: InvoiceCreated = message.json()?;
+impl Handle<InvoiceCreated> for ScheduleShipment {
+    async fn handle(
+        &self,
+        invoice: InvoiceCreated,
+        context: &Context,
+        tx: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
         let shipment_id = Uuid::now_v7();
         let inserted = sqlx::query(
             "insert into shipments (id, order_id, job_id) values ($1, $2, $3) on conflict (order_id) do nothing",
@@ -63,9 +67,10 @@ impl Handler for ScheduleShipment {
         .execute(&mut *tx)
         .await?
         .rows_affected();
+        // A redelivery under another message id finds the shipment made, and announces nothing.
         if inserted == 1 {
             let scheduled = ShipmentScheduled { order_id: invoice.order_id, job_id: invoice.job_id, shipment_id };
-            outbox::enqueue(tx, &scheduled, message.correlation_id.or(Some(invoice.job_id))).await?;
+            outbox::enqueue(tx, &scheduled, context.job_id).await?;
         }
         Ok(())
     }

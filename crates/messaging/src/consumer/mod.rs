@@ -1,4 +1,5 @@
-//! The consumer runtime (DESIGN §5). A service writes a [`Handler`]; the runtime does the rest,
+//! The consumer runtime (DESIGN §5). A service writes a [`Handle<C>`] for each contract its
+//! endpoint accepts, gathered in [`Routes`] (or one raw [`Handler`]); the runtime does the rest,
 //! once, for every endpoint:
 //!
 //! 1. manual acks and a bounded prefetch. Ready deliveries are applied in batches of up to
@@ -37,6 +38,9 @@ mod park;
 mod scheduler;
 mod session;
 mod settle;
+mod typed;
+
+pub use typed::{Context, Handle, Routes};
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -108,6 +112,12 @@ pub trait Handler: Send + Sync + 'static {
         message: &Incoming,
         tx: &mut PgConnection,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Whether it handles exactly the types `endpoint` accepts, when it can tell ([`Routes`]
+    /// can): checked once before consuming, since a mismatch is a bug in the service.
+    fn check_routes(&self, _endpoint: &Endpoint) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Everything a consumer needs besides its handler.
@@ -184,7 +194,8 @@ pub fn readiness_flag(endpoint: &Endpoint) -> String {
 
 /// Run a consumer until shutdown: connect, declare the endpoint's topology, consume; on a lost
 /// connection, reconnect with backoff and resume. Never returns early on a broker or database
-/// failure: those are waited out.
+/// failure: those are waited out. Panics before connecting if the handler's routes do not fit
+/// the endpoint ([`Handler::check_routes`]): that is a bug in the service, not a state to wait out.
 pub async fn run<H: Handler>(
     settings: ConsumerSettings,
     handler: Arc<H>,
@@ -193,6 +204,9 @@ pub async fn run<H: Handler>(
     shutdown: Shutdown,
 ) {
     let name = settings.endpoint.name;
+    if let Err(mismatch) = handler.check_routes(&settings.endpoint) {
+        panic!("the handler of {name} does not fit its endpoint: {mismatch}");
+    }
     let link = Link {
         url: settings.amqp_url.clone(),
         name: readiness_flag(&settings.endpoint),

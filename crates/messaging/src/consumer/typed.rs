@@ -1,0 +1,193 @@
+//! Typed handlers: a service implements [`Handle<C>`] once per contract its endpoint accepts, and
+//! [`Routes`] decodes each message into its contract's type and hands it to the right one. The
+//! runtime has already checked the message's type and version against the endpoint, so a
+//! message of a type with no route, or whose body does not parse, is parked with the reason, as
+//! any unreadable message is.
+
+use std::future::Future;
+
+use futures_util::future::BoxFuture;
+use serde::de::DeserializeOwned;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::{Handler, HandlerError};
+use crate::{
+    contracts::Contract,
+    envelope::{Incoming, Unreadable},
+    topology::Endpoint,
+};
+
+/// What the runtime knows of the message being handled, besides its body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Context {
+    /// Its id: stable across every republish, the inbox key.
+    pub message_id: Uuid,
+    /// Which attempt this is: 1 for the first delivery, 2 after one retry, and so on.
+    pub attempt: u32,
+    /// The job it belongs to: its correlation id, or, without one, the job its body names
+    /// ([`Contract::job`]). Pass it on to what the handler writes to its outbox.
+    pub job_id: Option<Uuid>,
+}
+
+/// Apply one message of contract `C` inside the runtime's transaction, as [`Handler`] does for a
+/// raw message: the inbox row is already written in `tx`; add the effect and any outbox rows, and
+/// do not commit.
+pub trait Handle<C>: Send + Sync + 'static {
+    /// Apply `message`.
+    fn handle(
+        &self,
+        message: C,
+        context: &Context,
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// One contract's route: decode the body as that contract, and call its [`Handle`].
+type Route<H> = for<'a> fn(&'a H, &'a Incoming, &'a mut PgConnection) -> BoxFuture<'a, Result<(), HandlerError>>;
+
+/// A handler made of typed ones: one [`Handle<C>`] implementation per contract, registered with
+/// [`Routes::on`]. It is the [`Handler`] a consumer runs.
+///
+/// ```
+/// use messaging::{consumer::{Context, Handle, HandlerError, Routes}, contracts::Contract, topology::Endpoint};
+/// # #[derive(serde::Serialize, serde::Deserialize)] struct Paid { order_id: uuid::Uuid }
+/// # impl Contract for Paid { const TYPE: &'static str = "paid"; const EXCHANGE: &'static str = "shop"; }
+/// struct MarkPaid;
+///
+/// impl Handle<Paid> for MarkPaid {
+///     async fn handle(&self, paid: Paid, _: &Context, tx: &mut sqlx::PgConnection) -> Result<(), HandlerError> {
+///         sqlx::query("update orders set paid = true where id = $1").bind(paid.order_id).execute(tx).await?;
+///         Ok(())
+///     }
+/// }
+///
+/// let endpoint = Endpoint::new("orders.paid").consume::<Paid>();
+/// let handler = Routes::new(MarkPaid).on::<Paid>();
+/// assert_eq!(handler.check(&endpoint), Ok(()));
+/// ```
+pub struct Routes<H> {
+    handler: H,
+    routes: Vec<(&'static str, Route<H>)>,
+}
+
+impl<H> std::fmt::Debug for Routes<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let types: Vec<&str> = self.routes.iter().map(|(message_type, _)| *message_type).collect();
+        f.debug_struct("Routes").field("types", &types).finish_non_exhaustive()
+    }
+}
+
+impl<H: Send + Sync + 'static> Routes<H> {
+    /// No routes yet.
+    pub fn new(handler: H) -> Self {
+        Self { handler, routes: Vec::new() }
+    }
+
+    /// Hand messages of contract `C` to `H`'s [`Handle<C>`].
+    pub fn on<C>(mut self) -> Self
+    where
+        H: Handle<C>,
+        C: Contract + DeserializeOwned + Send + 'static,
+    {
+        debug_assert!(self.types().all(|known| known != C::TYPE), "two routes for {}", C::TYPE);
+        self.routes.push((C::TYPE, route::<H, C>));
+        self
+    }
+
+    /// The types it routes, in the order they were added.
+    pub fn types(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.routes.iter().map(|(message_type, _)| *message_type)
+    }
+
+    /// Whether it routes exactly what `endpoint` accepts: a type accepted and not routed would be
+    /// parked on arrival, and a route for a type not accepted would never run.
+    pub fn check(&self, endpoint: &Endpoint) -> Result<(), String> {
+        let unrouted: Vec<&str> =
+            endpoint.accepts.iter().map(|(t, _)| *t).filter(|t| self.types().all(|known| known != *t)).collect();
+        let unaccepted: Vec<&str> =
+            self.types().filter(|t| endpoint.accepts.iter().all(|(accepted, _)| accepted != t)).collect();
+        if unrouted.is_empty() && unaccepted.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "endpoint {} accepts {unrouted:?} with no route, and has routes for {unaccepted:?} it does not accept",
+            endpoint.name
+        ))
+    }
+
+    /// The typed handler it routes to.
+    pub fn handler(&self) -> &H {
+        &self.handler
+    }
+}
+
+/// [`Route`] of contract `C`.
+fn route<'a, H, C>(
+    handler: &'a H,
+    message: &'a Incoming,
+    tx: &'a mut PgConnection,
+) -> BoxFuture<'a, Result<(), HandlerError>>
+where
+    H: Handle<C>,
+    C: Contract + DeserializeOwned + Send + 'static,
+{
+    Box::pin(async move {
+        let body: C = message.json()?;
+        let job_id = message.correlation_id.or_else(|| body.job());
+        let context = Context { message_id: message.message_id, attempt: message.attempt(), job_id };
+        handler.handle(body, &context, tx).await
+    })
+}
+
+impl<H: Send + Sync + 'static> Handler for Routes<H> {
+    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        match self.routes.iter().find(|(message_type, _)| *message_type == message.message_type) {
+            Some((_, route)) => route(&self.handler, message, tx).await,
+            None => Err(Unreadable::UnknownType(message.message_type.clone()).into()),
+        }
+    }
+
+    fn check_routes(&self, endpoint: &Endpoint) -> Result<(), String> {
+        self.check(endpoint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Context, Handle, HandlerError, Routes};
+    use crate::{
+        contracts::{JobQuarantined, JobRedriven},
+        topology::Endpoint,
+    };
+
+    struct Both;
+
+    impl Handle<JobQuarantined> for Both {
+        async fn handle(&self, _: JobQuarantined, _: &Context, _: &mut sqlx::PgConnection) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    impl Handle<JobRedriven> for Both {
+        async fn handle(&self, _: JobRedriven, _: &Context, _: &mut sqlx::PgConnection) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn routes_must_take_exactly_what_the_endpoint_accepts() {
+        let endpoint = Endpoint::new("e").accept::<JobQuarantined>().accept::<JobRedriven>();
+        let both = Routes::new(Both).on::<JobQuarantined>().on::<JobRedriven>();
+        assert_eq!(both.check(&endpoint), Ok(()));
+        assert_eq!(both.types().collect::<Vec<_>>(), ["job.quarantined", "job.redriven"]);
+
+        let one = Routes::new(Both).on::<JobQuarantined>();
+        let refusal = one.check(&endpoint).expect_err("job.redriven has no route");
+        assert!(refusal.contains(r#"accepts ["job.redriven"] with no route"#), "{refusal}");
+
+        let narrow = Endpoint::new("e").accept::<JobQuarantined>();
+        let refusal = both.check(&narrow).expect_err("job.redriven is not accepted");
+        assert!(refusal.contains(r#"routes for ["job.redriven"]"#), "{refusal}");
+    }
+}
