@@ -1,14 +1,17 @@
-//! The worker skeleton: everything a consuming service does besides its handler. A service
-//! describes itself in a [`Worker`] (its name, database, migrations, endpoint and handler) and its
-//! `main` is `my_service::worker().main()`; this module parses the flags and environment, creates
-//! and migrates the database (messaging's tables, then the service's), serves `/healthz`,
-//! `/readyz` and `/metrics`, runs the consumer, and shuts down gracefully on SIGINT or SIGTERM.
+//! How a service runs. [`Service`] is the runtime every binary starts through: any number of
+//! consumers (each an endpoint with its handler), other long-running loops, and HTTP routes beside
+//! `/healthz`, `/readyz` and `/metrics`, started together and stopped together. [`Worker`] is the
+//! skeleton of a service that consumes one endpoint: it describes itself (its name, database,
+//! migrations, endpoint and handler) and its `main` is `my_service::worker().main()`; this module
+//! parses the flags and environment, creates and migrates the database (messaging's tables, then
+//! the service's), runs it as a [`Service`], and shuts down gracefully on SIGINT or SIGTERM.
 //! `docs/adding-a-service.md` walks through one.
 
-use std::{fmt, future::Future, net::SocketAddr, process::ExitCode, sync::Arc};
+use std::{fmt, future::Future, net::SocketAddr, pin::Pin, process::ExitCode, sync::Arc};
 
+use axum::Router;
 use clap::{Args, FromArgMatches};
-use sqlx::migrate::Migrator;
+use sqlx::{PgPool, migrate::Migrator};
 use tokio::net::TcpListener;
 
 use crate::{
@@ -55,6 +58,91 @@ pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+    }
+}
+
+/// A service's consumers, loops and routes, run together until shutdown: start-up, readiness,
+/// serving and stopping, once for every binary.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool, settings: messaging::consumer::ConsumerSettings,
+/// #     handler: impl messaging::consumer::Handler, listener: tokio::net::TcpListener,
+/// #     http: messaging::serve::HttpArgs, shutdown: messaging::shutdown::Shutdown) -> std::io::Result<()> {
+/// use messaging::{health::{self, Health}, service::Service};
+///
+/// let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
+/// let service = Service::new(health, shutdown).consume(settings, handler, &pool);
+/// // The service's own routes, with the health routes beside them.
+/// let routes = axum::Router::new().merge(health::routes(service.health().clone()));
+/// service.routes(routes).run(listener, &http).await
+/// # }
+/// ```
+pub struct Service {
+    health: Health,
+    shutdown: Shutdown,
+    tasks: Vec<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    routes: Option<Router>,
+}
+
+impl fmt::Debug for Service {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Service").field("tasks", &self.tasks.len()).finish_non_exhaustive()
+    }
+}
+
+impl Service {
+    /// A service reporting `health` (its databases, readiness and metrics), stopping at `shutdown`.
+    pub fn new(health: Health, shutdown: Shutdown) -> Self {
+        Self { health, shutdown, tasks: Vec::new(), routes: None }
+    }
+
+    /// What `/readyz` and `/metrics` report: the routes of [`Service::routes`] serve it too.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Consume `settings.endpoint` with `handler`, in transactions on `pool`. Not ready until the
+    /// consumer is up, from the first probe on.
+    pub fn consume<H: Handler>(self, settings: ConsumerSettings, handler: H, pool: &PgPool) -> Self {
+        let flag = consumer::readiness_flag(&settings.endpoint);
+        let consumer =
+            consumer::run(settings, Arc::new(handler), pool.clone(), self.health.clone(), self.shutdown.clone());
+        self.task(&flag, consumer)
+    }
+
+    /// Run `task` beside the rest until it returns (it watches the shutdown itself). Not ready
+    /// until `flag` is set ready (by the task, through [`Service::health`]'s readiness).
+    pub fn task(mut self, flag: &str, task: impl Future<Output = ()> + Send + 'static) -> Self {
+        self.health.readiness.set(flag, false);
+        self.tasks.push(Box::pin(task));
+        self
+    }
+
+    /// Serve `routes` instead of the health routes alone; they should include
+    /// [`health::routes`] of [`Service::health`].
+    pub fn routes(mut self, routes: Router) -> Self {
+        self.routes = Some(routes);
+        self
+    }
+
+    /// Serve HTTP on `listener` and run every consumer and task until shutdown; returns once all
+    /// have stopped (in-flight deliveries settled) and the server has closed.
+    pub async fn run(self, listener: TcpListener, http: &HttpArgs) -> std::io::Result<()> {
+        let Self { health, shutdown, tasks, routes } = self;
+        let mut running = tokio::task::JoinSet::new();
+        for task in tasks {
+            running.spawn(task);
+        }
+        let routes = routes.unwrap_or_else(|| health::routes(health));
+        let served = serve::serve(listener, routes, http, shutdown);
+        let (served, ()) = tokio::join!(served, async {
+            while let Some(ended) = running.join_next().await {
+                if let Err(error) = ended {
+                    tracing::error!(%error, "a service task failed");
+                }
+            }
+        });
+        served
     }
 }
 
@@ -167,17 +255,9 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             return Ok(());
         };
         let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
-        // Not ready until the consumer is up, from the first probe on.
-        health.readiness.set(&consumer::readiness_flag(&consumer.endpoint), false);
-        let routes = health::routes(health.clone());
-        let http = common.http.clone();
-        let server_shutdown = shutdown.clone();
-        let server = tokio::spawn(async move { serve::serve(listener, routes, &http, server_shutdown).await });
-        consumer::run(consumer, Arc::new((self.handler)(&own)), pool.clone(), health, shutdown).await;
-        match server.await {
-            Ok(Err(error)) => tracing::error!(%error, "health server failed"),
-            Err(error) => tracing::error!(%error, "health server task failed"),
-            Ok(Ok(())) => {}
+        let service = Service::new(health, shutdown).consume(consumer, (self.handler)(&own), &pool);
+        if let Err(error) = service.run(listener, &common.http).await {
+            tracing::error!(%error, "health server failed");
         }
         pool.close().await;
         Ok(())

@@ -16,11 +16,11 @@ use std::{net::SocketAddr, sync::Arc};
 use axum::Router;
 use messaging::{
     config::{BrokerArgs, ConsumerArgs, SecretUrl},
-    consumer,
+    consumer::ConsumerSettings,
     db::{self, PoolSettings, SchemaArgs},
     health::{self, Health},
-    serve::{self, HttpArgs},
-    service::BoxError,
+    serve::HttpArgs,
+    service::{BoxError, Service},
     shutdown::Shutdown,
 };
 use sqlx::PgPool;
@@ -111,16 +111,10 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         return Ok(());
     };
     let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
-    let status = consumer::ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
-    // Not ready until the status consumer is up, from the first probe on.
-    health.readiness.set(&consumer::readiness_flag(&status.endpoint), false);
-    let consumer = tokio::spawn(consumer::run(
-        status,
-        Arc::new(status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) })),
-        pool.clone(),
-        health.clone(),
-        shutdown.clone(),
-    ));
+    let status = ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
+    let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
+    let service = Service::new(health, shutdown).consume(status, handler, &pool);
+    let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {
         overview::Sources::new(
             pool.clone(),
@@ -129,14 +123,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             config.rabbitmq_management_url.clone(),
         )
     });
-    let served = serve::serve(
-        listener,
-        app(pool.clone(), writer::Writers::start(pool.clone(), config.order_writers.into()), health, page),
-        &config.http,
-        shutdown,
-    )
-    .await;
-    let _ = consumer.await;
+    let writers = writer::Writers::start(pool.clone(), config.order_writers.into());
+    let served = service.routes(app(pool.clone(), writers, health, page)).run(listener, &config.http).await;
     pool.close().await;
     served?;
     Ok(())

@@ -19,12 +19,12 @@ use messaging::{
     db,
     duration::parse_duration,
     failpoint,
-    health::{self, Health},
+    health::Health,
     metrics::ByDatabase,
     outbox,
     publisher::{PublishError, Publisher},
-    serve::{self, HttpArgs},
-    service::{BoxError, StartupError},
+    serve::HttpArgs,
+    service::{BoxError, Service, StartupError},
     shutdown::Shutdown,
     topology,
 };
@@ -141,7 +141,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         databases: databases.iter().map(|db| (db.label.clone(), db.pool.clone())).collect(),
         ..Health::default()
     };
-    let mut loops = tokio::task::JoinSet::new();
+    let mut service = Service::new(health.clone(), shutdown.clone());
     for db in databases {
         let relay = Relay { db, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
         let link = Link {
@@ -150,14 +150,11 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             backoff: Backoff::default(),
             readiness: health.readiness.clone(),
         };
-        // Not ready until this loop is up, from the first probe on.
-        health.readiness.set(&relay.flag(), false);
         let span = tracing::info_span!("relay", database = %relay.db.label);
-        loops.spawn(relay.run(link).instrument(span));
+        // Not ready until this loop is up, from the first probe on.
+        service = service.task(&relay.flag(), relay.run(link).instrument(span));
     }
-    let server = serve::serve(listener, health::routes(health.clone()), &config.http, shutdown.clone());
-    let (served, _) = tokio::join!(server, async { while loops.join_next().await.is_some() {} });
-    served?;
+    service.run(listener, &config.http).await?;
     Ok(())
 }
 
