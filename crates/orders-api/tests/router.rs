@@ -1,0 +1,232 @@
+//! The HTTP contract of orders-api, at the router: every request goes through the service's whole
+//! router (`orders_api::app`) with `tower::ServiceExt::oneshot`, on a migrated database of the
+//! test's own, with no server, no broker and no other service. Precise problem+json errors that
+//! write nothing, idempotency keys, the all-or-nothing order statement, and the lookups. What
+//! needs processes (the group commit under a paused writer, crashes) is in `testkit`'s suites.
+
+use axum::{
+    Router,
+    body::Body,
+    http::{Request, StatusCode, header},
+};
+use messaging::health::Health;
+use orders_api::writer::Writers;
+use serde_json::Value;
+use sqlx::PgPool;
+use testkit::TestEnv;
+use tower::ServiceExt;
+
+/// The API's router on the test's own `orders` database.
+async fn api(env: &TestEnv) -> (Router, PgPool) {
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let app = orders_api::app(pool.clone(), Writers::start(pool.clone(), 2), Health::default(), None);
+    (app, pool)
+}
+
+/// What came back.
+struct Answer {
+    status: StatusCode,
+    content_type: Option<String>,
+    location: Option<String>,
+    body: Value,
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Answer {
+    let response = app.clone().oneshot(request).await.expect("the router answers");
+    let (content_type, location) = {
+        let header = |name| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        (header(header::CONTENT_TYPE), header(header::LOCATION))
+    };
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("body");
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    Answer { status, content_type, location, body }
+}
+
+async fn post(app: &Router, body: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut request = Request::post("/orders").header(header::CONTENT_TYPE, "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    send(app, request.body(Body::from(body.to_owned())).expect("request")).await
+}
+
+async fn get(app: &Router, path: &str) -> Answer {
+    send(app, Request::get(path).body(Body::empty()).expect("request")).await
+}
+
+fn assert_problem(answer: &Answer, status: u16, detail_contains: &str) {
+    assert_eq!(answer.status.as_u16(), status, "{}", answer.body);
+    assert_eq!(answer.content_type.as_deref(), Some("application/problem+json"));
+    assert_eq!(answer.body["status"], status);
+    let detail = answer.body["detail"].as_str().expect("detail");
+    assert!(detail.contains(detail_contains), "detail `{detail}` should mention `{detail_contains}`");
+}
+
+async fn count(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(&format!("select count(*) from {table}")).fetch_one(pool).await.expect("count")
+}
+
+/// Every table an accepted order would touch is still empty.
+async fn assert_nothing_written(pool: &PgPool) {
+    for table in ["orders", "order_lines", "jobs", "outbox", "idempotency_keys", "inbox"] {
+        assert_eq!(count(pool, table).await, 0, "orders.{table}");
+    }
+}
+
+#[tokio::test]
+async fn every_bad_input_gets_its_problem_and_writes_nothing() {
+    let env = TestEnv::new().await;
+    let (app, pool) = api(&env).await;
+    let line = r#"{"sku":"SKU-1","quantity":1}"#;
+    let many_lines = vec![line; 101].join(",");
+    let huge = format!(r#"{{"customerId":"{}","lines":[{line}]}}"#, "x".repeat(70 * 1024));
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("malformed JSON", r#"{"customerId":"c","lines":["#.into(), 400, "invalid JSON"),
+        (
+            "unknown field",
+            format!(r#"{{"customerId":"c","lines":[{line}],"coupon":"X"}}"#),
+            400,
+            "unknown field `coupon`",
+        ),
+        (
+            "unknown line field",
+            r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1,"price":1}]}"#.into(),
+            400,
+            "unknown field `price`",
+        ),
+        ("missing customer", format!(r#"{{"lines":[{line}]}}"#), 400, "missing field `customerId`"),
+        ("no lines", r#"{"customerId":"c","lines":[]}"#.into(), 400, "lines must not be empty"),
+        (
+            "quantity 0",
+            r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":0}]}"#.into(),
+            400,
+            "lines[0].quantity must be between 1 and 1000, got 0",
+        ),
+        ("quantity 1001", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1001}]}"#.into(), 400, "got 1001"),
+        ("101 lines", format!(r#"{{"customerId":"c","lines":[{many_lines}]}}"#), 400, "at most 100 lines"),
+        ("wrong type", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":"2"}]}"#.into(), 400, "invalid type"),
+        ("quantity 2.5", r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":2.5}]}"#.into(), 400, "whole number"),
+        (
+            "NUL in the customer id",
+            r#"{"customerId":"c\u0000d","lines":[{"sku":"SKU-1","quantity":1}]}"#.into(),
+            400,
+            "customerId must be 1 to 200 characters, not all blank, no control characters",
+        ),
+        ("blank SKU", r#"{"customerId":"c","lines":[{"sku":"  ","quantity":1}]}"#.into(), 400, "lines[0].sku must be"),
+        ("too large", huge, 413, "exceeds 65536 bytes"),
+    ];
+    for (name, body, status, detail) in &cases {
+        assert_problem(&post(&app, body, &[]).await, *status, detail);
+        println!("ok: {name}");
+    }
+    let not_json = Request::post("/orders").header(header::CONTENT_TYPE, "text/plain").body(Body::from("{}"));
+    assert_problem(&send(&app, not_json.expect("request")).await, 415, "application/json");
+    let answer = post(&app, &format!(r#"{{"customerId":"c","lines":[{line}]}}"#), &[("Idempotency-Key", "")]).await;
+    assert_problem(&answer, 400, "Idempotency-Key");
+    let answer = post(&app, &format!(r#"{{"customerId":"c","lines":[{line}]}}"#), &[("Idempotency-Key", "a b")]).await;
+    assert_problem(&answer, 400, "Idempotency-Key");
+
+    assert_problem(&get(&app, "/jobs/not-a-uuid").await, 400, "malformed job id");
+    assert_problem(&get(&app, "/orders/12345").await, 400, "malformed order id");
+    assert_problem(&get(&app, &format!("/jobs/{}", uuid::Uuid::new_v4())).await, 404, "no job");
+    assert_problem(&get(&app, &format!("/orders/{}", uuid::Uuid::new_v4())).await, 404, "no order");
+    assert_problem(&get(&app, "/nowhere").await, 404, "no such resource");
+
+    assert_nothing_written(&pool).await;
+}
+
+#[tokio::test]
+async fn an_accepted_order_is_written_whole_and_reads_back_as_queued_and_accepted() {
+    let env = TestEnv::new().await;
+    let (app, pool) = api(&env).await;
+    let answer = post(
+        &app,
+        r#"{"customerId":"c-1","lines":[{"sku":"SKU-1","quantity":2},{"sku":"SKU-2","quantity":1.0}]}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::ACCEPTED, "{}", answer.body);
+    let (job_id, order_id) =
+        (answer.body["jobId"].as_str().expect("jobId"), answer.body["orderId"].as_str().expect("id"));
+    assert_eq!(answer.location, Some(format!("/jobs/{job_id}")));
+
+    let job = get(&app, &format!("/jobs/{job_id}")).await;
+    assert_eq!(job.status, StatusCode::OK);
+    assert_eq!(job.body["state"], "queued", "nothing published it: no relay runs here");
+    assert_eq!(job.body["orderId"], order_id);
+    let order = get(&app, &format!("/orders/{order_id}")).await;
+    assert_eq!(order.body["status"], "accepted");
+    assert_eq!(order.body["customerId"], "c-1");
+    assert_eq!(
+        order.body["lines"],
+        serde_json::json!([{"sku": "SKU-1", "quantity": 2}, {"sku": "SKU-2", "quantity": 1}])
+    );
+
+    // The order, its two lines, its job and one order.placed row, under the job as correlation id.
+    assert_eq!(count(&pool, "orders").await, 1);
+    assert_eq!(count(&pool, "order_lines").await, 2);
+    let (message_type, correlation): (String, Option<String>) =
+        sqlx::query_as("select message_type, headers ->> 'correlation_id' from outbox")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
+    assert_eq!(message_type, "order.placed");
+    assert_eq!(correlation.as_deref(), Some(job_id));
+}
+
+#[tokio::test]
+async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
+    let env = TestEnv::new().await;
+    let (app, pool) = api(&env).await;
+    let body = r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":2}]}"#;
+    // The same request, formatted differently: still the same request.
+    let same = r#"{ "lines": [ { "quantity": 2, "sku": "SKU-1" } ], "customerId": "c-7" }"#;
+    let first = post(&app, body, &[("Idempotency-Key", "key-1")]).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED);
+    let replay = post(&app, same, &[("Idempotency-Key", "key-1")]).await;
+    assert_eq!(replay.status, StatusCode::ACCEPTED);
+    assert_eq!(replay.body, first.body, "same jobId and orderId");
+    assert_eq!(replay.location, first.location);
+
+    let other =
+        post(&app, r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":3}]}"#, &[("Idempotency-Key", "key-1")])
+            .await;
+    assert_problem(&other, 422, "Idempotency-Key");
+
+    // Concurrent requests with one new key: exactly one order, one job id for all.
+    let mut racers = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let app = app.clone();
+        racers.spawn(async move { post(&app, body, &[("Idempotency-Key", "key-race")]).await });
+    }
+    let mut job_ids = std::collections::HashSet::new();
+    while let Some(answer) = racers.join_next().await {
+        let answer = answer.expect("task");
+        assert_eq!(answer.status, StatusCode::ACCEPTED);
+        job_ids.insert(answer.body["jobId"].as_str().expect("jobId").to_owned());
+    }
+    assert_eq!(job_ids.len(), 1, "one job for one key");
+
+    let a = post(&app, body, &[]).await.body;
+    let b = post(&app, body, &[]).await.body;
+    assert_ne!(a["jobId"], b["jobId"], "no key: a new job each time");
+    assert_eq!(count(&pool, "orders").await, 4);
+    assert_eq!(count(&pool, "outbox").await, 4);
+}
+
+#[tokio::test]
+async fn failure_after_order_insert_before_commit_leaves_no_order_and_no_outbox_row() {
+    let env = TestEnv::new().await;
+    let (app, pool) = api(&env).await;
+    // Make the outbox insert (the last write of the statement) fail, after the order, its lines
+    // and its job were inserted.
+    sqlx::query("alter table outbox add constraint refuse_orders check (message_type <> 'order.placed') not valid")
+        .execute(&pool)
+        .await
+        .expect("constraint");
+    let answer = post(&app, r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#, &[]).await;
+    assert_problem(&answer, 500, "internal error");
+    assert!(!answer.body.to_string().contains("refuse_orders"), "no database text leaks");
+    assert_nothing_written(&pool).await;
+}
