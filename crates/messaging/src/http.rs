@@ -1,6 +1,6 @@
 //! A small HTTP/1.1 client (hyper's), `http://` and `https://` (rustls, [`crate::tls`]): what
 //! `msgctl` and the live page need of the RabbitMQ management API, what the span exporter
-//! ([`crate::otel`]) sends to a collector, and what the tests drive the services with. An
+//! (`otel`) sends to a collector, and what the tests drive the services with. An
 //! `https://` URL may name a CA file and a client certificate in its query (`cacertfile`,
 //! `certfile`, `keyfile`, removed before the request is sent). One connection per request: a
 //! pooled connection cannot outlive the runtime that opened it (every `#[tokio::test]` runs its

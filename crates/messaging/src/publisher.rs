@@ -10,7 +10,7 @@
 //! while the message that went nowhere counted as confirmed: a lost message (pinned by
 //! `broker_semantics::pipelined_publishes_report_exactly_the_unroutable_ones_as_returned`).
 //!
-//! So every confirm of a channel is collected in one [`Ledger`], in publish order, and a publish's
+//! So every confirm of a channel is collected in one `Ledger`, in publish order, and a publish's
 //! outcome is given only once it *and every publish before it* is resolved: by then its return,
 //! if it had one, has been handed to some confirm and collected. (Returns come in publish order,
 //! each before its own ack, and lapin hands out each return at the latest when every publish up

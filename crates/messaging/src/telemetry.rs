@@ -16,7 +16,7 @@ pub struct Telemetry {
 
 /// Structured logs to stderr, filtered by `RUST_LOG` (default `info`), coloured only on a
 /// terminal so files and log collectors get plain text; and, if the `OTEL_*` variables name a
-/// collector, every traced span to it ([`otel`], whatever `RUST_LOG` says). `service` is the
+/// collector, every traced span to it (`otel`, whatever `RUST_LOG` says). `service` is the
 /// default `service.name`. A second call changes nothing.
 ///
 /// `OTEL_*` variables this exporter cannot honour are a start-up error: it prints one line that

@@ -68,7 +68,7 @@ impl TraceContext {
 
     /// Write this context into `span`'s `trace_id`, `span_id`, `parent_id` and (when the caller
     /// asked not to record the trace) `sampled` fields, which the span must declare (as
-    /// `tracing::field::Empty`): the logs show them, and [`crate::otel`] exports the span under
+    /// `tracing::field::Empty`): the logs show them, and `otel` exports the span under
     /// these ids.
     pub fn record_on(&self, span: &tracing::Span) {
         span.record("trace_id", self.trace_hex());

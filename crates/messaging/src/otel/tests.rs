@@ -1,0 +1,125 @@
+//! The exporter's configuration, spans and request bodies.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::trace::TraceContext;
+
+fn config(vars: &[(&str, &str)]) -> Result<Option<Config>, String> {
+    let vars: HashMap<String, String> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    Config::from_vars(|name| vars.get(name).cloned(), "billing-worker")
+}
+
+#[test]
+fn off_unless_an_endpoint_is_named_or_when_disabled() {
+    assert_eq!(config(&[]), Ok(None));
+    assert_eq!(config(&[("OTEL_SERVICE_NAME", "x")]), Ok(None));
+    let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/");
+    assert_eq!(config(&[endpoint, ("OTEL_SDK_DISABLED", "true")]), Ok(None));
+    assert_eq!(config(&[endpoint, ("OTEL_TRACES_EXPORTER", "none")]), Ok(None));
+}
+
+#[test]
+fn the_standard_variables_are_read_with_their_defaults() {
+    let on = config(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")]).expect("valid").expect("on");
+    assert_eq!(on.endpoint, "http://collector:4318/v1/traces");
+    assert_eq!(on.resource, vec![("service.name".to_owned(), "billing-worker".to_owned())]);
+    assert_eq!((on.timeout, on.schedule_delay), (Duration::from_secs(10), Duration::from_secs(5)));
+    assert_eq!((on.max_queue, on.max_batch), (2048, 512));
+
+    let on = config(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://ignored:4318"),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4318/custom"),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=a%20b,tenant=shop"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,service.name=from-resource"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+    ])
+    .expect("valid")
+    .expect("on");
+    assert_eq!(on.endpoint, "http://collector:4318/custom");
+    assert_eq!(on.headers, vec![("api-key".into(), "a b".into()), ("tenant".into(), "shop".into())]);
+    assert_eq!(
+        on.resource,
+        vec![
+            ("service.name".to_owned(), "from-resource".to_owned()),
+            ("deployment.environment".to_owned(), "staging".to_owned())
+        ]
+    );
+    assert_eq!(on.schedule_delay, Duration::from_millis(200));
+}
+
+#[test]
+fn an_https_endpoint_carries_its_tls_files_to_the_client() {
+    let on = config(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318"),
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/run/ca.pem"),
+    ])
+    .expect("valid")
+    .expect("on");
+    assert_eq!(on.endpoint, "https://collector:4318/v1/traces?cacertfile=%2Frun%2Fca.pem");
+    let files = crate::tls::TlsFiles::of_url(&url::Url::parse(&on.endpoint).expect("url"));
+    assert_eq!(files.ca.as_deref(), Some(std::path::Path::new("/run/ca.pem")));
+}
+
+#[test]
+fn what_it_cannot_honour_is_refused_by_name() {
+    let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318");
+    for (vars, names) in [
+        (vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://collector:4318")], "ftp://collector:4318/v1/traces"),
+        (vec![endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")], "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+        (vec![endpoint, ("OTEL_TRACES_EXPORTER", "zipkin")], "OTEL_TRACES_EXPORTER=zipkin"),
+        (vec![endpoint, ("OTEL_BSP_SCHEDULE_DELAY", "5s")], "OTEL_BSP_SCHEDULE_DELAY=5s"),
+        (vec![endpoint, ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals")], "OTEL_EXPORTER_OTLP_HEADERS"),
+    ] {
+        let error = config(&vars).expect_err("refused");
+        assert!(error.contains(names), "{error}");
+    }
+}
+
+#[test]
+fn a_finished_span_with_trace_ids_is_queued_as_an_otlp_span_and_others_are_not() {
+    use tracing::field::Empty;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let (spans, mut queued) = mpsc::channel(8);
+    let layer = SpanLayer { spans, dropped: Arc::default() };
+    let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let context = TraceContext::continuing(Some(caller));
+    tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+        let span = tracing::info_span!(
+            "delivery",
+            otel.kind = "consumer",
+            otel.status_code = Empty,
+            endpoint = "billing.inventory-reserved",
+            attempt = 2_u32,
+            trace_id = Empty,
+            span_id = Empty,
+            parent_id = Empty,
+            sampled = Empty,
+        );
+        context.record_on(&span);
+        span.record("otel.status_code", "error");
+        drop(span);
+        // No trace ids: a log span only.
+        drop(tracing::info_span!("relay_batch", rows = 3));
+        // The caller asked for this trace not to be recorded.
+        let unsampled = TraceContext::continuing(Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"));
+        let span =
+            tracing::info_span!("delivery", trace_id = Empty, span_id = Empty, parent_id = Empty, sampled = Empty);
+        unsampled.record_on(&span);
+    });
+    let json = queued.try_recv().expect("the traced span").json();
+    assert!(queued.try_recv().is_err(), "only the sampled span with trace ids");
+    assert_eq!(json["traceId"], "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(json["spanId"], format!("{:016x}", context.span_id));
+    assert_eq!(json["parentSpanId"], "00f067aa0ba902b7");
+    assert_eq!(json["name"], "delivery");
+    assert_eq!(json["kind"], 5);
+    assert_eq!(json["status"]["code"], 2);
+    let attributes = json!([
+        { "key": "endpoint", "value": { "stringValue": "billing.inventory-reserved" } },
+        { "key": "attempt", "value": { "intValue": "2" } },
+    ]);
+    assert_eq!(json["attributes"], attributes);
+}

@@ -1,0 +1,80 @@
+//! Containers for machines without local servers. One pair per machine, by name, that every test
+//! binary and every run reuses (each test has its own databases and vhost, so sharing is safe):
+//! a test process never removes what it started, so a pair per process would pile up. Their
+//! names carry the tag, so a version change starts a new pair; `docker rm -f $(docker ps -aq
+//! --filter name=reliable-orders-test-)` removes them.
+
+use testcontainers::{ContainerRequest, Image, ReuseDirective};
+use testcontainers_modules::{
+    postgres::Postgres,
+    rabbitmq::RabbitMq,
+    testcontainers::{ContainerAsync, ImageExt, runners::AsyncRunner},
+};
+use tokio::sync::OnceCell;
+
+static RUNNING: OnceCell<(ContainerAsync<Postgres>, ContainerAsync<RabbitMq>)> = OnceCell::const_new();
+
+/// Start the container `request` makes, or reuse the running one of its name. Test processes
+/// started at once (nextest runs one per test) race to create it: the losers get Docker's
+/// 409 Conflict on the name while the winner's container is created but not yet running, and
+/// try again until it is (measured: a single retry came too soon).
+async fn start_or_reuse<I: Image>(request: impl Fn() -> ContainerRequest<I>) -> Result<ContainerAsync<I>, String> {
+    let deadline = tokio::time::Instant::now() + STARTUP;
+    loop {
+        match request().start().await {
+            Ok(container) => return Ok(container),
+            Err(error) if error.to_string().contains("Conflict") && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            Err(error) => return Err(error.to_string()),
+        }
+    }
+}
+
+pub(super) async fn start() -> Result<super::Servers, String> {
+    let (postgres, rabbitmq) = RUNNING
+        .get_or_try_init(|| async {
+            // The versions users run (compose.yaml), not the modules' old defaults (Postgres 11
+            // lacks `drop database ... with (force)`; RabbitMQ 3.8 lacks quorum-queue TTLs).
+            let postgres = || {
+                Postgres::default()
+                    .with_tag(super::POSTGRES_TAG)
+                    .with_container_name(format!("reliable-orders-test-postgres-{}", super::POSTGRES_TAG))
+                    .with_reuse(ReuseDirective::Always)
+            };
+            let rabbitmq = || {
+                RabbitMq::default()
+                    .with_tag(super::RABBITMQ_TAG)
+                    .with_container_name(format!("reliable-orders-test-rabbitmq-{}", super::RABBITMQ_TAG))
+                    .with_reuse(ReuseDirective::Always)
+            };
+            Ok::<_, String>((start_or_reuse(postgres).await?, start_or_reuse(rabbitmq).await?))
+        })
+        .await?;
+    let pg_port = postgres.get_host_port_ipv4(5432).await.map_err(|e| e.to_string())?;
+    let amqp_port = rabbitmq.get_host_port_ipv4(5672).await.map_err(|e| e.to_string())?;
+    let http_port = rabbitmq.get_host_port_ipv4(15672).await.map_err(|e| e.to_string())?;
+    let servers = super::Servers {
+        postgres: format!("postgres://postgres:postgres@127.0.0.1:{pg_port}"),
+        amqp: format!("amqp://guest:guest@127.0.0.1:{amqp_port}"),
+        management: format!("http://guest:guest@127.0.0.1:{http_port}"),
+    };
+    // A reused container was started by another test process and may not be up yet (only a
+    // fresh start waits for its log line): a vhost created before the management API answers
+    // would go to the local broker's rabbitmqctl instead.
+    let overview = super::http::join(&servers.management, "/api/overview");
+    super::eventually("the container's RabbitMQ management API", STARTUP, || async {
+        let response = super::http::request("GET", &overview, &[], None).await.ok()?;
+        (response.status == 200).then_some(())
+    })
+    .await;
+    let postgres = super::http::join(&servers.postgres, "/postgres");
+    super::eventually("the container's Postgres", STARTUP, || async {
+        sqlx::PgPool::connect(&postgres).await.ok().map(drop)
+    })
+    .await;
+    Ok(servers)
+}
+
+/// How long a reused container may take to answer after another process started it.
+const STARTUP: std::time::Duration = std::time::Duration::from_secs(120);

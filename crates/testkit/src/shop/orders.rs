@@ -1,0 +1,155 @@
+//! What a test does with a running shop: place orders, read jobs and wait for their states, read
+//! metrics, settle and read the books.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{Run, Service, Shop, WAIT};
+use crate::{eventually, http, ledger::Ledger};
+
+impl Shop {
+    /// `GET /jobs/{job_id}`.
+    pub async fn job(&self, job_id: Uuid) -> Value {
+        let url = format!("{}/jobs/{job_id}", self.http(Service::Api));
+        let response = http::request("GET", &url, &[], None).await.expect("GET /jobs/{id}");
+        assert_eq!(response.status, 200, "GET /jobs/{job_id}: {}", String::from_utf8_lossy(&response.body));
+        response.json()
+    }
+
+    /// Panic if any service exited by itself.
+    pub fn assert_all_running(&mut self) {
+        let Run::Processes(services) = &mut self.run else { return };
+        for (service, running) in services {
+            if let Err(status) = running.process.check_running() {
+                panic!("{service:?} exited by itself with {status}; logs in {}", self.log_dir.display());
+            }
+        }
+    }
+
+    /// `POST /orders` with a raw body and extra headers, as sent; nothing is recorded.
+    pub async fn post_order(&self, body: &str, headers: &[(&str, &str)]) -> http::Response {
+        let url = format!("{}/orders", self.http(Service::Api));
+        http::request("POST", &url, headers, Some(body)).await.expect("POST /orders")
+    }
+
+    /// `POST /orders` for `lines`, given up after 10 s (an API must answer, even if only 503). A
+    /// 202's job id is recorded as accepted.
+    pub async fn try_place(&mut self, lines: &[(&str, i32)]) -> std::io::Result<http::Response> {
+        let lines: Vec<Value> = lines.iter().map(|(sku, q)| serde_json::json!({"sku": sku, "quantity": q})).collect();
+        let body = serde_json::json!({"customerId": "chaos", "lines": lines}).to_string();
+        let url = format!("{}/orders", self.http(Service::Api));
+        let response = tokio::time::timeout(Duration::from_secs(10), http::request("POST", &url, &[], Some(&body)))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "POST /orders took over 10 s"))??;
+        if response.status == 202 {
+            let job_id = response.json()["jobId"].as_str().and_then(|id| id.parse().ok()).expect("202 names a jobId");
+            self.accepted.push(job_id);
+        }
+        Ok(response)
+    }
+
+    /// Wait until the API accepts an order again (after an outage), placing it.
+    pub async fn wait_until_accepting(&mut self) {
+        let since = tokio::time::Instant::now();
+        while self.try_place(&[("SKU-2", 1)]).await.map_or(0, |r| r.status) != 202 {
+            assert!(since.elapsed() < WAIT, "the API did not accept orders again within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Place an order that must be accepted; returns its job id.
+    pub async fn place(&mut self, lines: &[(&str, i32)]) -> Uuid {
+        let response = self.try_place(lines).await.expect("POST /orders");
+        assert_eq!(response.status, 202, "POST /orders: {}", String::from_utf8_lossy(&response.body));
+        *self.accepted.last().expect("accepted job")
+    }
+
+    /// Place `count` orders of one to three lines from SKU-1..SKU-3 (ample stock); every tenth
+    /// names an unknown SKU and will be rejected. Returns their job ids.
+    pub async fn place_burst(&mut self, count: usize) -> Vec<Uuid> {
+        let mut placed = Vec::with_capacity(count);
+        for i in 0..count {
+            let skus = ["SKU-1", "SKU-2", "SKU-3"];
+            let mut lines: Vec<(&str, i32)> = (0..=i % 3).map(|l| (skus[(i + l) % 3], 1 + (i % 2) as i32)).collect();
+            if i % 10 == 9 {
+                lines.push(("NOPE-9", 1));
+            }
+            placed.push(self.place(&lines).await);
+        }
+        placed
+    }
+
+    /// Wait until the job reaches `state`, and return it.
+    pub async fn wait_for_state(&self, job_id: Uuid, state: &str) -> Value {
+        eventually(&format!("job {job_id} to be {state}"), WAIT, || async {
+            let job = self.job(job_id).await;
+            (job["state"] == state).then_some(job)
+        })
+        .await
+    }
+
+    /// Wait until `needle` appears in a service's log (at least `times` times in all).
+    pub async fn wait_for_log(&self, service: Service, needle: &str, times: usize) {
+        let process = &self.running(service).process;
+        let what = format!("{needle:?} in {}", process.log_path().display());
+        eventually(&what, WAIT, || async { (process.log_count(needle) >= times).then_some(()) }).await;
+    }
+
+    /// A counter's value (summed over its label sets) from a service's `/metrics`; 0 if absent.
+    pub async fn metric(&self, service: Service, series: &str) -> u64 {
+        self.metric_value(service, series).await as u64
+    }
+
+    /// A series' value (summed over its label sets, e.g. a gauge or a histogram's `_count`) from
+    /// a service's `/metrics`; 0 if absent. `series` may name some labels: `name{endpoint="e"`.
+    pub async fn metric_value(&self, service: Service, series: &str) -> f64 {
+        let url = format!("{}/metrics", self.http(service));
+        let Ok(response) = http::request("GET", &url, &[], None).await else { return 0.0 };
+        let text = String::from_utf8_lossy(&response.body).into_owned();
+        text.lines()
+            .filter(|line| line.starts_with(series) && line[series.len()..].starts_with([' ', '{', ',', '}']))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Wait until every accepted order is in a terminal state, then read the books; panics with
+    /// the books after `timeout`.
+    pub async fn settle(&self, timeout: Duration) -> Ledger {
+        self.try_settle(timeout).await.unwrap_or_else(|ledger| {
+            panic!("orders did not settle within {timeout:?}:\n{ledger}\nlogs in {}", self.log_dir.display())
+        })
+    }
+
+    /// [`Shop::settle`], with the unsettled books as the error.
+    pub async fn try_settle(&self, timeout: Duration) -> Result<Ledger, Ledger> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let ledger = self.ledger().await;
+            if ledger.stuck == 0 && ledger.lost == 0 {
+                return Ok(ledger);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ledger);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// For a shop without demo faults: every accepted order settles as succeeded or rejected,
+    /// the books are clean, and no service died by itself.
+    pub async fn assert_books_balance(&mut self) -> Ledger {
+        let ledger = self.settle(WAIT).await;
+        let logs = self.log_dir.display();
+        assert!(ledger.is_clean(), "{ledger}\nlogs in {logs}");
+        assert_eq!(ledger.succeeded + ledger.rejected, ledger.accepted as i64, "{ledger}\nlogs in {logs}");
+        self.assert_all_running();
+        ledger
+    }
+
+    /// The books now.
+    pub async fn ledger(&self) -> Ledger {
+        Ledger::read(&self.orders, &self.inventory, &self.billing, &self.accepted, &self.initial_stock).await
+    }
+}
