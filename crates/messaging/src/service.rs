@@ -160,7 +160,8 @@ pub struct Worker<F, H> {
     pub database: &'static str,
     /// The default `HTTP_ADDR` of its health and metrics endpoints.
     pub http_addr: &'static str,
-    /// Its own migrations (`sqlx::migrate!("./migrations")`), applied after messaging's.
+    /// Its own migrations (`sqlx::migrate!("../../migrations/<service>")`), applied after
+    /// messaging's.
     pub migrator: &'static Migrator,
     /// What it consumes.
     pub endpoint: Endpoint,
