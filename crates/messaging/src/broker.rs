@@ -44,14 +44,14 @@ pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
 /// does not verify, or TLS files that cannot be read, is an error naming the broker and the
 /// reason, which no retry would cure. Anything else (the broker not up yet) is left to the
 /// sessions' reconnect loops.
-pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::service::StartupError> {
+pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::startup::StartupError> {
     match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
         Ok(Ok(connection)) => {
             let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
             Ok(())
         }
         Ok(Err(error)) => match crate::tls::verification_failure(&error) {
-            Some(reason) => Err(crate::service::StartupError(format!("the broker at {url}: TLS: {reason}"))),
+            Some(reason) => Err(crate::startup::StartupError(format!("the broker at {url}: TLS: {reason}"))),
             None => Ok(()),
         },
         Err(_) => Ok(()),

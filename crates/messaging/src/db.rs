@@ -17,7 +17,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 
-use crate::{backoff::Backoff, config::SecretUrl, duration::parse_duration, service::StartupError, shutdown::Shutdown};
+use crate::{backoff::Backoff, config::SecretUrl, duration::parse_duration, shutdown::Shutdown, startup::StartupError};
 
 /// How long the client waits for one unit of database work (a transaction, a batch) wrapped in
 /// [`within`] before it gives up and treats the database as unreachable.

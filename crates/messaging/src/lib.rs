@@ -31,6 +31,7 @@ pub mod schema;
 pub mod serve;
 pub mod service;
 pub mod shutdown;
+mod startup;
 pub mod telemetry;
 pub mod tls;
 pub mod topology;

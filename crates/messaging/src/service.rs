@@ -27,20 +27,7 @@ use crate::{
 /// Any error a binary's `main` reports.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A reason a binary cannot start that no wait would cure: a certificate that does not verify,
-/// bad credentials, a missing grant, a bad migration. The message names the server and what is
-/// wrong, in one line; [`exit`] prints it and ends the process with status 2, before anything was
-/// written.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StartupError(pub String);
-
-impl fmt::Display for StartupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for StartupError {}
+pub use crate::startup::StartupError;
 
 /// How a binary's `main` ends: success; a [`StartupError`] as `NAME: cannot start: REASON` on
 /// one line and status 2 (as for a bad flag); any other error on one line and status 1.

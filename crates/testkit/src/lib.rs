@@ -20,6 +20,7 @@ pub mod ledger;
 pub mod process;
 pub mod proxy;
 pub mod roles;
+pub mod services;
 pub mod shop;
 
 use std::{future::Future, time::Duration};

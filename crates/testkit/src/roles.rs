@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::{TestEnv, http, shop::Service};
+use crate::{TestEnv, http, services::Service};
 
 /// The scripts, from the repository's root.
 fn script(path: &str) -> PathBuf {
