@@ -17,19 +17,30 @@ static RUNNING: OnceCell<(ContainerAsync<Postgres>, ContainerAsync<RabbitMq>)> =
 /// Start the container `request` makes, or reuse the running one of its name. Test processes
 /// started at once (nextest runs one per test) race to create it: the losers get Docker's
 /// 409 Conflict on the name while the winner's container is created but not yet running, and
-/// try again until it is (measured: a single retry came too soon).
+/// try again until it is (measured: a single retry came too soon). A pull that breaks off is
+/// tried again too, [`PULLS`] times in all: a first pull through a registry mirror that has not
+/// cached the image yet once ended with `bytes remaining on stream`, and the next one worked.
 async fn start_or_reuse<I: Image>(request: impl Fn() -> ContainerRequest<I>) -> Result<ContainerAsync<I>, String> {
     let deadline = tokio::time::Instant::now() + STARTUP;
+    let mut pulls = 1;
     loop {
         match request().start().await {
             Ok(container) => return Ok(container),
             Err(error) if error.to_string().contains("Conflict") && tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(std::time::Duration::from_millis(250)).await;
             }
+            Err(error) if error.to_string().contains("failed to pull the image") && pulls < PULLS => {
+                eprintln!("testkit: {error}; pulling again");
+                pulls += 1;
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            }
             Err(error) => return Err(error.to_string()),
         }
     }
 }
+
+/// Pulls of an image before its failure is reported.
+const PULLS: u32 = 3;
 
 pub(super) async fn start() -> Result<super::Servers, String> {
     let (postgres, rabbitmq) = RUNNING
