@@ -88,16 +88,20 @@ impl PlaceOrder {
     /// The order this request asks for, if every part of it is valid; else a 400 naming the first
     /// part that is not (`lines[2].sku must be …`): the customer, each line, then their number.
     pub fn parse(&self) -> Result<ValidOrder, ApiError> {
-        let bad = |field: String| move |invalid| ApiError::BadRequest(format!("{field} {invalid}"));
-        let customer_id = CustomerId::parse(self.customer_id.clone()).map_err(bad("customerId".into()))?;
+        // The field's name is written only for a refusal.
+        let bad = |field: std::fmt::Arguments<'_>, invalid| ApiError::BadRequest(format!("{field} {invalid}"));
+        let customer_id =
+            CustomerId::parse(self.customer_id.clone()).map_err(|invalid| bad(format_args!("customerId"), invalid))?;
         let lines = self
             .lines
             .iter()
             .enumerate()
             .map(|(i, line)| {
                 Ok(Line {
-                    sku: Sku::parse(line.sku.clone()).map_err(bad(format!("lines[{i}].sku")))?,
-                    quantity: Quantity::parse(line.quantity).map_err(bad(format!("lines[{i}].quantity")))?,
+                    sku: Sku::parse(line.sku.clone())
+                        .map_err(|invalid| bad(format_args!("lines[{i}].sku"), invalid))?,
+                    quantity: Quantity::parse(line.quantity)
+                        .map_err(|invalid| bad(format_args!("lines[{i}].quantity"), invalid))?,
                 })
             })
             .collect::<Result<Vec<_>, ApiError>>()?;

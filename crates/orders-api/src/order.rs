@@ -138,8 +138,8 @@ pub struct Line {
     pub quantity: Quantity,
 }
 
-/// A valid order: a customer and 1 to [`MAX_LINES`] valid lines. Only [`crate::api`] makes one,
-/// from a request it has parsed.
+/// A valid order: a customer and 1 to [`MAX_LINES`] valid lines. The API makes one from each
+/// request ([`crate::api::PlaceOrder::parse`]); nothing after it checks again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidOrder {
     customer_id: CustomerId,

@@ -134,8 +134,8 @@ impl<H: Handler> Runtime<H> {
                             self.receive(&mut scheduler, &opened.work, delivery, io, tasks).await;
                         }
                     }
-                    Some(Err(error)) => return lost(&error.to_string(), "broker connection lost"),
-                    None => return lost("", "consumer cancelled by the broker"),
+                    Some(Err(error)) => return lost("broker connection lost", Some(error)),
+                    None => return lost("consumer cancelled by the broker", None),
                 },
                 next = opened.dead_letters.next() => match next {
                     Some(Ok(delivery)) => {
@@ -143,8 +143,8 @@ impl<H: Handler> Runtime<H> {
                         scheduler.started_other();
                         tasks.spawn(Arc::clone(self).park_dead_lettered(delivery, io.clone()));
                     }
-                    Some(Err(error)) => return lost(&error.to_string(), "broker connection lost"),
-                    None => return lost("", "dead-letter consumer cancelled by the broker"),
+                    Some(Err(error)) => return lost("broker connection lost", Some(error)),
+                    None => return lost("dead-letter consumer cancelled by the broker", None),
                 },
             }
         }
@@ -215,8 +215,12 @@ fn dead_letter_tag(tag: &str) -> String {
     format!("{tag}-dead-lettered")
 }
 
-fn lost(error: &str, what: &str) -> SessionEnd {
-    tracing::warn!(error, "{what}; reconnecting");
+/// The session ends because `what` happened to its connection or a consumer.
+fn lost(what: &str, error: Option<lapin::Error>) -> SessionEnd {
+    match error {
+        Some(error) => tracing::warn!(%error, "{what}; reconnecting"),
+        None => tracing::warn!("{what}; reconnecting"),
+    }
     SessionEnd::Lost { was_up: true }
 }
 
