@@ -87,26 +87,26 @@ fn job_durations() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     /// [`MESSAGES_HANDLED`].
-    pub handled: Family<ByOutcome, Counter>,
+    pub(crate) handled: Family<ByOutcome, Counter>,
     /// [`INBOX_DUPLICATES`].
-    pub duplicates: Family<ByEndpoint, Counter>,
+    pub(crate) duplicates: Family<ByEndpoint, Counter>,
     /// [`CONSUMER_BATCHES`].
-    pub batches: Family<ByOutcome, Counter>,
+    pub(crate) batches: Family<ByOutcome, Counter>,
     /// [`OUTBOX_PUBLISHED`].
-    pub published: Family<ByDatabase, Counter>,
+    pub(crate) published: Family<ByDatabase, Counter>,
     /// [`OUTBOX_PUBLISH_FAILURES`].
-    pub publish_failures: Family<ByDatabase, Counter>,
+    pub(crate) publish_failures: Family<ByDatabase, Counter>,
     /// `message_handling_duration_seconds`: one message's transaction (inbox row, handler,
     /// commit), by endpoint and outcome (succeeded, duplicate, failed, unavailable).
-    pub handling: Histograms<ByOutcome>,
+    pub(crate) handling: Histograms<ByOutcome>,
     /// `outbox_publish_lag_seconds`: from an outbox row's commit to its broker confirm.
-    pub publish_lag: Histograms<ByDatabase>,
+    pub(crate) publish_lag: Histograms<ByDatabase>,
     /// `job_duration_seconds`: from a job's creation (the POST) to its end, by final state.
-    pub job_duration: Histograms<ByJobState>,
+    pub(crate) job_duration: Histograms<ByJobState>,
     /// `outbox_rows`: rows by state, read from each database at scrape time.
-    pub outbox_rows: Family<ByDatabaseState, Gauge>,
+    pub(crate) outbox_rows: Family<ByDatabaseState, Gauge>,
     /// `outbox_oldest_unpublished_age_seconds`: how long the oldest unpublished row has waited.
-    pub oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
+    pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -274,7 +274,47 @@ impl EndpointMetrics {
     }
 }
 
+/// One outbox's series (the relay's, for one database), looked up once.
+#[derive(Debug, Clone)]
+pub struct OutboxMetrics {
+    published: Counter,
+    publish_failures: Counter,
+    publish_lag: Histogram,
+}
+
+impl OutboxMetrics {
+    /// Count rows published with a confirm (and marked).
+    pub fn published(&self, rows: u64) {
+        self.published.inc_by(rows);
+    }
+
+    /// Count a publish returned or nacked (the row is retried).
+    pub fn publish_failed(&self) {
+        self.publish_failures.inc();
+    }
+
+    /// Record how long a row waited from its commit to its confirm.
+    pub fn publish_lag(&self, seconds: f64) {
+        self.publish_lag.observe(seconds);
+    }
+}
+
 impl Metrics {
+    /// The series of the outbox in `database`.
+    pub fn outbox(&self, database: &str) -> OutboxMetrics {
+        let by = ByDatabase { database: database.to_owned() };
+        OutboxMetrics {
+            published: self.published.get_or_create(&by).clone(),
+            publish_failures: self.publish_failures.get_or_create(&by).clone(),
+            publish_lag: self.publish_lag.get_or_create(&by).clone(),
+        }
+    }
+
+    /// Record a job that ended in `state` after `seconds` (`job_duration_seconds`).
+    pub fn job_ended(&self, state: &str, seconds: f64) {
+        self.job_duration.get_or_create(&ByJobState { state: state.to_owned() }).observe(seconds);
+    }
+
     /// The series of `endpoint`.
     pub fn endpoint(&self, endpoint: &str) -> EndpointMetrics {
         let by = |outcome: &str| ByOutcome { endpoint: endpoint.to_owned(), outcome: outcome.to_owned() };

@@ -11,7 +11,7 @@ use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
 use std::sync::Arc;
 
 use chrono::Utc;
-use messaging::metrics::{ByJobState, Metrics};
+use messaging::metrics::Metrics;
 use sqlx::PgConnection;
 
 use crate::{
@@ -57,7 +57,7 @@ impl JobStatus {
     fn ended(&self, state: JobState, created_at: jobs::Ended) {
         if let Some(created_at) = created_at {
             let seconds = (Utc::now() - created_at).to_std().unwrap_or_default().as_secs_f64();
-            self.metrics.job_duration.get_or_create(&ByJobState { state: state.as_str().to_owned() }).observe(seconds);
+            self.metrics.job_ended(state.as_str(), seconds);
         }
     }
 }

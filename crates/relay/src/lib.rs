@@ -20,7 +20,7 @@ use messaging::{
     duration::parse_duration,
     failpoint,
     health::Health,
-    metrics::ByDatabase,
+    metrics::OutboxMetrics,
     outbox,
     publisher::{PublishError, Publisher},
     serve::HttpArgs,
@@ -143,7 +143,9 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let mut service = Service::new(health.clone(), shutdown.clone());
     for db in databases {
-        let relay = Relay { db, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
+        let metrics = health.metrics.outbox(&db.label);
+        let relay =
+            Relay { db, metrics, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
         let link = Link {
             url: config.broker.amqp_url.clone(),
             name: relay.flag(),
@@ -208,6 +210,8 @@ impl From<lapin::Error> for SessionError {
 /// The loop for one outbox database.
 struct Relay {
     db: OutboxDb,
+    /// Its outbox's series.
+    metrics: OutboxMetrics,
     settings: RelaySettings,
     health: Health,
     shutdown: Shutdown,
@@ -228,10 +232,6 @@ impl Session for Relay {
 
 impl Relay {
     /// Its database's metric labels.
-    fn database(&self) -> ByDatabase {
-        ByDatabase { database: self.db.label.clone() }
-    }
-
     /// Its link's name and readiness flag.
     fn flag(&self) -> String {
         format!("relay:{}", self.db.label)
@@ -414,7 +414,7 @@ impl Relay {
                     let reason = error.to_string();
                     let failed = outbox::record_failure(&mut tx, row.id, &reason, retry_after);
                     db::within(db::QUERY_DEADLINE, failed).await?;
-                    self.health.metrics.publish_failures.get_or_create(&self.database()).inc();
+                    self.metrics.publish_failed();
                 }
             }
         }
@@ -426,12 +426,10 @@ impl Relay {
             tx.commit().await
         })
         .await?;
-        let metrics = &self.health.metrics;
-        metrics.published.get_or_create(&self.database()).inc_by(confirmed.len() as u64);
-        let lag = metrics.publish_lag.get_or_create(&self.database());
+        self.metrics.published(confirmed.len() as u64);
         let now = chrono::Utc::now();
         for committed in committed_at {
-            lag.observe((now - committed).to_std().unwrap_or_default().as_secs_f64());
+            self.metrics.publish_lag((now - committed).to_std().unwrap_or_default().as_secs_f64());
         }
         match broken {
             Some(error) => Err(error.into()),
