@@ -71,7 +71,7 @@ impl Handle<InventoryReserved> for CreateInvoice {
             // retry will fix, so the message is parked for a person to look at.
             let price = prices
                 .get(&line.sku)
-                .ok_or_else(|| HandlerError::Permanent(format!("no price for SKU {}", line.sku)))?;
+                .ok_or_else(|| HandlerError::Permanent(format!("no price for SKU {}", line.sku).into()))?;
             total_cents += price * i64::from(line.quantity);
         }
         let invoice_id = Uuid::now_v7();

@@ -57,7 +57,7 @@ pub mod trace;
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        consumer::{Context, Handle, Handler, HandlerError, Routes},
+        consumer::{Context, Handle, Handler, HandlerError, Reason, Routes},
         contracts::Contract,
         envelope::Incoming,
         outbox,

@@ -34,10 +34,14 @@ impl DemoFaults {
                 std::process::exit(CRASH_EXIT_CODE);
             }
             if sku.starts_with("POISON") {
-                return Err(HandlerError::Transient(format!("demo fault: {sku} always fails (attempt {attempt})")));
+                return Err(HandlerError::Transient(
+                    format!("demo fault: {sku} always fails (attempt {attempt})").into(),
+                ));
             }
             if sku.starts_with("FLAKY") && attempt <= 2 {
-                return Err(HandlerError::Transient(format!("demo fault: {sku} fails on attempt {attempt} of 3")));
+                return Err(HandlerError::Transient(
+                    format!("demo fault: {sku} fails on attempt {attempt} of 3").into(),
+                ));
             }
         }
         Ok(())

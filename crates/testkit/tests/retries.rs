@@ -184,7 +184,7 @@ async fn transient_failures_retry_after_each_tier_delay_and_apply_once() {
     let endpoint = endpoint(20);
     let pool = prepare(&env, &endpoint, &policy).await;
     let handler = Scripted::new(|_, attempt| {
-        if attempt <= 2 { Err(HandlerError::Transient(format!("flaky attempt {attempt}"))) } else { Ok(()) }
+        if attempt <= 2 { Err(HandlerError::Transient(format!("flaky attempt {attempt}").into())) } else { Ok(()) }
     });
     let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool.clone());
     publish(&env, &["flaky"], None).await;

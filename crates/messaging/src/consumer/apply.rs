@@ -35,7 +35,7 @@ impl<H: Handler> Runtime<H> {
         };
         let limit = self.settings.handler_timeout;
         tokio::time::timeout(limit, all).await.unwrap_or_else(|_| {
-            Err(HandlerError::Transient(format!("the batch did not finish within {}", format_duration(limit))))
+            Err(HandlerError::Transient(format!("the batch did not finish within {}", format_duration(limit)).into()))
         })
     }
 
@@ -57,12 +57,12 @@ impl<H: Handler> Runtime<H> {
         let limit = self.settings.handler_timeout;
         match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
             Ok(outcome) => outcome,
-            Err(_) if db::answers(&self.pool).await => {
-                Err(HandlerError::Transient(format!("the handler did not finish within {}", format_duration(limit))))
-            }
-            Err(_) => {
-                Err(HandlerError::Unavailable(format!("the database did not answer within {}", format_duration(limit))))
-            }
+            Err(_) if db::answers(&self.pool).await => Err(HandlerError::Transient(
+                format!("the handler did not finish within {}", format_duration(limit)).into(),
+            )),
+            Err(_) => Err(HandlerError::Unavailable(
+                format!("the database did not answer within {}", format_duration(limit)).into(),
+            )),
         }
     }
 

@@ -59,19 +59,109 @@ use crate::{
 };
 
 /// How a handler failed. Business refusals are not errors: they commit an outcome like any result.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Each kind carries its [`Reason`]: the text a retry or a parked message records, and the error
+/// behind it, if any ([`std::error::Error::source`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandlerError {
     /// The database cannot be reached: not the message's fault, so no attempt is spent. The
     /// runtime keeps the delivery and applies it again once the database answers.
-    #[error("database unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(Reason),
     /// Might work later (a deadlock, a serialization failure, a flaky dependency): retry after a
     /// wait, spending an attempt.
-    #[error("{0}")]
-    Transient(String),
+    Transient(Reason),
     /// Will never work (a bug, a message we cannot make sense of): park now.
-    #[error("{0}")]
-    Permanent(String),
+    Permanent(Reason),
+}
+
+impl HandlerError {
+    /// Why: the text recorded, and the error behind it.
+    pub fn reason(&self) -> &Reason {
+        match self {
+            Self::Unavailable(reason) | Self::Transient(reason) | Self::Permanent(reason) => reason,
+        }
+    }
+}
+
+impl std::fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unavailable(reason) => write!(f, "database unavailable: {reason}"),
+            Self::Transient(reason) | Self::Permanent(reason) => write!(f, "{reason}"),
+        }
+    }
+}
+
+impl std::error::Error for HandlerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.reason().cause().map(|cause| cause as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Why a handler failed: a text, and the error that caused it when there was one (kept whole, so
+/// that a caller can inspect or downcast it). Two reasons are equal when their texts are.
+///
+/// ```
+/// use messaging::consumer::{HandlerError, Reason};
+///
+/// let refused = HandlerError::Permanent(Reason::new("no price for SKU-9"));
+/// assert_eq!(refused.to_string(), "no price for SKU-9");
+///
+/// let lost = HandlerError::from(sqlx::Error::PoolTimedOut);
+/// let cause = lost.reason().cause().expect("the sqlx error is kept");
+/// assert!(matches!(cause.downcast_ref::<sqlx::Error>(), Some(sqlx::Error::PoolTimedOut)));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Reason {
+    text: String,
+    cause: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Reason {
+    /// A reason of its own, with no error behind it.
+    pub fn new(text: impl Into<String>) -> Self {
+        Self { text: text.into(), cause: None }
+    }
+
+    /// `cause`'s own words, and `cause` kept.
+    pub fn caused_by(cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self { text: cause.to_string(), cause: Some(Arc::new(cause)) }
+    }
+
+    /// The text recorded.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The error behind it, if any.
+    pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.cause.as_deref()
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl PartialEq for Reason {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Reason {}
+
+impl From<String> for Reason {
+    fn from(text: String) -> Self {
+        Self::new(text)
+    }
+}
+
+impl From<&str> for Reason {
+    fn from(text: &str) -> Self {
+        Self::new(text)
+    }
 }
 
 impl From<sqlx::Error> for HandlerError {
@@ -80,7 +170,7 @@ impl From<sqlx::Error> for HandlerError {
     /// constraint, a type) would fail the same way again, so it is permanent.
     fn from(error: sqlx::Error) -> Self {
         if crate::db::is_unreachable(&error) {
-            return Self::Unavailable(error.to_string());
+            return Self::Unavailable(Reason::caused_by(error));
         }
         let transient = match &error {
             sqlx::Error::Database(e) => {
@@ -92,13 +182,14 @@ impl From<sqlx::Error> for HandlerError {
             sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
             _ => false,
         };
-        if transient { Self::Transient(error.to_string()) } else { Self::Permanent(error.to_string()) }
+        let reason = Reason::caused_by(error);
+        if transient { Self::Transient(reason) } else { Self::Permanent(reason) }
     }
 }
 
 impl From<Unreadable> for HandlerError {
     fn from(error: Unreadable) -> Self {
-        Self::Permanent(error.to_string())
+        Self::Permanent(Reason::caused_by(error))
     }
 }
 

@@ -184,7 +184,7 @@ impl<H: Handler> Runtime<H> {
             // `Unavailable` is waited out above; were one to get here, it would be retried.
             Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
                 match self.settings.policy.next_delay(message.retry_count) {
-                    Some(delay) => self.retry(delivery, publisher, message, delay, &error).await?,
+                    Some(delay) => self.retry(delivery, publisher, message, delay, error.text()).await?,
                     None => {
                         let reason = format!("gave up after {} attempts: {error}", message.attempt());
                         self.park(delivery, publisher, message.retry_count, &reason).await?;
@@ -192,7 +192,7 @@ impl<H: Handler> Runtime<H> {
                 }
             }
             Some(Err(HandlerError::Permanent(error))) => {
-                self.park(delivery, publisher, message.retry_count, &error).await?
+                self.park(delivery, publisher, message.retry_count, error.text()).await?
             }
         }
         Ok(())
