@@ -51,14 +51,21 @@ enum Command {
     },
 }
 
-/// A failure, reported as one line.
-#[derive(Debug)]
-struct Failure(String);
-
-impl<E: std::fmt::Display> From<E> for Failure {
-    fn from(error: E) -> Self {
-        Self(error.to_string())
-    }
+/// Why a command failed, reported as one line.
+#[derive(Debug, thiserror::Error)]
+enum Failure {
+    /// In this tool's words, naming the server, endpoint or message it concerns.
+    #[error("{0}")]
+    Described(String),
+    /// The broker refused or dropped a call.
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    /// A database call failed.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// An event could not be encoded.
+    #[error("cannot encode: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 fn main() -> ExitCode {
@@ -82,8 +89,8 @@ fn main() -> ExitCode {
     });
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure(message)) => {
-            eprintln!("msgctl: {message}");
+        Err(failure) => {
+            eprintln!("msgctl: {failure}");
             ExitCode::FAILURE
         }
     }

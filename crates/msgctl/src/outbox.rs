@@ -49,7 +49,9 @@ struct Stuck {
 
 pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure> {
     if databases.is_empty() {
-        return Err(Failure("no outbox database: set DATABASE_URL (comma-separated, as for the relay)".into()));
+        return Err(Failure::Described(
+            "no outbox database: set DATABASE_URL (comma-separated, as for the relay)".into(),
+        ));
     }
     let mut pools = Vec::new();
     for url in databases {
@@ -63,14 +65,15 @@ pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure>
 
 /// A one-connection pool on `url`, with the database's name as the relay labels it.
 async fn connect(url: &SecretUrl) -> Result<(String, PgPool), Failure> {
-    let options = PgConnectOptions::from_str(url.expose()).map_err(|error| Failure(format!("{url}: {error}")))?;
+    let options =
+        PgConnectOptions::from_str(url.expose()).map_err(|error| Failure::Described(format!("{url}: {error}")))?;
     let label = options.get_database().unwrap_or("postgres").to_owned();
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(std::time::Duration::from_secs(5))
         .connect_with(options)
         .await
-        .map_err(|error| Failure(format!("cannot reach the database at {url}: {error}")))?;
+        .map_err(|error| Failure::Described(format!("cannot reach the database at {url}: {error}")))?;
     Ok((label, pool))
 }
 
@@ -83,7 +86,7 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
         )
         .fetch_all(pool)
         .await
-        .map_err(|error| Failure(format!("{database}: {error}")))?;
+        .map_err(|error| Failure::Described(format!("{database}: {error}")))?;
         for row in &rows {
             if json {
                 let line = serde_json::json!({
@@ -125,7 +128,7 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
         .bind(all)
         .fetch_all(pool)
         .await
-        .map_err(|error| Failure(format!("{database}: {error}")))?;
+        .map_err(|error| Failure::Described(format!("{database}: {error}")))?;
         if !made_due.is_empty() {
             // Wake the relay now rather than at its next poll.
             sqlx::query("select pg_notify($1, '')").bind(NOTIFY_CHANNEL).execute(pool).await?;
@@ -137,10 +140,10 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
     }
     let missing: Vec<String> = message_ids.iter().filter(|id| !found.contains(id)).map(ToString::to_string).collect();
     if !missing.is_empty() {
-        return Err(Failure(format!("no unpublished outbox row with message id {}", missing.join(", "))));
+        return Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))));
     }
     if found.is_empty() {
-        return Err(Failure("nothing selected: no stuck row".into()));
+        return Err(Failure::Described("nothing selected: no stuck row".into()));
     }
     println!("{} row(s) due now", found.len());
     Ok(())

@@ -182,7 +182,9 @@ impl Held {
         // A passive declare on a channel of its own: a missing queue closes that channel only.
         let probe = connection.create_channel().await?;
         if let Err(error) = probe.queue_declare(queue.as_str().into(), passive(), FieldTable::default()).await {
-            return Err(Failure(format!("unknown endpoint `{endpoint}`: the broker has no queue `{queue}` ({error})")));
+            return Err(Failure::Described(format!(
+                "unknown endpoint `{endpoint}`: the broker has no queue `{queue}` ({error})"
+            )));
         }
         let _ = probe.close(200, "bye".into()).await;
         let channel = connection.create_channel().await?;
@@ -238,7 +240,7 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
     let amqp_url = &broker.amqp_url;
     let connection = broker::connect(amqp_url, "msgctl")
         .await
-        .map_err(|error| Failure(format!("cannot reach the broker at {amqp_url}: {error}")))?;
+        .map_err(|error| Failure::Described(format!("cannot reach the broker at {amqp_url}: {error}")))?;
     let outcome = async {
         match action {
             Action::List { mut filter, json } => {
@@ -271,20 +273,20 @@ async fn endpoints(broker: &Broker, named: Vec<String>) -> Result<Vec<String>, F
         return Ok(named);
     }
     let vhost = lapin::uri::AMQPUri::from_str(broker.amqp_url.expose())
-        .map_err(|error| Failure(format!("{}: {error}", broker.amqp_url)))?
+        .map_err(|error| Failure::Described(format!("{}: {error}", broker.amqp_url)))?
         .vhost;
     let management = match &broker.management_url {
         Some(url) => url.clone(),
         None => http::management_url_of(broker.amqp_url.expose())
             .map(SecretUrl::new)
-            .ok_or_else(|| Failure(format!("{}: no host to find the management API on", broker.amqp_url)))?,
+            .ok_or_else(|| Failure::Described(format!("{}: no host to find the management API on", broker.amqp_url)))?,
     };
     let path = format!(
         "/api/queues/{}?columns=name",
         percent_encoding::utf8_percent_encode(&vhost, percent_encoding::NON_ALPHANUMERIC)
     );
     let unreachable = |why: String| {
-        Failure(format!(
+        Failure::Described(format!(
             "cannot list the parking queues through the management API at {management} ({why}): name them with \
              --endpoint, or set RABBITMQ_MANAGEMENT_URL"
         ))
@@ -301,7 +303,7 @@ async fn endpoints(broker: &Broker, named: Vec<String>) -> Result<Vec<String>, F
         queues.iter().filter_map(|queue| queue["name"].as_str()?.strip_suffix(".parking").map(str::to_owned)).collect();
     found.sort();
     if found.is_empty() {
-        return Err(Failure(format!("no parking queue (`<endpoint>.parking`) in vhost `{vhost}`")));
+        return Err(Failure::Described(format!("no parking queue (`<endpoint>.parking`) in vhost `{vhost}`")));
     }
     Ok(found)
 }
@@ -346,7 +348,7 @@ async fn show(connection: &Connection, message_id: Uuid, endpoints: &[String]) -
             return Ok(());
         }
     }
-    Err(Failure(format!("no parked message {message_id} in {}", endpoints.join(", "))))
+    Err(Failure::Described(format!("no parked message {message_id} in {}", endpoints.join(", "))))
 }
 
 fn print_properties(properties: &BasicProperties) {
@@ -383,8 +385,8 @@ async fn redrive(
     let verb = if dry_run { "would be redriven" } else { "redriven" };
     println!("{redriven} message(s) {verb}, {refused} refused");
     match (redriven, refused) {
-        (_, refused) if refused > 0 => Err(Failure(format!("{refused} message(s) refused (see above)"))),
-        (0, _) => Err(Failure("nothing selected".into())),
+        (_, refused) if refused > 0 => Err(Failure::Described(format!("{refused} message(s) refused (see above)"))),
+        (0, _) => Err(Failure::Described("nothing selected".into())),
         _ => Ok(()),
     }
 }
@@ -442,7 +444,11 @@ async fn redrive_held(
                 };
                 send_job_event(publisher, &event).await?;
             }
-            return Err(Failure(format!("cannot send {} back to `{}`: {error}", parked.line(), held.endpoint)));
+            return Err(Failure::Described(format!(
+                "cannot send {} back to `{}`: {error}",
+                parked.line(),
+                held.endpoint
+            )));
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
@@ -462,7 +468,7 @@ async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C) -> Result
             eprintln!("msgctl: warning: {} for job {} went nowhere ({reason})", C::TYPE, event.job_id());
             Ok(())
         }
-        Err(error) => Err(Failure(format!("cannot publish {}: {error}", C::TYPE))),
+        Err(error) => Err(Failure::Described(format!("cannot publish {}: {error}", C::TYPE))),
     }
 }
 
@@ -473,7 +479,7 @@ async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<()
         let selected = held.selected(filter);
         if !yes {
             held.give_back().await?;
-            return Err(Failure(format!(
+            return Err(Failure::Described(format!(
                 "purge deletes {} parked message(s) of `{endpoint}` for good: add --yes",
                 selected.len()
             )));
@@ -486,7 +492,7 @@ async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<()
         held.give_back().await?;
     }
     if purged == 0 {
-        return Err(Failure("nothing selected".into()));
+        return Err(Failure::Described("nothing selected".into()));
     }
     println!("{purged} message(s) purged");
     Ok(())
