@@ -7,7 +7,6 @@
 //! `just bench`, or: `cargo build --release --bins && cargo run --release -p bench`.
 //! Runs on private databases and a private vhost of the servers `DATABASE_URL` / `AMQP_URL` name.
 
-mod http1;
 mod limits;
 mod report;
 mod stages;

@@ -14,7 +14,7 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use messaging::{outbox, publisher::Publisher};
+use messaging::{http, outbox, publisher::Publisher};
 use shop::exchanges;
 use sqlx::PgPool;
 use testkit::process::{self, Process};
@@ -22,7 +22,6 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::{
-    http1,
     limits::{Catalog, sample_order},
     report::quantile,
 };
@@ -116,7 +115,7 @@ pub async fn post_orders(api: &str, concurrency: usize, count: usize, catalog: C
     for _ in 0..concurrency {
         let (api, next) = (api.to_owned(), Arc::clone(&next));
         tasks.spawn(async move {
-            let mut connection = http1::Connection::open(&api).await.expect("connect to the API");
+            let mut connection = http::Connection::open(&format!("http://{api}")).await.expect("connect to the API");
             let mut jobs = Vec::new();
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -124,7 +123,8 @@ pub async fn post_orders(api: &str, concurrency: usize, count: usize, catalog: C
                     return jobs;
                 }
                 let body = serde_json::to_string(&sample_order(i, catalog)).expect("json");
-                let response = connection.post_json("/orders", &body).await.expect("POST /orders");
+                let response =
+                    connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.expect("POST /orders");
                 assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
                 jobs.push(job_id(&response.body));
             }
@@ -153,14 +153,15 @@ pub async fn post_orders_at(api: &str, concurrency: usize, count: usize, rate: f
         tasks.spawn(async move {
             // Lanes start staggered so the offered load is even.
             tokio::time::sleep(interval.mul_f64(lane as f64 / concurrency as f64)).await;
-            let mut connection = http1::Connection::open(&api).await.expect("connect to the API");
+            let mut connection = http::Connection::open(&format!("http://{api}")).await.expect("connect to the API");
             let mut ticks = tokio::time::interval(interval);
             let mut sent = Vec::with_capacity(per_lane);
             for i in 0..per_lane {
                 ticks.tick().await;
                 let body = serde_json::to_string(&sample_order(lane * per_lane + i, Catalog::Hot)).expect("json");
                 let at = SystemTime::now();
-                let response = connection.post_json("/orders", &body).await.expect("POST /orders");
+                let response =
+                    connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.expect("POST /orders");
                 assert_eq!(response.status, 202);
                 sent.push((job_id(&response.body), at));
             }
@@ -195,42 +196,10 @@ pub async fn latency_steps(
     .fetch_all(orders)
     .await
     .expect("job times");
-    // For the message of `message_type` each job's previous step sent: when the relay claimed it
-    // and when the next service's inbox took it (its transaction's start).
-    type Hop = HashMap<Uuid, (Option<DateTime<Utc>>, Option<DateTime<Utc>>)>;
-    let hop = |sender: &PgPool, message_type: &'static str, receiver: Option<&PgPool>| {
-        let (sender, receiver, ids) = (sender.clone(), receiver.cloned(), ids.clone());
-        async move {
-            let messages: Vec<(Uuid, Uuid, Option<DateTime<Utc>>)> = sqlx::query_as(
-                "select (headers ->> 'correlation_id')::uuid, message_id, published_at from outbox
-                  where message_type = $1 and (headers ->> 'correlation_id')::uuid = any($2)",
-            )
-            .bind(message_type)
-            .bind(&ids)
-            .fetch_all(&sender)
-            .await
-            .expect("sent messages");
-            let message_ids: Vec<Uuid> = messages.iter().map(|(_, message, _)| *message).collect();
-            let mut received: HashMap<Uuid, DateTime<Utc>> = HashMap::new();
-            if let Some(receiver) = receiver {
-                received = sqlx::query_as("select message_id, received_at from inbox where message_id = any($1)")
-                    .bind(&message_ids)
-                    .fetch_all(&receiver)
-                    .await
-                    .expect("inbox times")
-                    .into_iter()
-                    .collect();
-            }
-            messages
-                .into_iter()
-                .map(|(job, message, published)| (job, (published, received.get(&message).copied())))
-                .collect::<Hop>()
-        }
-    };
-    let placed = hop(orders, "order.placed", Some(inventory)).await;
-    let reserved = hop(inventory, "inventory.reserved", Some(billing)).await;
+    let placed = hop(orders, "order.placed", Some(inventory), &ids).await;
+    let reserved = hop(inventory, "inventory.reserved", Some(billing), &ids).await;
     // The status consumer's transaction is `succeeded` itself (`updated_at`, its `now()`).
-    let invoiced = hop(billing, "invoice.created", None).await;
+    let invoiced = hop(billing, "invoice.created", None, &ids).await;
     let sent_at: HashMap<Uuid, SystemTime> = sent.iter().copied().collect();
     let mut steps: Vec<(&'static str, Vec<f64>)> = [
         "the API's transaction",
@@ -267,6 +236,36 @@ pub async fn latency_steps(
         latencies.sort_by(f64::total_cmp);
     }
     steps
+}
+
+/// One hop's times, by job: for the message of `message_type` each of the jobs `ids` sent from
+/// `sender`'s outbox, when the relay claimed it and when the `receiver`'s inbox took it (its
+/// transaction's start).
+type Hop = HashMap<Uuid, (Option<DateTime<Utc>>, Option<DateTime<Utc>>)>;
+
+/// See [`Hop`].
+async fn hop(sender: &PgPool, message_type: &'static str, receiver: Option<&PgPool>, ids: &[Uuid]) -> Hop {
+    let messages: Vec<(Uuid, Uuid, Option<DateTime<Utc>>)> = sqlx::query_as(
+        "select (headers ->> 'correlation_id')::uuid, message_id, published_at from outbox
+          where message_type = $1 and (headers ->> 'correlation_id')::uuid = any($2)",
+    )
+    .bind(message_type)
+    .bind(ids)
+    .fetch_all(sender)
+    .await
+    .expect("sent messages");
+    let message_ids: Vec<Uuid> = messages.iter().map(|(_, message, _)| *message).collect();
+    let mut received: HashMap<Uuid, DateTime<Utc>> = HashMap::new();
+    if let Some(receiver) = receiver {
+        received = sqlx::query_as("select message_id, received_at from inbox where message_id = any($1)")
+            .bind(&message_ids)
+            .fetch_all(receiver)
+            .await
+            .expect("inbox times")
+            .into_iter()
+            .collect();
+    }
+    messages.into_iter().map(|(job, message, published)| (job, (published, received.get(&message).copied()))).collect()
 }
 
 /// The seeds' relay: one row at a time (claim, publish, await its confirm, mark, commit). Runs

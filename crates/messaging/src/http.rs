@@ -2,9 +2,10 @@
 //! `msgctl` and the live page need of the RabbitMQ management API, what the span exporter
 //! (`otel`) sends to a collector, and what the tests drive the services with. An
 //! `https://` URL may name a CA file and a client certificate in its query (`cacertfile`,
-//! `certfile`, `keyfile`, removed before the request is sent). One connection per request: a
-//! pooled connection cannot outlive the runtime that opened it (every `#[tokio::test]` runs its
-//! own), and none of these callers is hot enough for a pool to matter.
+//! `certfile`, `keyfile`, removed before the request is sent). [`request`] opens a connection per
+//! request: a pooled connection cannot outlive the runtime that opened it (every `#[tokio::test]`
+//! runs its own), and none of these callers is hot enough for a pool to matter. The bench's load
+//! keeps its connections alive with [`Connection`].
 
 use std::time::Duration;
 
@@ -53,7 +54,7 @@ pub async fn request(
     request_bytes(method, url, headers, body.map(str::as_bytes)).await
 }
 
-/// [`request`] with a raw byte body.
+/// [`request`] with a raw byte body, on a connection of its own, within 30 seconds.
 pub async fn request_bytes(
     method: &str,
     url: &str,
@@ -62,40 +63,98 @@ pub async fn request_bytes(
 ) -> std::io::Result<Response> {
     // Errors name the URL with its password masked.
     let shown = crate::config::SecretUrl::new(url);
-    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {shown}"));
-    let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
-    let files = TlsFiles::of_url(&parsed);
-    let mut target = TlsFiles::strip(&parsed);
-    let credentials = (!target.username().is_empty())
-        .then(|| format!("{}:{}", target.username(), target.password().unwrap_or_default()));
-    let _ = target.set_username("");
-    let _ = target.set_password(None);
-
-    let host = match target.port() {
-        Some(port) => format!("{}:{port}", target.host_str().unwrap_or_default()),
-        None => target.host_str().unwrap_or_default().to_owned(),
-    };
-    let path = match target.query() {
-        Some(query) => format!("{}?{query}", target.path()),
-        None => target.path().to_owned(),
-    };
-    let mut builder = hyper::Request::builder().method(method).uri(path).header(hyper::header::HOST, host);
-    if let Some(credentials) = credentials {
-        let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
-        builder = builder.header(hyper::header::AUTHORIZATION, format!("Basic {encoded}"));
-    }
-    for (name, value) in headers {
-        builder = builder.header(*name, *value);
-    }
-    if body.is_some() && !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("content-type")) {
-        builder = builder.header(hyper::header::CONTENT_TYPE, "application/json");
-    }
-    let body = Full::new(Bytes::copy_from_slice(body.unwrap_or_default()));
-    let request = builder.body(body).map_err(|e| invalid(e.to_string()))?;
-
     let exchange = async {
-        let mut sender = open(&target, &files).await?;
-        let response = sender.send_request(request).await.map_err(std::io::Error::other)?;
+        let (mut connection, path) = Connection::open_for(url).await?;
+        connection.send(method, &path, headers, body).await
+    };
+    tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer from {shown}")))?
+}
+
+/// One kept-alive HTTP/1.1 connection, for requests one after another to the same server (as a
+/// load generator sends them: one connection per request would measure the kernel's connect path
+/// instead of the server). Basic auth from the URL it was opened with goes with every request.
+///
+/// ```no_run
+/// # async fn post() -> std::io::Result<()> {
+/// let mut api = messaging::http::Connection::open("http://127.0.0.1:8080").await?;
+/// for _ in 0..3 {
+///     let response = api.send("POST", "/orders", &[], Some(br#"{"customer_id":"c-1","lines":[]}"#)).await?;
+///     assert_eq!(response.status, 400);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Connection {
+    sender: SendRequest<Full<Bytes>>,
+    /// The `host` header.
+    host: String,
+    /// The `authorization` header, from the URL's user info.
+    authorization: Option<String>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection").field("host", &self.host).finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// Connect to the server `url` names (its path, if any, is ignored), through TLS for
+    /// `https://`.
+    pub async fn open(url: &str) -> std::io::Result<Self> {
+        Ok(Self::open_for(url).await?.0)
+    }
+
+    /// [`Self::open`], and `url`'s path and query, to send to.
+    async fn open_for(url: &str) -> std::io::Result<(Self, String)> {
+        let shown = crate::config::SecretUrl::new(url);
+        let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {shown}"));
+        let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+        let files = TlsFiles::of_url(&parsed);
+        let mut target = TlsFiles::strip(&parsed);
+        let authorization = (!target.username().is_empty()).then(|| {
+            let credentials = format!("{}:{}", target.username(), target.password().unwrap_or_default());
+            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(credentials))
+        });
+        let _ = target.set_username("");
+        let _ = target.set_password(None);
+        let host = match target.port() {
+            Some(port) => format!("{}:{port}", target.host_str().unwrap_or_default()),
+            None => target.host_str().unwrap_or_default().to_owned(),
+        };
+        let path = match target.query() {
+            Some(query) => format!("{}?{query}", target.path()),
+            None => target.path().to_owned(),
+        };
+        let sender = open(&target, &files).await?;
+        Ok((Self { sender, host, authorization }, path))
+    }
+
+    /// Send `method path` (with its query) with extra `headers` and an optional body (sent as
+    /// `application/json` unless a content type is given), and read the whole response.
+    pub async fn send(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> std::io::Result<Response> {
+        let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
+        let mut builder = hyper::Request::builder().method(method).uri(path).header(hyper::header::HOST, &self.host);
+        if let Some(authorization) = &self.authorization {
+            builder = builder.header(hyper::header::AUTHORIZATION, authorization);
+        }
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        if body.is_some() && !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("content-type")) {
+            builder = builder.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let body = Full::new(Bytes::copy_from_slice(body.unwrap_or_default()));
+        let request = builder.body(body).map_err(|e| invalid(format!("{e}: {method} {path}")))?;
+        self.sender.ready().await.map_err(std::io::Error::other)?;
+        let response = self.sender.send_request(request).await.map_err(std::io::Error::other)?;
         let status = response.status().as_u16();
         let headers = response
             .headers()
@@ -103,11 +162,8 @@ pub async fn request_bytes(
             .map(|(name, value)| (name.as_str().to_owned(), String::from_utf8_lossy(value.as_bytes()).into_owned()))
             .collect();
         let body = response.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes().to_vec();
-        Ok::<_, std::io::Error>(Response { status, headers, body })
-    };
-    tokio::time::timeout(Duration::from_secs(30), exchange)
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer from {shown}")))?
+        Ok(Response { status, headers, body })
+    }
 }
 
 /// One HTTP/1.1 connection to `target`'s host, through TLS for `https://`.
@@ -129,6 +185,7 @@ async fn open(target: &url::Url, files: &TlsFiles) -> std::io::Result<SendReques
     }
 }
 
+/// The connection's I/O runs beside the requests; it ends when the sender is dropped.
 async fn handshake<T>(stream: T) -> std::io::Result<SendRequest<Full<Bytes>>>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
