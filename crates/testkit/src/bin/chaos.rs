@@ -19,6 +19,7 @@ use clap::Parser;
 use shop::demo::CRASH_EXIT_CODE;
 use testkit::{
     http,
+    ledger::Ledger,
     shop::{Options, Service, Shop},
 };
 use tokio::{task::JoinSet, time::Instant};
@@ -158,10 +159,28 @@ async fn main() -> ExitCode {
 
     println!("\n== ledger ==\n{ledger}");
     println!("\n== run ==");
-    let placed = driven.took.as_secs_f64();
-    println!("orders placed in     {placed:>8.1} s  ({:.1}/s; {} offered)", args.orders as f64 / placed, args.rate);
+    println!(
+        "orders placed in     {:>8.1} s  ({:.1}/s; {} offered)",
+        driven.took.as_secs_f64(),
+        args.orders as f64 / driven.took.as_secs_f64(),
+        args.rate
+    );
     println!("faults ended after   {:>8.1} s", havoc_ended.as_secs_f64());
     println!("all settled after    {:>8.1} s", settled_in.as_secs_f64());
+    report(&driven, &havoc, duplicates);
+    let failures = failures(&ledger, &driven, &havoc);
+    if failures.is_empty() {
+        println!("\nchaos: PASS");
+        ExitCode::SUCCESS
+    } else {
+        println!("\nchaos: FAIL: {}\nlogs kept in {}", failures.join("; "), shop.log_dir().display());
+        shop.keep_logs = true;
+        ExitCode::FAILURE
+    }
+}
+
+/// What the drive and the havoc did, after the ledger and the times.
+fn report(driven: &Driven, havoc: &Havoc, duplicates: usize) {
     println!("kills                {:>8}  {:?}", havoc.kills.values().sum::<usize>(), havoc.kills);
     println!("cuts / stalls        {:>8}  / {}", havoc.cuts, havoc.stalls);
     println!("client retries       {:>8}", driven.retries);
@@ -169,7 +188,10 @@ async fn main() -> ExitCode {
     println!("poison orders        {:>8}  (quarantined after MAX_ATTEMPTS)", driven.poison);
     println!("crashing orders      {:>8}  (quarantined by the crash bound)", driven.crashing);
     println!("demo crash exits     {:>8}  (workers restarted)", havoc.crash_exits);
+}
 
+/// Why the run failed: nothing if it passed.
+fn failures(ledger: &Ledger, driven: &Driven, havoc: &Havoc) -> Vec<String> {
     let mut failures = Vec::new();
     if !ledger.is_clean() {
         failures.push("the ledger does not balance".to_owned());
@@ -192,14 +214,7 @@ async fn main() -> ExitCode {
     if !havoc.self_exits.is_empty() {
         failures.push(format!("services exited by themselves: {:?}", havoc.self_exits));
     }
-    if failures.is_empty() {
-        println!("\nchaos: PASS");
-        ExitCode::SUCCESS
-    } else {
-        println!("\nchaos: FAIL: {}\nlogs kept in {}", failures.join("; "), shop.log_dir().display());
-        shop.keep_logs = true;
-        ExitCode::FAILURE
-    }
+    failures
 }
 
 /// Offer `orders` at `rate` per second, `crashing` of them naming CRASH-1, each in its own task so
