@@ -148,6 +148,13 @@ struct Stages {
     accept_rate: f64,
 }
 
+impl Stages {
+    /// The rate of the slowest stage alone: the API's accept, the relay's drain or the worker's.
+    fn slowest(&self) -> f64 {
+        self.accept_rate.min(self.relay_rate).min(self.worker_rate)
+    }
+}
+
 /// What the end-to-end section measured that the targets check.
 struct EndToEnd {
     hot: f64,
@@ -394,7 +401,7 @@ impl Bench {
         .execute(&self.inventory)
         .await
         .expect("wide catalog");
-        let slowest = stages.accept_rate.min(stages.relay_rate).min(stages.worker_rate);
+        let slowest = stages.slowest();
         // The same-run baseline: every consumer as before batching, one message per transaction,
         // 16 at once (BATCH_SIZE=1 and the PREFETCH that was measured best for it).
         let before_batching = [("BATCH_SIZE", "1"), ("PREFETCH", "16")];
@@ -551,7 +558,7 @@ impl Bench {
     /// The targets, against this run's own figures.
     fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd) {
         let report = &mut self.report;
-        let slowest = stages.accept_rate.min(stages.relay_rate).min(stages.worker_rate);
+        let slowest = stages.slowest();
         let (c2p50, c2p99) = end_to_end.commit_to_publish;
         report.at_least("end to end / slowest stage alone >= 0.5", end_to_end.hot / slowest, 0.5);
         report.at_least("API accept / smallest order transaction >= 0.7", stages.accept_rate / limits.smallest, 0.7);
