@@ -236,12 +236,8 @@ impl Bench {
         self.channel.queue_purge(self.worker.name.into(), QueuePurgeOptions::default()).await.expect("purge");
     }
 
-    /// The relay's variables, for the outbox database(s) `database`.
-    fn relay_vars(&self, database: &str) -> Vec<(&'static str, String)> {
-        vec![("DATABASE_URL", database.to_owned()), ("AMQP_URL", self.env.amqp_url())]
-    }
-
-    /// A service's variables, on database `url`.
+    /// A service's variables, on database `url` (for the relay, its outbox databases,
+    /// comma-separated).
     fn service_vars(&self, url: &str) -> Vec<(&'static str, String)> {
         vec![("DATABASE_URL", url.to_owned()), ("AMQP_URL", self.env.amqp_url())]
     }
@@ -305,7 +301,7 @@ impl Bench {
         let n = self.args.messages;
         println!("\n== stages: the release binaries ==");
         // Relay: drain (a)'s N order.placed rows.
-        let (relay, _) = start("relay", &self.relay_vars(&self.orders_url), &self.log_dir).await;
+        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
         let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
         wait_count(&self.orders, "select count(*) from outbox where published_at is null", 0, WAIT).await;
         let relay_used = window.finish();
@@ -381,7 +377,7 @@ impl Bench {
         let first: i64 =
             sqlx::query_scalar("select coalesce(max(id), 0) from outbox").fetch_one(orders).await.expect("max id");
         stages::fill_outbox(orders, template, rows, false).await;
-        let (relay, _) = start("relay", &self.relay_vars(&self.orders_url), &self.log_dir).await;
+        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
         wait_count(orders, "select count(*) from outbox where published_at is null", 0, WAIT).await;
         stop(relay).await;
         let rate = rate_from_timestamps(orders, "outbox", "published_at", &format!("id > {first}")).await;
@@ -475,7 +471,7 @@ impl Bench {
             start("inventory-worker", &env_with(&self.service_vars(&self.inventory_url), extra), log_dir).await;
         let (billing_worker, _) =
             start("billing-worker", &env_with(&self.service_vars(&billing_url), extra), log_dir).await;
-        let (relay, _) = start("relay", &env_with(&self.relay_vars(&all), extra), log_dir).await;
+        let (relay, _) = start("relay", &env_with(&self.service_vars(&all), extra), log_dir).await;
         (api_addr, [api, inventory_worker, billing_worker, relay])
     }
 

@@ -159,12 +159,8 @@ async fn main() -> ExitCode {
 
     println!("\n== ledger ==\n{ledger}");
     println!("\n== run ==");
-    println!(
-        "orders placed in     {:>8.1} s  ({:.1}/s; {} offered)",
-        driven.took.as_secs_f64(),
-        args.orders as f64 / driven.took.as_secs_f64(),
-        args.rate
-    );
+    let placed = driven.took.as_secs_f64();
+    println!("orders placed in     {placed:>8.1} s  ({:.1}/s; {} offered)", args.orders as f64 / placed, args.rate);
     println!("faults ended after   {:>8.1} s", havoc_ended.as_secs_f64());
     println!("all settled after    {:>8.1} s", settled_in.as_secs_f64());
     report(&driven, &havoc, duplicates);
