@@ -1,11 +1,17 @@
 /*
  * The delivery protocol as built, for spin: the API's transaction, two relays, the broker, and a
- * batching consumer with its inbox, retries and parking. Every process may crash at every step
+ * batching consumer with its inbox, retries, parking, crash ledger and dead-letter intake. Every
+ * process may crash at every step
  * where a crash loses something it has not made durable; crashes, broker returns and handler
  * failures are drawn from small budgets so that spin explores every interleaving of them and
  * still ends. `docs/model/README.md` says what is modelled, what is not, and how CI runs it.
  *
  *   spin -a protocol.pml && gcc -O2 -DSAFETY -o pan pan.c && ./pan -m100000
+ *
+ * -DLEDGER adds the crash ledger and the broker's delivery limit: a returned delivery comes back
+ * flagged redelivered and runs alone through the ledger, or is dead-lettered into the intake and
+ * parked from there. Without it, a returned delivery is taken again like any other, batched or
+ * not: more interleavings than the code allows, in far fewer states.
  *
  * Seeded protocol bugs, one per -D flag (scripts/check-model asserts that spin finds each):
  *   ACK_BEFORE_COMMIT      the consumer acks a batch before its transaction commits
@@ -17,7 +23,7 @@
 
 #define N 2              /* orders; the claim and TAKE below are written for two */
 #define MAX_ATTEMPTS 2   /* MAX_ATTEMPTS: attempt 2 is the last; its failure parks */
-/* The budgets, overridable with -D (scripts/check-model runs two configurations). Parking needs
+/* The budgets, overridable with -D (scripts/check-model runs three configurations). Parking needs
  * four failures of one message: in its batch and alone, at each of its two attempts. */
 #ifndef CRASHES
 #define CRASHES 2        /* crashes of any process, in all */
@@ -27,6 +33,9 @@
 #endif
 #ifndef FAILURES
 #define FAILURES 2       /* transient handler failures */
+#endif
+#ifndef LIMITS
+#define LIMITS 1         /* returns that reach the broker's delivery limit: dead-lettered */
 #endif
 
 /* A copy of order o's message at attempt a (1-based) is slot o * MAX_ATTEMPTS + a - 1. */
@@ -42,12 +51,19 @@ bool locked[N];        /* an open relay transaction holds the row (FOR UPDATE SK
 bool inbox[N];         /* the consumer's inbox row for the message */
 byte effect[N];        /* times the effect was applied: the guarantee is at most once */
 
-/* RabbitMQ: copies per slot in the work queue, in its wait queues, in parking. */
+/* RabbitMQ: copies per slot in the work queue (fresh, and returned unacked, which the broker
+ * flags `redelivered`), in its wait queues, in the dead-letter intake, in parking. */
 byte ready[SLOTS];
+byte redelivered[SLOTS];
 byte waiting[SLOTS];
+byte intake[SLOTS];
 byte parked[N];
 
-byte crashes, returns, failures;
+/* The crash ledger (`delivery_starts`): starts of a redelivered message, alone, not finished. */
+#define MAX_CRASHES 1
+byte starts[N];
+
+byte crashes, returns, failures, limits;
 
 inline may_crash() { crashes < CRASHES -> crashes++ }
 
@@ -136,15 +152,52 @@ end:
  * of one message, nor queues among themselves), apply them in one transaction with their inbox
  * rows, then ack. If a handler fails, the batch rolls back and each delivery is applied alone:
  * a transient failure sends a copy to the next wait queue (confirmed) and acks; on the last
- * attempt it parks (confirmed) and acks. A crash returns every unacked delivery to the queue. */
+ * attempt it parks (confirmed) and acks. A crash returns every unacked delivery to the queue,
+ * flagged redelivered, or, at the broker's delivery limit, dead-letters it into the intake. A
+ * redelivery runs alone through the crash ledger; what the intake holds is parked. */
 proctype Consumer() {
     byte held[2];      /* slots of the deliveries held, unacked */
     byte count;        /* how many are held */
     bool fresh[N];     /* this transaction inserted the message's inbox row */
     byte i, o, s;
     bool failed;
+    bool alone;        /* holding one redelivery, its start on the crash ledger */
+    bool dead;         /* holding one delivery from the dead-letter intake */
 end:
     do
+    /* What the broker dead-lettered: park it (confirmed), then ack. */
+    :: atomic { TAKE(intake, s); held[0] = s; count = 1; dead = true };
+       parked[ORDER(s)]++;
+       if
+       :: may_crash(); goto crashed   /* parked, not acked: back in the intake, parked again */
+       :: skip
+       fi;
+       count = 0;
+       dead = false;
+       goto next
+
+    /* A redelivery runs alone: its start is committed to the crash ledger before the handler
+     * runs; past MAX_CRASHES unfinished starts it is parked unhandled. */
+    :: atomic { TAKE(redelivered, s); held[0] = s; count = 1; alone = true };
+       o = ORDER(s);
+       starts[o]++;
+       if
+       :: may_crash(); goto crashed   /* the handler took the process down: the start stays */
+       :: skip
+       fi;
+       if
+       :: starts[o] > MAX_CRASHES ->
+          parked[ORDER(held[0])]++;   /* = parked[o]; spelt apart for scripts/check-model */
+          if
+          :: may_crash(); goto crashed
+          :: skip
+          fi;
+          count = 0
+       :: else -> goto one_by_one   /* settled alone, as after a failed batch */
+       fi;
+       goto forget
+
+    /* Fresh deliveries: one or two in a batch. */
     :: atomic { TAKE(ready, s); held[0] = s; count = 1 };
        if
        :: atomic { TAKE(ready, s); held[1] = s; count = 2 }
@@ -227,14 +280,34 @@ one_by_one:
           fi;
           count--
        od;
+       if
+       :: alone -> goto forget
+       :: else -> goto next
+       fi;
+
+forget:
+       /* This process lives: the start was no crash. */
+       atomic { starts[ORDER(held[0])] = 0; alone = false };
        goto next;
 
 crashed:
        /* The channel closes: every unacked delivery goes back to the work queue. The open
         * transaction, if any, rolls back. */
        atomic {
-           for (i : 0 .. count - 1) { ready[held[i]]++ }
+           for (i : 0 .. count - 1) {
+#ifdef LEDGER
+               if
+               :: dead -> intake[held[i]]++
+               :: !dead && limits < LIMITS -> limits++; intake[held[i]]++   /* the delivery limit */
+               :: !dead -> redelivered[held[i]]++
+               fi
+#else
+               ready[held[i]]++   /* taken again like any delivery: a superset of running alone */
+#endif
+           }
            count = 0;
+           alone = false;
+           dead = false;
            for (o : 0 .. N - 1) { fresh[o] = false }
        }
 next:
