@@ -19,7 +19,7 @@ use lapin::{
 use messaging::{
     broker,
     config::SecretUrl,
-    contracts::{JobEvent, JobQuarantined, JobRedriven},
+    contracts::{JobEvent, JobRedriven},
     duration::{format_duration, parse_duration},
     envelope::{self, Headers},
     failpoint, http,
@@ -30,9 +30,13 @@ use uuid::Uuid;
 
 use crate::Failure;
 
-/// Failpoint: a redriven message's copy is confirmed in the work queue, the parked one not yet
-/// acked.
+/// Failpoint: a redriven message's copy and its `job.redriven` are confirmed, the parked message
+/// not yet acked.
 pub const AFTER_REDRIVE_PUBLISH: &str = "msgctl.after-redrive-publish";
+
+/// Failpoint: a redriven message's copy is confirmed in the work queue, its `job.redriven` not yet
+/// sent.
+pub const BETWEEN_REDRIVE_SENDS: &str = "msgctl.between-redrive-sends";
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Action {
@@ -422,33 +426,22 @@ async fn redrive_held(
             continue;
         }
         let redrive_count = parked.redrive_count + 1;
-        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
-            let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
-            send_job_event(publisher, &event).await?;
-        }
+        // The copy first, then its job's event. Killed in between, the job stays quarantined until
+        // the copy's result ends it; the other way round, a kill in between left the job in
+        // progress for good, with no copy on its way (found by docs/model/jobs.pml).
         let properties = envelope::redriven(&parked.delivery.properties, redrive_count);
         if let Err(error) = publisher.publish("", &held.endpoint, &parked.delivery.data, properties).await {
-            // The message stays parked: its job, already told it was redriven, is quarantined
-            // again with the same reason, so that it does not wait for a message that never comes.
-            if let Some(job_id) = parked.job_id {
-                let event = JobQuarantined {
-                    job_id,
-                    endpoint: held.endpoint.clone(),
-                    message_id: parked.message_id,
-                    message_type: parked.message_type.clone(),
-                    attempt: parked.attempts,
-                    error: parked.reason.clone(),
-                    // This redrive's count: the job.redriven just sent loses to it, whichever the
-                    // status consumer applies first.
-                    redrive_count,
-                };
-                send_job_event(publisher, &event).await?;
-            }
+            // Nothing was sent: the message stays parked, its job quarantined.
             return Err(Failure::Described(format!(
                 "cannot send {} back to `{}`: {error}",
                 parked.line(),
                 held.endpoint
             )));
+        }
+        failpoint::hit(BETWEEN_REDRIVE_SENDS).await;
+        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
+            let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
+            send_job_event(publisher, &event).await?;
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;

@@ -5,16 +5,21 @@
 //! queued | published | retry_wait ──(a step's retry scheduled)──▶ retry_wait
 //! retry_wait ──(that same step succeeds)──▶ published
 //! any non-terminal ──▶ succeeded | rejected | quarantined
-//! quarantined ──(job.redriven: an operator sent the message back, `msgctl parked redrive`)──▶ published
+//! quarantined ──(job.redriven: an operator sent the message back, `msgctl parked redrive`,
+//!               and no other step's message of the job is parked)──▶ published
 //! quarantined ──(a step's result arrives after all)──▶ succeeded | rejected
 //! ```
 //!
 //! Every move is monotonic, so late or reordered events are harmless: `succeeded` and `rejected`
 //! never change, `quarantined` only by a redrive or by a result that proves the step was applied
 //! after all (a redriven copy, or one the broker parked after its commit), attempt numbers only
-//! grow, and a late retry event of a step that has already succeeded changes nothing. The move to
-//! `published` made by the broker's confirm is the outbox trigger of migration 0007 (one UPDATE
-//! of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
+//! grow, and a late retry event of a step that has already succeeded changes nothing. Which
+//! step's message is parked, and how often it was redriven, is kept per step (`job_steps`), so a
+//! redrive of one step's message neither reopens a job that another step's parked message holds
+//! nor loses to a redrive of another step. `docs/model/jobs.pml` checks these moves against every
+//! order of events. The move to `published` made by the broker's confirm is the outbox trigger of
+//! migration 0007 (one UPDATE of `jobs` per relay batch), keyed on the job's
+//! `order_placed_message_id` column.
 
 use chrono::{DateTime, Utc};
 use messaging::contracts::JobRetryScheduled;
@@ -168,26 +173,38 @@ pub async fn retry_scheduled(
     .map(drop)
 }
 
+/// Lock the job's row until the transaction ends. Events of one job are applied concurrently; a
+/// quarantine and a redrive each read what the other steps' messages are doing (`job_steps`), and a
+/// statement reads what had committed when it began: locking first, in a statement of its own,
+/// makes the next statement see the other's steps once it has committed.
+async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query("select from jobs where id = $1 for update").bind(job_id).execute(&mut *tx).await.map(drop)
+}
+
 /// When a job that has just ended was created, for its duration; `None` if nothing moved.
 pub type Ended = Option<DateTime<Utc>>;
 
 /// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
-/// grows. `redrive_count` is how often the message had been redriven: a `job.redriven` that is not
-/// newer than that is stale (see [`redriven`]), whichever is applied first.
+/// grows. The job keeps that the step's message is parked and `redrive_count`, how often it had
+/// been redriven: a `job.redriven` of that step that is not newer is stale (see [`redriven`]),
+/// whichever is applied first.
 pub async fn quarantined(
     tx: &mut PgConnection,
     job_id: Uuid,
+    endpoint: &str,
     attempt: u32,
     error: &str,
     redrive_count: u32,
 ) -> Result<Ended, sqlx::Error> {
-    sqlx::query("update jobs set redrives = greatest(redrives, $2) where id = $1")
-        .bind(job_id)
-        .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
-        .execute(&mut *tx)
-        .await?;
+    lock(tx, job_id).await?;
     sqlx::query_scalar(
-        "update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
+        "with step as (
+            insert into job_steps (job_id, endpoint, parked, redrives)
+            select $1, $6, true, $7 where exists (select from jobs where id = $1)
+            on conflict (job_id, endpoint)
+            do update set parked = true, redrives = greatest(job_steps.redrives, excluded.redrives)
+         )
+         update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
           where id = $1 and state <> all($5)
           returning created_at",
     )
@@ -196,6 +213,8 @@ pub async fn quarantined(
     .bind(error)
     .bind(JobState::Quarantined.as_str())
     .bind(terminal())
+    .bind(endpoint)
+    .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .fetch_optional(tx)
     .await
 }
@@ -233,19 +252,37 @@ pub async fn ended(
     .await
 }
 
-/// An operator sent the job's parked message back (`job.redriven`, its `redrive_count`-th
-/// redrive): a quarantined job is in progress again, and ends as the new attempts go. Any other
-/// state stays, and so does a job whose quarantine already knew of this redrive (the two events
-/// are applied concurrently, so the quarantine that follows a failed redrive can come first).
-pub async fn redriven(tx: &mut PgConnection, job_id: Uuid, redrive_count: u32) -> Result<bool, sqlx::Error> {
+/// An operator sent the parked message of the job's step `endpoint` back (`job.redriven`, its
+/// `redrive_count`-th redrive): that step's message is no longer parked, and a quarantined job is
+/// in progress again unless another step's message of it still is. A redrive that is not newer
+/// than what the step has seen is stale and changes nothing (the quarantine that follows a failed
+/// redrive can be applied first: the two events are applied concurrently).
+pub async fn redriven(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    endpoint: &str,
+    redrive_count: u32,
+) -> Result<bool, sqlx::Error> {
+    lock(tx, job_id).await?;
+    // The statement sees `job_steps` as it was before `step` wrote: hence `endpoint <> $2`.
     let moved = sqlx::query(
-        "update jobs set state = $2, retry_endpoint = null, redrives = $4, updated_at = now()
-          where id = $1 and state = $3 and redrives < $4",
+        "with step as (
+            insert into job_steps (job_id, endpoint, parked, redrives)
+            select $1, $2, false, $3 where exists (select from jobs where id = $1)
+            on conflict (job_id, endpoint)
+            do update set parked = false, redrives = excluded.redrives
+             where job_steps.redrives < excluded.redrives
+            returning 1
+         )
+         update jobs set state = $4, retry_endpoint = null, updated_at = now()
+          where id = $1 and state = $5 and exists (select from step)
+            and not exists (select from job_steps where job_id = $1 and endpoint <> $2 and parked)",
     )
     .bind(job_id)
+    .bind(endpoint)
+    .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .bind(JobState::Published.as_str())
     .bind(JobState::Quarantined.as_str())
-    .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .execute(tx)
     .await?
     .rows_affected();

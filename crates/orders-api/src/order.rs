@@ -199,6 +199,7 @@ pub struct Accepted {
 /// accepted ──(inventory reserved it)──▶ reserved
 /// accepted | reserved ──▶ invoiced | rejected | failed (a step's message was parked)
 /// failed ──(the parked message was redriven)──▶ accepted
+/// failed ──(a step's result arrives after all)──▶ invoiced | rejected
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -236,7 +237,11 @@ impl OrderStatus {
         match self {
             Self::Accepted => &[Self::Failed],
             Self::Reserved => &[Self::Accepted],
-            Self::Invoiced | Self::Rejected | Self::Failed => &[Self::Accepted, Self::Reserved],
+            // An outcome proves its step was applied, even after its job was quarantined (a copy
+            // the broker parked after its commit, or a redriven one): the order takes it, as its
+            // job does (`jobs::ended`).
+            Self::Invoiced | Self::Rejected => &[Self::Accepted, Self::Reserved, Self::Failed],
+            Self::Failed => &[Self::Accepted, Self::Reserved],
         }
     }
 
@@ -270,7 +275,7 @@ mod tests {
     }
 
     #[test]
-    fn final_statuses_are_left_only_by_nothing_and_failed_only_by_a_redrive() {
+    fn final_statuses_are_left_by_nothing_and_failed_by_a_redrive_or_an_outcome() {
         for status in OrderStatus::ALL {
             for from in status.moves_from() {
                 assert_ne!(*from, status, "{status:?} moves from itself");
@@ -282,7 +287,7 @@ mod tests {
         }
         let from_failed: Vec<_> =
             OrderStatus::ALL.into_iter().filter(|s| s.moves_from().contains(&OrderStatus::Failed)).collect();
-        assert_eq!(from_failed, [OrderStatus::Accepted]);
+        assert_eq!(from_failed, [OrderStatus::Accepted, OrderStatus::Invoiced, OrderStatus::Rejected]);
     }
 
     #[test]

@@ -101,7 +101,9 @@ impl Handle<JobRetryScheduled> for JobStatus {
 
 impl Handle<JobQuarantined> for JobStatus {
     async fn handle(&self, event: JobQuarantined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let ended = jobs::quarantined(tx, event.job_id, event.attempt, &event.error, event.redrive_count).await?;
+        let ended =
+            jobs::quarantined(tx, event.job_id, &event.endpoint, event.attempt, &event.error, event.redrive_count)
+                .await?;
         self.ended(JobState::Quarantined, ended);
         jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
         Ok(())
@@ -111,7 +113,7 @@ impl Handle<JobQuarantined> for JobStatus {
 impl Handle<JobRedriven> for JobStatus {
     async fn handle(&self, event: JobRedriven, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         // The order starts over from `accepted`: the redriven step's result moves it on.
-        if jobs::redriven(tx, event.job_id, event.redrive_count).await? {
+        if jobs::redriven(tx, event.job_id, &event.endpoint, event.redrive_count).await? {
             jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?;
         }
         Ok(())

@@ -144,3 +144,23 @@ async fn a_message_the_broker_dead_letters_by_its_delivery_limit_still_ends_with
     assert_eq!(env.published_broker_headers(&parked[0]).await, Vec::<String>::new(), "{headers:?}");
     shop.database_proxy(Service::Inventory).restore();
 }
+
+#[tokio::test]
+async fn a_result_that_arrives_after_its_job_was_quarantined_ends_the_job_and_its_order_alike() {
+    let mut shop = Shop::start(Options::default()).await;
+    shop.kill(Service::Billing).await;
+    let job = shop.place(&[("SKU-1", 1)]).await;
+    eventually("inventory's step", WAIT, || async { (shop.order_status(job).await == "reserved").then_some(()) }).await;
+    // Inventory's message, applied, is dead-lettered by the broker after its commit (its ack lost
+    // until the delivery limit): it is parked and the job quarantined, while billing has yet to
+    // invoice it.
+    shop.copy_order_placed(job, "inventory.order-placed.dead-lettered", &[]).await;
+    shop.wait_for_state(job, "quarantined").await;
+    assert_eq!(shop.order_status(job).await, "failed");
+
+    // The invoice proves the order went through: the job ends succeeded, and its order invoiced,
+    // not `failed` for good (found by docs/model/jobs.pml).
+    shop.restart(Service::Billing).await;
+    shop.wait_for_state(job, "succeeded").await;
+    assert_eq!(shop.order_status(job).await, "invoiced");
+}

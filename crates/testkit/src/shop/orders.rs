@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+use chrono::Utc;
+use lapin::types::AMQPValue;
+use messaging::{envelope, publisher::Publisher};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -79,6 +82,36 @@ impl Shop {
             placed.push(self.place(&lines).await);
         }
         placed
+    }
+
+    /// The status of the job's order (`GET /orders/{orderId}`).
+    pub async fn order_status(&self, job_id: Uuid) -> String {
+        let order_id = self.job(job_id).await["orderId"].as_str().expect("the job names its order").to_owned();
+        let url = format!("{}/orders/{order_id}", self.http(Service::Api));
+        let response = http::request("GET", &url, &[], None).await.expect("GET /orders/{id}");
+        assert_eq!(response.status, 200, "GET /orders/{order_id}: {}", String::from_utf8_lossy(&response.body));
+        response.json()["status"].as_str().expect("the order's status").to_owned()
+    }
+
+    /// Publish a copy of the job's `order.placed`, as the relay sent it (its message id, body and
+    /// job), with `headers` added, straight into `queue`: where the broker would put a copy that
+    /// it dead-letters or that the runtime parks.
+    pub async fn copy_order_placed(&self, job_id: Uuid, queue: &str, headers: &[(&str, AMQPValue)]) {
+        let (payload, message_id): (sqlx::types::Json<Value>, Uuid) = sqlx::query_as(
+            "select o.payload, o.message_id from outbox o join jobs j on j.order_placed_message_id = o.message_id
+              where j.id = $1",
+        )
+        .bind(job_id)
+        .fetch_one(&self.orders)
+        .await
+        .expect("the job's order.placed row");
+        let properties = envelope::Headers::raw(Some(job_id), 1).properties(message_id, "order.placed", Utc::now());
+        let properties = envelope::with_headers(&properties, headers);
+        let connection = self.env.amqp().await;
+        let publisher = Publisher::open(&connection).await.expect("publisher");
+        let body = serde_json::to_vec(&payload.0).expect("json");
+        publisher.publish("", queue, &body, properties).await.expect("the copy confirmed");
+        let _ = connection.close(200, "bye".into()).await;
     }
 
     /// Wait until the job reaches `state`, and return it.
