@@ -84,7 +84,8 @@ proctype Step(byte s) {
 end:
     do
     :: atomic {
-           /* Any live copy: an explicit choice, as `select` would commit to an empty one. */
+           /* Any live copy: an explicit choice, as `select` would commit to an empty one.
+            * Written for MAX_ATTEMPTS 2 and REDRIVES 2, as are the choices below. */
            if
            :: live[LIVE(s, 1, 0)] > 0 -> a = 1; r = 0
            :: live[LIVE(s, 2, 0)] > 0 -> a = 2; r = 0

@@ -101,8 +101,9 @@ pub struct JobQuarantined {
 contract!(JobQuarantined, "job.quarantined", JOBS_EXCHANGE);
 
 /// An operator sent a step's parked message back to its work queue (`msgctl parked redrive`): the
-/// job leaves `quarantined` and ends as the new attempts go. Published, confirmed, before the message
-/// itself leaves parking.
+/// job leaves `quarantined`, unless a message of another of its steps is still parked, and ends as
+/// the new attempts go. Published, confirmed, once the copy is confirmed and before the parked
+/// message is acked.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct JobRedriven {
