@@ -134,6 +134,7 @@ end:
  * (the queue gone), in which case msgctl says so and the message stays parked. */
 proctype Operator() {
     byte s, r;
+    bool sent;   /* this redrive's copy is confirmed in the work queue */
 end:
     do
     :: atomic {
@@ -144,7 +145,8 @@ end:
            :: parked[PARK(BILL, 0)] > 0 -> s = BILL; r = 0
            :: parked[PARK(BILL, 1)] > 0 -> s = BILL; r = 1
            fi;
-           redrives_done++
+           redrives_done++;
+           sent = false
        };
 #ifdef REDRIVE_EVENT_FIRST
        redriven_ev[PARK(s, r + 1)]++;
@@ -153,12 +155,12 @@ end:
        :: skip
        fi;
        if
-       :: live[LIVE(s, 1, r + 1)]++
+       :: live[LIVE(s, 1, r + 1)]++; sent = true
        :: quar_ev[PARK(s, r + 1)]++; goto next   /* refused: the job is told it is parked again */
        fi;
 #else
        if
-       :: live[LIVE(s, 1, r + 1)]++
+       :: live[LIVE(s, 1, r + 1)]++; sent = true
        :: goto next   /* refused: nothing was sent, the message stays parked */
        fi;
        if
@@ -171,6 +173,8 @@ end:
        :: crashes < CRASHES -> crashes++; goto next   /* the parked copy comes back to parking */
        :: skip
        fi;
+       /* Parking keeps what it holds: a message leaves it only once its copy is confirmed. */
+       assert(sent);
        parked[PARK(s, r)]--;
 next:
        skip
