@@ -176,9 +176,12 @@ pub async fn retry_scheduled(
 /// Lock the job's row until the transaction ends. Events of one job are applied concurrently; a
 /// quarantine and a redrive each read what the other steps' messages are doing (`job_steps`), and a
 /// statement reads what had committed when it began: locking first, in a statement of its own,
-/// makes the next statement see the other's steps once it has committed.
-async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<(), sqlx::Error> {
-    sqlx::query("select from jobs where id = $1 for update").bind(job_id).execute(&mut *tx).await.map(drop)
+/// makes the next statement see the other's steps once it has committed. Whether the job exists:
+/// an event for an unknown job changes nothing.
+async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
+    let locked: Option<i32> =
+        sqlx::query_scalar("select 1 from jobs where id = $1 for update").bind(job_id).fetch_optional(&mut *tx).await?;
+    Ok(locked.is_some())
 }
 
 /// When a job that has just ended was created, for its duration; `None` if nothing moved.
@@ -196,11 +199,12 @@ pub async fn quarantined(
     error: &str,
     redrive_count: u32,
 ) -> Result<Ended, sqlx::Error> {
-    lock(tx, job_id).await?;
+    if !lock(tx, job_id).await? {
+        return Ok(None);
+    }
     sqlx::query_scalar(
         "with step as (
-            insert into job_steps (job_id, endpoint, parked, redrives)
-            select $1, $6, true, $7 where exists (select from jobs where id = $1)
+            insert into job_steps (job_id, endpoint, parked, redrives) values ($1, $6, true, $7)
             on conflict (job_id, endpoint)
             do update set parked = true, redrives = greatest(job_steps.redrives, excluded.redrives)
          )
@@ -263,12 +267,13 @@ pub async fn redriven(
     endpoint: &str,
     redrive_count: u32,
 ) -> Result<bool, sqlx::Error> {
-    lock(tx, job_id).await?;
+    if !lock(tx, job_id).await? {
+        return Ok(false);
+    }
     // The statement sees `job_steps` as it was before `step` wrote: hence `endpoint <> $2`.
     let moved = sqlx::query(
         "with step as (
-            insert into job_steps (job_id, endpoint, parked, redrives)
-            select $1, $2, false, $3 where exists (select from jobs where id = $1)
+            insert into job_steps (job_id, endpoint, parked, redrives) values ($1, $2, false, $3)
             on conflict (job_id, endpoint)
             do update set parked = false, redrives = excluded.redrives
              where job_steps.redrives < excluded.redrives
