@@ -12,7 +12,7 @@
 use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
-    Connection, PgConnection, PgPool,
+    AssertSqlSafe, Connection, PgConnection, PgPool,
     migrate::{MigrateError, Migrator},
     postgres::{PgConnectOptions, PgPoolOptions},
 };
@@ -237,7 +237,8 @@ async fn migrate(options: &PgConnectOptions, migrator: &Migrator) -> Result<(), 
 async fn grant_outbox(options: &PgConnectOptions, role: &str) -> Result<(), sqlx::Error> {
     let mut owner = PgConnection::connect_with(options).await?;
     let grant = format!("grant select, update, delete on outbox to \"{}\"", role.replace('"', "\"\""));
-    let granted = sqlx::query(&grant).execute(&mut owner).await;
+    // A role name cannot be a bound parameter; it is quoted as an identifier above.
+    let granted = sqlx::query(AssertSqlSafe(grant)).execute(&mut owner).await;
     let _ = owner.close().await;
     match granted {
         Ok(_) => Ok(()),
@@ -322,7 +323,8 @@ pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()
     }
     let mut admin = PgConnection::connect_with(&options.clone().database("postgres")).await?;
     let create = format!("create database \"{}\"", name.replace('"', "\"\""));
-    let created = sqlx::query(&create).execute(&mut admin).await;
+    // A database name cannot be a bound parameter; it is quoted as an identifier above.
+    let created = sqlx::query(AssertSqlSafe(create)).execute(&mut admin).await;
     let _ = admin.close().await;
     match created {
         Ok(_) => {

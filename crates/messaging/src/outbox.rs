@@ -3,11 +3,14 @@
 //! if and only if the change committed. The insert trigger (migration `0001_messaging.sql`) wakes
 //! the relay with `NOTIFY outbox` at commit.
 
-use std::{sync::LazyLock, time::Duration};
+use std::{
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use sqlx::{PgConnection, PgExecutor, Postgres, postgres::PgArguments, types::Json};
+use sqlx::{AssertSqlSafe, PgConnection, PgExecutor, Postgres, SqlSafeStr, SqlStr, postgres::PgArguments, types::Json};
 use uuid::Uuid;
 
 use crate::{contracts::Contract, envelope::Headers};
@@ -26,7 +29,7 @@ pub async fn enqueue<C: Contract>(
 ) -> sqlx::Result<Uuid> {
     let message = Outgoing::of(body, correlation_id);
     let message_id = message.message_id;
-    message.bind_to(sqlx::query(&INSERT)).execute(conn).await?;
+    message.bind_to(sqlx::query(INSERT.as_str())).execute(conn).await?;
     Ok(message_id)
 }
 
@@ -65,7 +68,7 @@ pub type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
 /// ```
 #[derive(Debug)]
 pub struct WithEffect {
-    sql: String,
+    sql: SqlStr,
 }
 
 impl WithEffect {
@@ -74,11 +77,12 @@ impl WithEffect {
         let first = highest_parameter(effect) + 1;
         let values: Vec<String> = (first..first + 6).map(|n| format!("${n}")).collect();
         let values = values.join(", ");
-        Self {
-            sql: format!(
-                "with effect as ({effect}) insert into outbox ({COLUMNS}) select {values} from effect limit 1"
-            ),
-        }
+        let sql =
+            format!("with effect as ({effect}) insert into outbox ({COLUMNS}) select {values} from effect limit 1");
+        // Built from the caller's statement text and our own column list and placeholders: no
+        // value is ever spliced in, every value is bound. Held shared, so each query clones a
+        // pointer, not the text.
+        Self { sql: AssertSqlSafe(Arc::<str>::from(sql)).into_sql_str() }
     }
 
     /// The query: `bind_effect` binds the effect's parameters, then `message`'s values follow.
@@ -89,7 +93,7 @@ impl WithEffect {
         bind_effect: impl FnOnce(Query<'q>) -> Query<'q>,
         message: Outgoing<'q, C>,
     ) -> Query<'q> {
-        message.bind_to(bind_effect(sqlx::query(&self.sql)))
+        message.bind_to(bind_effect(sqlx::query(self.sql.clone())))
     }
 }
 
@@ -310,7 +314,11 @@ mod tests {
         assert_eq!(highest_parameter("select $10, $9::int, $3"), 10);
         assert_eq!(highest_parameter("select 1"), 0);
         let statement = WithEffect::new("insert into t (a) values ($1) returning a");
-        assert!(statement.sql.ends_with("select $2, $3, $4, $5, $6, $7 from effect limit 1"), "{}", statement.sql);
+        assert!(
+            statement.sql.as_str().ends_with("select $2, $3, $4, $5, $6, $7 from effect limit 1"),
+            "{:?}",
+            statement.sql
+        );
     }
 
     #[test]

@@ -94,7 +94,7 @@ mod tests {
 
     #[test]
     fn the_outbox_trigger_notifies_the_channel_the_relay_listens_on() {
-        let sql = &MIGRATOR.iter().find(|m| m.version == 1).expect("migration 1").sql;
+        let sql = MIGRATOR.iter().find(|m| m.version == 1).expect("migration 1").sql.as_str();
         assert!(sql.contains(&format!("pg_notify('{NOTIFY_CHANNEL}'")), "{sql}");
     }
 
@@ -104,7 +104,7 @@ mod tests {
             3,
             "accounts".into(),
             sqlx::migrate::MigrationType::Simple,
-            "select 1".into(),
+            sqlx::SqlSafeStr::into_sql_str("select 1"),
             false,
         )]))
         .await

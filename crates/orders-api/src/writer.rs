@@ -93,7 +93,7 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
             lines.3.push(line.quantity);
         }
     }
-    sqlx::query_scalar(&INSERT_ORDERS)
+    sqlx::query_scalar(INSERT_ORDERS.as_str())
         .bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| o.ids.job_id).collect::<Vec<_>>())
         .bind(orders.iter().map(|o| o.placed.customer_id.as_str()).collect::<Vec<_>>())

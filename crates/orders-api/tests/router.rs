@@ -64,7 +64,10 @@ fn assert_problem(answer: &Answer, status: u16, detail_contains: &str) {
 }
 
 async fn count(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(&format!("select count(*) from {table}")).fetch_one(pool).await.expect("count")
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("select count(*) from {table}")))
+        .fetch_one(pool)
+        .await
+        .expect("count")
 }
 
 /// Every table an accepted order would touch is still empty.

@@ -30,7 +30,7 @@ use lapin::{
     options::{BasicGetOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use sqlx::{PgPool, postgres::PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool, postgres::PgPoolOptions};
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
@@ -297,7 +297,8 @@ impl Drop for TestEnv {
                         let names: Vec<String> =
                             sqlx::query_scalar(list).bind(prefix).fetch_all(pool).await.unwrap_or_default();
                         for name in names {
-                            let _ = sqlx::query(&drop(&name)).execute(pool).await;
+                            // The name is quoted as an identifier by `drop`.
+                            let _ = sqlx::query(AssertSqlSafe(drop(&name))).execute(pool).await;
                         }
                     }
                 };

@@ -100,7 +100,7 @@ async fn the_inventory_user_cannot_consume_declare_purge_or_delete_billing_queue
 async fn a_missing_grant_stops_the_service_and_is_named() {
     let shop = least_privilege_shop().await;
     let inventory = role(&shop, "inventory");
-    sqlx::query(&format!("revoke insert on inbox from \"{inventory}\""))
+    sqlx::query(sqlx::AssertSqlSafe(format!("revoke insert on inbox from \"{inventory}\"")))
         .execute(&shop.inventory)
         .await
         .expect("revoke");

@@ -46,7 +46,7 @@ async fn listed_jobs(env: &TestEnv, args: &[&str]) -> Vec<Uuid> {
         .collect()
 }
 
-async fn count(pool: &sqlx::PgPool, sql: &str, order_job: Uuid) -> i64 {
+async fn count(pool: &sqlx::PgPool, sql: &'static str, order_job: Uuid) -> i64 {
     sqlx::query_scalar(sql).bind(order_job).fetch_one(pool).await.expect(sql)
 }
 

@@ -12,7 +12,7 @@ use testkit::{
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-async fn count(pool: &PgPool, sql: &str) -> i64 {
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
 }
 

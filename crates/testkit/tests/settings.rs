@@ -115,8 +115,10 @@ async fn every_pooled_connection_carries_the_database_timeouts() {
     let mut connection = db::bounded(options, &timeouts).connect().await.expect("connect");
     let mut shown = Vec::new();
     for setting in ["statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout"] {
-        let value: String =
-            sqlx::query_scalar(&format!("show {setting}")).fetch_one(&mut connection).await.expect("show");
+        let value: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("show {setting}")))
+            .fetch_one(&mut connection)
+            .await
+            .expect("show");
         shown.push(value);
     }
     assert_eq!(shown, ["4500ms", "1500ms", "20s"]);

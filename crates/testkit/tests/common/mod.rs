@@ -88,6 +88,7 @@ async fn spawn_worker<H: Handler>(
     (url, tokio::spawn(async move { run.await.map_err(BoxError::from) }))
 }
 
+/// The one number `sql`, a test's own statement, selects.
 pub async fn count(pool: &PgPool, sql: &str) -> i64 {
-    sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.expect(sql)
 }
