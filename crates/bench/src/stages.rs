@@ -14,7 +14,7 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use messaging::{http, outbox, publisher::Publisher};
+use messaging::{outbox, publisher::Publisher, runtime::http};
 use shop::exchanges;
 use sqlx::{AssertSqlSafe, PgPool};
 use testkit::process::{self, Process};

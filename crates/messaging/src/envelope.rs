@@ -54,10 +54,10 @@ fn default_version() -> u32 {
 impl Headers {
     /// Headers for a message of contract `C` belonging to job `correlation_id`: the version is
     /// the contract's, never chosen by hand.
-    /// It carries the current trace context ([`crate::trace::current`]) if there is one: a message
+    /// It carries the current trace context ([`crate::runtime::trace::current`]) if there is one: a message
     /// written while handling a delivery or a request continues its trace.
     pub fn of<C: crate::contracts::Contract>(correlation_id: Option<Uuid>) -> Self {
-        let traceparent = crate::trace::current().map(|context| context.traceparent());
+        let traceparent = crate::runtime::trace::current().map(|context| context.traceparent());
         Self { traceparent, ..Self::raw(correlation_id, C::VERSION) }
     }
 

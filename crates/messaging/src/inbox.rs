@@ -56,7 +56,7 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
 /// (`delivery_starts`) last started that long ago; returns the larger of the two counts, so a
 /// caller deleting batch after batch goes on while either table has more.
 pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
-    let retention = crate::retention::millis(retention);
+    let retention = crate::runtime::retention::millis(retention);
     let inbox = sqlx::query(
         "delete from inbox where message_id in (select message_id from inbox
           where received_at < now() - $1 * interval '1 millisecond' limit $2)",

@@ -9,7 +9,8 @@
 //! `docs/adding-a-service.md` for a service built on it, `docs/architecture.md` for the flow and
 //! `docs/guarantees.md` for the failure matrix.
 //!
-//! What a service's code calls (most of it in [`prelude`]):
+//! The library is its core, the modules below, and the [`runtime`] they run on. What a service's
+//! code calls (most of it in [`prelude`]):
 //!
 //! | module | for |
 //! |---|---|
@@ -19,40 +20,25 @@
 //! | [`outbox`] | a message beside its effect, in the handler's transaction |
 //! | [`service`] | the binary: [`service::Worker`] for one endpoint, [`service::Service`] for more |
 //! | [`envelope`] | the message as it arrives ([`envelope::Incoming`]), for a raw handler |
+//! | [`inbox`] | the exactly-once record, for a raw handler that writes it itself |
+//! | [`publisher`] | a confirmed publish, for a binary that publishes outside the outbox |
+//! | [`schema`] | messaging's own tables, migrated before a service's own |
 //!
-//! What the runtime is built from, public for binaries with a start-up of their own (the relay,
-//! msgctl) and for the test kit: [`broker`], [`publisher`], [`db`], [`schema`], [`inbox`],
-//! [`config`], [`health`], [`metrics`], [`serve`], [`http`], [`tls`], [`telemetry`], [`trace`],
-//! [`shutdown`], [`backoff`], [`duration`], [`retention`], and [`failpoint`] (crash points for the
-//! fault suite, inert unless `FAILPOINTS` is set).
+//! [`runtime`] holds what the service runtime is built from (flags, broker and database start-up,
+//! health, metrics, HTTP, TLS, telemetry, shutdown, retention, failpoints): public for binaries
+//! with a start-up of their own (the relay, `msgctl`) and for the test kit, and nothing a service
+//! built on [`service`] needs to name.
 
-pub mod backoff;
-pub mod broker;
-pub mod config;
 pub mod consumer;
 pub mod contracts;
-pub(crate) mod crashes;
-pub mod db;
-pub mod duration;
 pub mod envelope;
-pub mod failpoint;
-pub mod health;
-pub mod http;
 pub mod inbox;
-pub mod metrics;
-pub(crate) mod otel;
 pub mod outbox;
 pub mod publisher;
-pub mod retention;
+pub mod runtime;
 pub mod schema;
-pub mod serve;
 pub mod service;
-pub mod shutdown;
-mod startup;
-pub mod telemetry;
-pub mod tls;
 pub mod topology;
-pub mod trace;
 
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {

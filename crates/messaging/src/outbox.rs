@@ -140,7 +140,7 @@ impl Selected<'_> {
 
 /// A message as its outbox row will hold it: what [`enqueue`] inserts, and what [`WithEffect`]
 /// writes beside an effect. The headers carry the current trace context
-/// ([`crate::trace::current`]).
+/// ([`crate::runtime::trace::current`]).
 #[derive(Debug)]
 pub struct Outgoing<'a, C> {
     /// A new UUIDv7.
@@ -273,7 +273,7 @@ pub async fn delete_published_before<'e>(
                         where published_at < now() - $1 * interval '1 millisecond'
                         limit $2)",
     )
-    .bind(crate::retention::millis(retention))
+    .bind(crate::runtime::retention::millis(retention))
     .bind(batch)
     .execute(db)
     .await

@@ -15,19 +15,21 @@ use sqlx::{PgPool, migrate::Migrator};
 use tokio::net::TcpListener;
 
 use crate::{
-    config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::{self, ConsumerSettings, Handler},
-    db::{self, PoolSettings, SchemaArgs},
-    health::{self, Health},
-    serve::{self, HttpArgs},
-    shutdown::Shutdown,
+    runtime::{
+        config::{BrokerArgs, ConsumerArgs, SecretUrl},
+        db::{self, PoolSettings, SchemaArgs},
+        health::{self, Health},
+        serve::{self, HttpArgs},
+        shutdown::Shutdown,
+    },
     topology::Endpoint,
 };
 
 /// Any error a binary's `main` reports.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-pub use crate::startup::StartupError;
+pub use crate::runtime::startup::StartupError;
 
 /// How a binary's `main` ends: success; a [`StartupError`] as `NAME: cannot start: REASON` on
 /// one line and status 2 (as for a bad flag); any other error on one line and status 1.
@@ -54,8 +56,8 @@ pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
 /// ```no_run
 /// # async fn example(pool: sqlx::PgPool, settings: messaging::consumer::ConsumerSettings,
 /// #     handler: impl messaging::consumer::Handler, listener: tokio::net::TcpListener,
-/// #     http: messaging::serve::HttpArgs, shutdown: messaging::shutdown::Shutdown) -> std::io::Result<()> {
-/// use messaging::{health::{self, Health}, service::Service};
+/// #     http: messaging::runtime::serve::HttpArgs, shutdown: messaging::runtime::shutdown::Shutdown) -> std::io::Result<()> {
+/// use messaging::{runtime::health::{self, Health}, service::Service};
 ///
 /// let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
 /// let service = Service::new(health, shutdown).consume(settings, handler, &pool);
@@ -223,7 +225,7 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
     ) -> Result<(), StartupError> {
         let Settings { common, own } = settings;
         // Before anything is written: a broker whose certificate does not verify stops us here.
-        crate::broker::check_tls(&common.broker.amqp_url).await?;
+        crate::runtime::broker::check_tls(&common.broker.amqp_url).await?;
         let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, &common.broker);
         // One connection per concurrent delivery, plus one for health checks.
         let pool_settings = PoolSettings {
@@ -255,7 +257,7 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             Ok(settings) => settings,
             Err(error) => error.exit(),
         };
-        let _telemetry = crate::telemetry::init(self.name);
+        let _telemetry = crate::runtime::telemetry::init(self.name);
         let (name, addr) = (self.name, settings.common.http_addr);
         run_binary(name, addr, |listener, shutdown| async move {
             self.run(settings, listener, shutdown).await.map_err(BoxError::from)
@@ -264,9 +266,9 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
 }
 
 /// The process's command line for `command`, with the settings given in files
-/// ([`crate::config::args_with_secret_files`]); exits 2 with the reason if one cannot be read.
+/// ([`crate::runtime::config::args_with_secret_files`]); exits 2 with the reason if one cannot be read.
 pub fn command_line(command: &clap::Command) -> Vec<std::ffi::OsString> {
-    match crate::config::args_with_secret_files(command, std::env::args_os()) {
+    match crate::runtime::config::args_with_secret_files(command, std::env::args_os()) {
         Ok(args) => args,
         Err(refusal) => command.clone().error(clap::error::ErrorKind::ValueValidation, refusal).exit(),
     }
@@ -298,9 +300,9 @@ where
 {
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(%addr, "listening");
-    let (trigger, shutdown) = crate::shutdown::channel();
+    let (trigger, shutdown) = crate::runtime::shutdown::channel();
     tokio::spawn(async move {
-        crate::shutdown::signal().await;
+        crate::runtime::shutdown::signal().await;
         trigger.trigger();
     });
     run(listener, shutdown).await

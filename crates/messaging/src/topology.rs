@@ -13,7 +13,7 @@ use lapin::{
 
 use crate::{
     contracts::{Contract, JOBS_EXCHANGE},
-    duration::format_duration,
+    runtime::duration::format_duration,
 };
 
 /// Returns of one message to the work queue before the broker itself dead-letters it. Every

@@ -11,7 +11,7 @@ mod parked;
 use std::{process::ExitCode, time::Duration};
 
 use clap::{CommandFactory, Parser, Subcommand};
-use messaging::{
+use messaging::runtime::{
     config::{BrokerArgs, SecretUrl},
     duration::parse_duration,
 };

@@ -4,7 +4,7 @@
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
-use messaging::{config::SecretUrl, outbox::NOTIFY_CHANNEL};
+use messaging::{outbox::NOTIFY_CHANNEL, runtime::config::SecretUrl};
 use sqlx::{
     PgPool,
     postgres::{PgConnectOptions, PgPoolOptions},

@@ -17,13 +17,15 @@ use lapin::{
     types::FieldTable,
 };
 use messaging::{
-    broker,
-    config::SecretUrl,
     contracts::{JobEvent, JobRedriven},
-    duration::{format_duration, parse_duration},
     envelope::{self, Headers},
-    failpoint, http,
     publisher::{PublishError, Publisher},
+    runtime::{
+        broker,
+        config::SecretUrl,
+        duration::{format_duration, parse_duration},
+        failpoint, http,
+    },
 };
 use regex::Regex;
 use uuid::Uuid;

@@ -10,9 +10,11 @@ use axum::{
 };
 use chrono::{DateTime, Utc};
 use messaging::{
-    db::{self, QUERY_DEADLINE},
     envelope::HEADER_TRACEPARENT as TRACEPARENT,
-    trace::{self, TraceContext},
+    runtime::{
+        db::{self, QUERY_DEADLINE},
+        trace::{self, TraceContext},
+    },
 };
 use serde::{Deserialize, Serialize};
 use shop::OrderLine;
@@ -156,7 +158,7 @@ pub(crate) async fn place_order(
         None => None,
     };
     // The request starts the order's trace, or continues the caller's: the `order.placed` row
-    // names this request's span as its parent (W3C trace context, `messaging::trace`).
+    // names this request's span as its parent (W3C trace context, `messaging::runtime::trace`).
     let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
     let context = TraceContext::continuing(caller);
     // The request's span, under the trace's ids: exported if `OTEL_*` names a collector.

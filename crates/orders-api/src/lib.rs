@@ -15,13 +15,15 @@ use std::{net::SocketAddr, sync::Arc};
 
 use axum::Router;
 use messaging::{
-    config::{BrokerArgs, ConsumerArgs, SecretUrl},
     consumer::ConsumerSettings,
-    db::{self, PoolSettings, SchemaArgs},
-    health::{self, Health},
-    serve::HttpArgs,
+    runtime::{
+        config::{BrokerArgs, ConsumerArgs, SecretUrl},
+        db::{self, PoolSettings, SchemaArgs},
+        health::{self, Health},
+        serve::HttpArgs,
+        shutdown::Shutdown,
+    },
     service::{BoxError, Service},
-    shutdown::Shutdown,
 };
 use sqlx::PgPool;
 use tower_http::trace::TraceLayer;
@@ -99,7 +101,7 @@ pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: Option<
 /// Run the API on `listener` and the status consumer until `shutdown`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
     // Before anything is written: a broker whose certificate does not verify stops us here.
-    messaging::broker::check_tls(&config.broker.amqp_url).await?;
+    messaging::runtime::broker::check_tls(&config.broker.amqp_url).await?;
     let settings = PoolSettings {
         max_connections: config.pool_size,
         // Fail fast into a 503 while the database is down, rather than hanging the client.

@@ -10,7 +10,7 @@ fn main() -> ExitCode {
     if let Err(refusal) = config.consumer.check_inbox_retention() {
         orders_api::Config::command().error(clap::error::ErrorKind::ValueValidation, refusal).exit();
     }
-    let _telemetry = messaging::telemetry::init("orders-api");
+    let _telemetry = messaging::runtime::telemetry::init("orders-api");
     service::run_binary("orders-api", config.http_addr, |listener, shutdown| {
         orders_api::run(config, listener, shutdown)
     })

@@ -3,7 +3,7 @@
 //! `GET /openapi.json` and kept in `docs/openapi.json` (a test fails if that copy is stale; CI fuzzes
 //! the running API from it with schemathesis).
 //!
-//! The health routes and the live page are served by shared code (`messaging::health`, the page's
+//! The health routes and the live page are served by shared code (`messaging::runtime::health`, the page's
 //! HTML); they are described here by the functions below, which only carry their annotations.
 
 use axum::{Json, Router, routing::get};

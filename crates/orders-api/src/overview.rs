@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use axum::{Json, Router, extract::State, response::Html, routing::get};
 use chrono::{DateTime, Utc};
-use messaging::{config::SecretUrl, health::Health};
+use messaging::runtime::{config::SecretUrl, health::Health};
 use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -32,13 +32,14 @@ impl Sources {
         Self { pool, health, metrics, management }
     }
 
-    /// `GET url` (basic auth from its user info; `https://` as [`messaging::http`] does it), its
+    /// `GET url` (basic auth from its user info; `https://` as [`messaging::runtime::http`] does it), its
     /// body as text, within two seconds.
     async fn get(&self, url: &str) -> Result<String, String> {
-        let response = tokio::time::timeout(Duration::from_secs(2), messaging::http::request("GET", url, &[], None))
-            .await
-            .map_err(|_| "no answer within 2 s".to_owned())?
-            .map_err(|error| error.to_string())?;
+        let response =
+            tokio::time::timeout(Duration::from_secs(2), messaging::runtime::http::request("GET", url, &[], None))
+                .await
+                .map_err(|_| "no answer within 2 s".to_owned())?
+                .map_err(|error| error.to_string())?;
         if !(200..300).contains(&response.status) {
             return Err(format!("status {}", response.status));
         }
@@ -141,7 +142,7 @@ async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiE
     }
     let mut parking = Vec::new();
     if let Some(management) = &sources.management {
-        let url = messaging::http::join(management.expose(), "/api/queues/%2f?columns=name,messages");
+        let url = messaging::runtime::http::join(management.expose(), "/api/queues/%2f?columns=name,messages");
         match sources
             .get(&url)
             .await
@@ -179,7 +180,7 @@ async fn recent_jobs(pool: &PgPool, quarantined_only: bool) -> Result<Vec<JobRow
     )
     .bind(quarantined_only)
     .fetch_all(pool);
-    Ok(messaging::db::within(messaging::db::QUERY_DEADLINE, rows).await?)
+    Ok(messaging::runtime::db::within(messaging::runtime::db::QUERY_DEADLINE, rows).await?)
 }
 
 /// A sample of the Prometheus text format: name, labels, value.
@@ -208,7 +209,7 @@ fn parse_samples(text: &str) -> Vec<Sample> {
 fn endpoint_counts(samples: &[Sample]) -> Vec<EndpointCounts> {
     let mut counts: BTreeMap<String, EndpointCounts> = BTreeMap::new();
     for (name, labels, value) in samples {
-        if name != messaging::metrics::MESSAGES_HANDLED {
+        if name != messaging::runtime::metrics::MESSAGES_HANDLED {
             continue;
         }
         let Some(endpoint) = labels.get("endpoint") else { continue };

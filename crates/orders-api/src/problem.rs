@@ -49,7 +49,11 @@ impl ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        if messaging::db::is_unreachable(&error) { Self::Unavailable(error.into()) } else { Self::internal(error) }
+        if messaging::runtime::db::is_unreachable(&error) {
+            Self::Unavailable(error.into())
+        } else {
+            Self::internal(error)
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
 use std::sync::Arc;
 
 use chrono::Utc;
-use messaging::metrics::Metrics;
+use messaging::runtime::metrics::Metrics;
 use sqlx::PgConnection;
 
 use crate::{

@@ -20,9 +20,12 @@ use std::sync::Arc;
 
 use messaging::{
     contracts::Contract,
-    db::{self, QUERY_DEADLINE},
     envelope::Headers,
-    failpoint, outbox,
+    outbox,
+    runtime::{
+        db::{self, QUERY_DEADLINE},
+        failpoint,
+    },
 };
 use shop::OrderPlaced;
 use sqlx::{PgConnection, PgPool, types::Json};
@@ -31,7 +34,7 @@ use uuid::Uuid;
 
 use crate::order::{Accepted, IdempotencyKey, ValidOrder};
 
-/// Failpoint (`messaging::failpoint`): a writer holds a database connection for a batch of orders
+/// Failpoint (`messaging::runtime::failpoint`): a writer holds a database connection for a batch of orders
 /// (one or more) and has not yet sent the one statement that writes them (and commits, all or
 /// nothing).
 pub const BEFORE_COMMIT: &str = "api.before-commit";

@@ -9,7 +9,7 @@ use axum::{
     body::Body,
     http::{Request, StatusCode, header},
 };
-use messaging::health::Health;
+use messaging::runtime::health::Health;
 use orders_api::writer::Writers;
 use serde_json::Value;
 use sqlx::PgPool;

@@ -13,19 +13,21 @@
 use std::{collections::HashSet, net::SocketAddr, str::FromStr, time::Duration};
 
 use messaging::{
-    backoff::Backoff,
-    broker::{self, Link, Session, SessionEnd},
-    config::{BrokerArgs, SecretUrl, parse_wait},
-    db,
-    duration::parse_duration,
-    failpoint,
-    health::Health,
-    metrics::OutboxMetrics,
     outbox,
     publisher::{PublishError, Publisher},
-    serve::HttpArgs,
+    runtime::{
+        backoff::Backoff,
+        broker::{self, Link, Session, SessionEnd},
+        config::{BrokerArgs, SecretUrl, parse_wait},
+        db,
+        duration::parse_duration,
+        failpoint,
+        health::Health,
+        metrics::OutboxMetrics,
+        serve::HttpArgs,
+        shutdown::Shutdown,
+    },
     service::{BoxError, Service, StartupError},
-    shutdown::Shutdown,
     topology,
 };
 use sqlx::{
@@ -166,7 +168,7 @@ impl OutboxDb {
     /// there yet (or not reachable) is waited for by its loop.
     async fn check(&self) -> Result<(), StartupError> {
         let refused = |reason: String| StartupError(format!("the database at {}: {reason}", self.url));
-        if let Some(reason) = messaging::tls::unreadable_postgres_file(self.url.expose()) {
+        if let Some(reason) = messaging::runtime::tls::unreadable_postgres_file(self.url.expose()) {
             return Err(refused(reason));
         }
         match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
@@ -174,7 +176,7 @@ impl OutboxDb {
                 .await
                 .map_err(|error| refused(db::describe(&error))),
             Ok(false) => Ok(()),
-            Err(error) => match messaging::tls::verification_failure(&error) {
+            Err(error) => match messaging::runtime::tls::verification_failure(&error) {
                 Some(reason) => Err(refused(format!("TLS: {reason}"))),
                 None if db::is_unreachable(&error) => Ok(()),
                 None => Err(refused(db::describe(&error))),
@@ -448,8 +450,8 @@ struct SentBatch {
 
 /// Delete published rows past retention, in small batches, at start-up and hourly.
 async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown) {
-    messaging::retention::run("published outbox rows", shutdown, || {
-        outbox::delete_published_before(&db.pool, retention, messaging::retention::BATCH)
+    messaging::runtime::retention::run("published outbox rows", shutdown, || {
+        outbox::delete_published_before(&db.pool, retention, messaging::runtime::retention::BATCH)
     })
     .await;
 }

@@ -7,6 +7,6 @@ use messaging::service;
 
 fn main() -> ExitCode {
     let config = relay::Config::parse_from(service::command_line(&relay::Config::command()));
-    let _telemetry = messaging::telemetry::init("relay");
+    let _telemetry = messaging::runtime::telemetry::init("relay");
     service::run_binary("relay", config.http_addr, |listener, shutdown| relay::run(config, listener, shutdown))
 }

@@ -15,7 +15,7 @@
 //! in its chroot. Default `rabbitmqctl`.
 
 pub mod cli;
-pub use messaging::http;
+pub use messaging::runtime::http;
 pub mod ledger;
 pub mod process;
 pub mod proxy;
@@ -72,7 +72,7 @@ async fn locate_servers() -> Servers {
         let amqp = origin(&amqp);
         // The management API on the broker's host, as the broker's own user, unless named.
         let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"])
-            .or_else(|| messaging::http::management_url_of(&amqp))
+            .or_else(|| messaging::runtime::http::management_url_of(&amqp))
             .expect("AMQP URL");
         return Servers { postgres: origin(&postgres), amqp, management };
     }
@@ -120,7 +120,7 @@ impl TestEnv {
     }
 
     /// The URL of this test's database for `service` (e.g. `orders`); created by whoever connects
-    /// first through [`messaging::db`], or by [`TestEnv::pool`].
+    /// first through [`messaging::runtime::db`], or by [`TestEnv::pool`].
     pub fn database_url(&self, service: &str) -> String {
         http::join(&self.servers.postgres, &format!("/t_{}_{service}", self.id))
     }
@@ -138,7 +138,7 @@ impl TestEnv {
     /// A pool on this test's database for `service`, created if missing (not migrated).
     pub async fn pool(&self, service: &str) -> PgPool {
         let options: sqlx::postgres::PgConnectOptions = self.database_url(service).parse().expect("database url");
-        messaging::db::create_database_if_missing(&options).await.expect("create test database");
+        messaging::runtime::db::create_database_if_missing(&options).await.expect("create test database");
         PgPoolOptions::new().max_connections(4).connect_with(options).await.expect("connect test database")
     }
 
@@ -160,7 +160,7 @@ impl TestEnv {
 
     /// A broker connection on this test's vhost.
     pub async fn amqp(&self) -> Connection {
-        messaging::broker::connect(&messaging::config::SecretUrl::new(self.amqp_url()), "test")
+        messaging::runtime::broker::connect(&messaging::runtime::config::SecretUrl::new(self.amqp_url()), "test")
             .await
             .expect("connect to test vhost")
     }

@@ -95,7 +95,7 @@ pub async fn provision(env: &TestEnv) -> Accounts {
     // users.sh speaks to the management API with curl: the URL without our query, its CA apart.
     let management = url::Url::parse(&env.servers.management).expect("management URL");
     let ca = management.query_pairs().find(|(key, _)| key == "cacertfile").map(|(_, value)| value.into_owned());
-    let mut bare = messaging::tls::TlsFiles::strip(&management);
+    let mut bare = messaging::runtime::tls::TlsFiles::strip(&management);
     bare.set_query(None);
     let mut command = tokio::process::Command::new("bash");
     command.arg(script("ops/rabbitmq/users.sh")).args(["apply", bare.as_str(), &env.vhost]);

@@ -7,7 +7,7 @@
 //! Each test stops the inventory worker, places its orders (they wait in its queue) and starts it
 //! again: with `BATCH_WAIT` its first batch holds them all.
 
-use messaging::{
+use messaging::runtime::{
     failpoint,
     metrics::{CONSUMER_BATCHES, INBOX_DUPLICATES},
 };

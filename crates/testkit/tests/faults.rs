@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use messaging::{failpoint, metrics::INBOX_DUPLICATES};
+use messaging::runtime::{failpoint, metrics::INBOX_DUPLICATES};
 use testkit::{
     eventually, http,
     shop::{Options, Service, Shop, WAIT},
@@ -205,9 +205,9 @@ async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadlin
     shop.wait_for_log(Service::Api, "FAILPOINT api.before-commit pausing", 1).await;
     shop.database_proxy(Service::Api).stall();
 
-    // messaging::db::QUERY_DEADLINE (10 s) bounds it; without it, the kernel's TCP timeout would
+    // messaging::runtime::db::QUERY_DEADLINE (10 s) bounds it; without it, the kernel's TCP timeout would
     // (about 15 minutes). The margin is for a loaded machine, not part of the bound.
-    let bound = messaging::db::QUERY_DEADLINE + Duration::from_secs(20);
+    let bound = messaging::runtime::db::QUERY_DEADLINE + Duration::from_secs(20);
     let response = tokio::time::timeout(bound, in_flight)
         .await
         .expect("the in-flight request ended within the deadline")

@@ -6,7 +6,7 @@ use lapin::{
     options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions},
     types::FieldTable,
 };
-use messaging::config::SecretUrl;
+use messaging::runtime::config::SecretUrl;
 use sqlx::Connection;
 use testkit::{
     process,
@@ -68,7 +68,8 @@ async fn the_inventory_user_cannot_consume_declare_purge_or_delete_billing_queue
     let shop = least_privilege_shop().await;
     let user = format!("t-{}-inventory-worker", shop.env.id());
     let url = SecretUrl::new(as_user(&shop.env.amqp_url(), &user, None));
-    let connection = messaging::broker::connect(&url, "least-privilege test").await.expect("connect as inventory");
+    let connection =
+        messaging::runtime::broker::connect(&url, "least-privilege test").await.expect("connect as inventory");
     let billing = "billing.inventory-reserved";
     // Each refusal closes its channel (403 ACCESS_REFUSED); a fresh channel for each.
     let channel = connection.create_channel().await.expect("channel");

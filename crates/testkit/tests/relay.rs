@@ -13,7 +13,7 @@ use lapin::{
 };
 use messaging::{
     outbox,
-    shutdown::{self, ShutdownTrigger},
+    runtime::shutdown::{self, ShutdownTrigger},
     topology,
 };
 use shop::{InventoryReserved, OrderLine, OrderPlaced, exchanges};

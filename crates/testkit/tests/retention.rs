@@ -3,7 +3,7 @@
 //! stay.
 
 use clap::Parser;
-use messaging::{service::BoxError, shutdown};
+use messaging::{runtime::shutdown, service::BoxError};
 use sqlx::PgPool;
 use testkit::{
     TestEnv, eventually,

@@ -12,13 +12,15 @@ use chrono::Utc;
 use common::count;
 use lapin::types::AMQPValue;
 use messaging::{
-    backoff::Backoff,
     consumer::{self, ConsumerSettings, Handler, HandlerError},
     contracts::{Contract, JobRetryScheduled},
     envelope::{self, Headers, Incoming},
-    health::Health,
     publisher::Publisher,
-    shutdown::{self, ShutdownTrigger},
+    runtime::{
+        backoff::Backoff,
+        health::Health,
+        shutdown::{self, ShutdownTrigger},
+    },
     topology::{self, Binding, Endpoint, RetryPolicy},
 };
 use sqlx::{PgConnection, PgPool};
@@ -96,7 +98,7 @@ fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u1
         policy,
         prefetch,
         batch: messaging::consumer::Batching::OFF,
-        amqp_url: messaging::config::SecretUrl::new(env.amqp_url()),
+        amqp_url: messaging::runtime::config::SecretUrl::new(env.amqp_url()),
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         max_crashes: 3,
         handler_timeout: Duration::from_secs(10),

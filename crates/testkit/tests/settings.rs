@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use messaging::db::{self, DbTimeouts};
+use messaging::runtime::db::{self, DbTimeouts};
 use sqlx::{ConnectOptions, postgres::PgConnectOptions};
 use testkit::{TestEnv, http, process, shop::Service};
 

@@ -10,7 +10,7 @@ use messaging::{
     contracts::{Contract, JobQuarantined, JobRedriven, JobRetryScheduled},
     envelope::Headers,
     publisher::Publisher,
-    shutdown,
+    runtime::shutdown,
 };
 use serde_json::Value;
 use shop::{InventoryReserved, InvoiceCreated, OrderLine};

@@ -6,7 +6,11 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{Applied, Handler, HandlerError, Runtime, settle::Member};
-use crate::{db, duration::format_duration, envelope::Incoming, failpoint, inbox, metrics::Handling, trace};
+use crate::{
+    envelope::Incoming,
+    inbox,
+    runtime::{db, duration::format_duration, failpoint, metrics::Handling, trace},
+};
 
 impl<H: Handler> Runtime<H> {
     /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,

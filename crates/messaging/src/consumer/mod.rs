@@ -34,6 +34,7 @@
 
 mod acks;
 mod apply;
+mod crashes;
 mod park;
 mod scheduler;
 mod session;
@@ -48,13 +49,15 @@ use sqlx::{PgConnection, PgPool};
 use tracing::Instrument;
 
 use crate::{
-    backoff::Backoff,
-    broker::{self, Link},
-    config::{BrokerArgs, ConsumerArgs, SecretUrl},
     envelope::{Incoming, Unreadable},
-    health::Health,
-    metrics::{EndpointMetrics, Handling},
-    shutdown::Shutdown,
+    runtime::{
+        backoff::Backoff,
+        broker::{self, Link},
+        config::{BrokerArgs, ConsumerArgs, SecretUrl},
+        health::Health,
+        metrics::{EndpointMetrics, Handling},
+        shutdown::Shutdown,
+    },
     topology::{Endpoint, RetryPolicy},
 };
 
@@ -169,7 +172,7 @@ impl From<sqlx::Error> for HandlerError {
     /// garbled connection are transient; anything the database rejects on its merits (a
     /// constraint, a type) would fail the same way again, so it is permanent.
     fn from(error: sqlx::Error) -> Self {
-        if crate::db::is_unreachable(&error) {
+        if crate::runtime::db::is_unreachable(&error) {
             return Self::Unavailable(Reason::caused_by(error));
         }
         let transient = match &error {
@@ -305,11 +308,11 @@ pub async fn run<H: Handler>(
         readiness: Arc::clone(&health.readiness),
     };
     let retention = settings.inbox_retention;
-    let prune = crate::retention::run("inbox", shutdown.clone(), {
+    let prune = crate::runtime::retention::run("inbox", shutdown.clone(), {
         let pool = pool.clone();
         move || {
             let pool = pool.clone();
-            async move { crate::inbox::delete_received_before(&pool, retention, crate::retention::BATCH).await }
+            async move { crate::inbox::delete_received_before(&pool, retention, crate::runtime::retention::BATCH).await }
         }
     });
     let metrics = health.metrics.endpoint(name);

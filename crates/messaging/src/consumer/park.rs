@@ -12,8 +12,8 @@ use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span
 use crate::{
     contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
     envelope::{self, Headers, Incoming},
-    metrics::Handled,
     publisher::{Pending, PublishError, Publisher},
+    runtime::metrics::Handled,
 };
 
 impl<H: Handler> Runtime<H> {
@@ -136,7 +136,7 @@ impl<H: Handler> Runtime<H> {
         let span = tracing::Span::current();
         span.record("outcome", outcome.as_str());
         if matches!(outcome, Handled::Retried | Handled::Parked) {
-            // A failed attempt: its exported span shows as an error (`crate::otel`).
+            // A failed attempt: its exported span shows as an error (`crate::runtime::otel`).
             span.record("otel.status_code", "error");
         }
         // In the delivery's span: with its trace and span ids, for whoever follows a trace in logs.

@@ -20,9 +20,11 @@ use super::{
     scheduler::{Scheduler, Start},
 };
 use crate::{
-    broker::{Session, SessionEnd},
     publisher::{PublishError, Publisher},
-    shutdown::{self, Shutdown},
+    runtime::{
+        broker::{Session, SessionEnd},
+        shutdown::{self, Shutdown},
+    },
     topology,
 };
 

@@ -10,12 +10,15 @@ use uuid::Uuid;
 
 use super::{Applied, Handler, HandlerError, Runtime, acks::InFlight, session::Io};
 use crate::{
-    crashes, db,
+    consumer::crashes,
     envelope::{self, Incoming, Unreadable},
-    metrics::Handled,
     publisher::PublishError,
-    shutdown::Shutdown,
-    trace::{self, TraceContext},
+    runtime::{
+        db,
+        metrics::Handled,
+        shutdown::Shutdown,
+        trace::{self, TraceContext},
+    },
 };
 
 /// A delivery as it arrived: decoded (or not), with its span and trace context.

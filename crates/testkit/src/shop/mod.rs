@@ -9,7 +9,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
-use messaging::{service::BoxError, shutdown::ShutdownTrigger};
+use messaging::{runtime::shutdown::ShutdownTrigger, service::BoxError};
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
 use uuid::Uuid;

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use clap::Parser;
 use messaging::{
     consumer::Handler,
+    runtime::shutdown::{self, Shutdown},
     service::{BoxError, Worker},
-    shutdown::{self, Shutdown},
 };
 use shop::demo::DemoFaults;
 use sqlx::PgPool;

@@ -4,7 +4,7 @@
 use std::{fmt, str::FromStr, time::Duration};
 
 use crate::{
-    duration::{describe, parse_duration},
+    runtime::duration::{describe, parse_duration},
     topology::RetryPolicy,
 };
 
@@ -227,7 +227,7 @@ impl FromStr for RetryDelays {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::duration::format_duration;
+    use crate::runtime::duration::format_duration;
 
     #[test]
     fn secret_url_masks_password() {

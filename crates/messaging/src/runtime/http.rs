@@ -1,4 +1,4 @@
-//! A small HTTP/1.1 client (hyper's), `http://` and `https://` (rustls, [`crate::tls`]): what
+//! A small HTTP/1.1 client (hyper's), `http://` and `https://` (rustls, [`crate::runtime::tls`]): what
 //! `msgctl` and the live page need of the RabbitMQ management API, what the span exporter
 //! (`otel`) sends to a collector, and what the tests drive the services with. An
 //! `https://` URL may name a CA file and a client certificate in its query (`cacertfile`,
@@ -17,7 +17,7 @@ use rustls::pki_types::ServerName;
 use std::sync::Arc;
 use tokio::net::TcpStream;
 
-use crate::tls::TlsFiles;
+use crate::runtime::tls::TlsFiles;
 
 /// A response.
 #[derive(Debug, Clone)]
@@ -62,7 +62,7 @@ pub async fn request_bytes(
     body: Option<&[u8]>,
 ) -> std::io::Result<Response> {
     // Errors name the URL with its password masked.
-    let shown = crate::config::SecretUrl::new(url);
+    let shown = crate::runtime::config::SecretUrl::new(url);
     let exchange = async {
         let (mut connection, path) = Connection::open_for(url).await?;
         connection.send(method, &path, headers, body).await
@@ -78,7 +78,7 @@ pub async fn request_bytes(
 ///
 /// ```no_run
 /// # async fn post() -> std::io::Result<()> {
-/// let mut api = messaging::http::Connection::open("http://127.0.0.1:8080").await?;
+/// let mut api = messaging::runtime::http::Connection::open("http://127.0.0.1:8080").await?;
 /// for _ in 0..3 {
 ///     let response = api.send("POST", "/orders", &[], Some(br#"{"customer_id":"c-1","lines":[]}"#)).await?;
 ///     assert_eq!(response.status, 400);
@@ -108,7 +108,7 @@ impl Connection {
 
     /// [`Self::open`], and `url`'s path and query, to send to.
     async fn open_for(url: &str) -> std::io::Result<(Self, String)> {
-        let shown = crate::config::SecretUrl::new(url);
+        let shown = crate::runtime::config::SecretUrl::new(url);
         let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {shown}"));
         let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
         let files = TlsFiles::of_url(&parsed);
@@ -236,7 +236,7 @@ pub fn management_url_of(amqp_url: &str) -> Option<String> {
     management.set_password(Some(password)).ok()?;
     let files: Vec<(String, String)> = amqp
         .query_pairs()
-        .filter(|(key, _)| crate::tls::QUERY_KEYS.contains(&key.as_ref()))
+        .filter(|(key, _)| crate::runtime::tls::QUERY_KEYS.contains(&key.as_ref()))
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
         .collect();
     if files.is_empty() {

@@ -14,9 +14,11 @@ use axum::{
 use sqlx::PgPool;
 
 use crate::{
-    metrics::{self, ByDatabase, ByDatabaseState, Metrics},
     outbox,
-    shutdown::Shutdown,
+    runtime::{
+        metrics::{self, ByDatabase, ByDatabaseState, Metrics},
+        shutdown::Shutdown,
+    },
 };
 
 /// Named readiness flags: each long-running session (a consumer, a relay loop) sets its own.
@@ -65,7 +67,7 @@ pub fn routes(health: Health) -> Router {
 
 async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     for (name, pool) in &health.databases {
-        health.readiness.set(&format!("database:{name}"), crate::db::answers(pool).await);
+        health.readiness.set(&format!("database:{name}"), crate::runtime::db::answers(pool).await);
     }
     let failing = health.readiness.failing();
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

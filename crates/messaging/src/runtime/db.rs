@@ -17,7 +17,9 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 
-use crate::{backoff::Backoff, config::SecretUrl, duration::parse_duration, shutdown::Shutdown, startup::StartupError};
+use crate::runtime::{
+    backoff::Backoff, config::SecretUrl, duration::parse_duration, shutdown::Shutdown, startup::StartupError,
+};
 
 /// How long the client waits for one unit of database work (a transaction, a batch) wrapped in
 /// [`within`] before it gives up and treats the database as unreachable.
@@ -61,7 +63,7 @@ pub async fn within<T, E: From<sqlx::Error>>(
         Ok(outcome) => outcome,
         Err(_) => Err(E::from(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("no answer from the database within {}", crate::duration::format_duration(limit)),
+            format!("no answer from the database within {}", crate::runtime::duration::format_duration(limit)),
         )))),
     }
 }
@@ -156,7 +158,7 @@ pub async fn open(
     let migrating_url = database.migrate_as.unwrap_or(database.url);
     let migrating = PgConnectOptions::from_str(migrating_url.expose()).map_err(|e| at(migrating_url, &e))?;
     for url in [database.url, migrating_url] {
-        if let Some(reason) = crate::tls::unreadable_postgres_file(url.expose()) {
+        if let Some(reason) = crate::runtime::tls::unreadable_postgres_file(url.expose()) {
             return Err(at(url, &reason));
         }
     }
@@ -259,7 +261,7 @@ async fn grant_outbox(options: &PgConnectOptions, role: &str) -> Result<(), sqlx
 
 /// One line for a start-up error: rustls' reason for a certificate, else sqlx's message.
 pub fn describe(error: &sqlx::Error) -> String {
-    match (crate::tls::verification_failure(error), error) {
+    match (crate::runtime::tls::verification_failure(error), error) {
         (Some(reason), _) => format!("TLS: {reason}"),
         // Ours (a missing grant, a role that may not migrate): the message alone.
         (None, sqlx::Error::Configuration(message)) => message.to_string(),
@@ -347,14 +349,14 @@ pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()
 
 /// Whether an error means "the server is not there (yet)", worth waiting for. A TLS handshake
 /// that fails is one too, unless it failed on a verdict about the certificates
-/// ([`crate::tls::verification_failure`]): a connection that dies during the handshake (or
+/// ([`crate::runtime::tls::verification_failure`]): a connection that dies during the handshake (or
 /// during the `SSLRequest` before it, which sqlx reports as an unexpected response) is an outage.
 pub fn is_unreachable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
-            crate::tls::verification_failure(error).is_none()
+            crate::runtime::tls::verification_failure(error).is_none()
         }
-        sqlx::Error::Tls(_) => crate::tls::verification_failure(error).is_none(),
+        sqlx::Error::Tls(_) => crate::runtime::tls::verification_failure(error).is_none(),
         sqlx::Error::Protocol(message) => message.starts_with("unexpected response from SSLRequest"),
         // Class 08 is connection trouble; 57P01-57P03 are the server shutting down, crashing or
         // starting up.

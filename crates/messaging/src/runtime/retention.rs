@@ -4,7 +4,7 @@
 
 use std::{future::Future, time::Duration};
 
-use crate::shutdown::Shutdown;
+use crate::runtime::shutdown::Shutdown;
 
 /// Rows deleted per statement.
 pub const BATCH: i64 = 10_000;

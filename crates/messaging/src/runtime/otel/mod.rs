@@ -2,7 +2,7 @@
 //! standard `OTEL_*` environment variables and off unless one names an endpoint.
 //!
 //! Which spans: every `tracing` span that records a `trace_id` and a `span_id` (hex, as
-//! [`TraceContext::record_on`](crate::trace::TraceContext::record_on) writes them): the API's
+//! [`TraceContext::record_on`](crate::runtime::trace::TraceContext::record_on) writes them): the API's
 //! `POST /orders` and each consumer's delivery span. Their ids are the ones that travel in the
 //! `traceparent` headers, so the collector sees one order as one trace across every service. The
 //! span's other fields become its attributes; `otel.kind` (`server`, `consumer`, …) and
@@ -97,7 +97,7 @@ impl Config {
             Ok(url) if matches!(url.scheme(), "http" | "https") => url,
             _ => return Err(format!("OTLP endpoint {endpoint}: not an http:// or https:// URL")),
         };
-        // TLS files, handed to our HTTP client in the URL's query (crate::tls).
+        // TLS files, handed to our HTTP client in the URL's query (crate::runtime::tls).
         let files = [
             ("cacertfile", either("CERTIFICATE")),
             ("certfile", either("CLIENT_CERTIFICATE")),
@@ -257,7 +257,7 @@ impl Sender {
             self.config.headers.iter().map(|(name, value)| (name.as_str(), value.as_str())).collect();
         let sent = tokio::time::timeout(
             self.config.timeout,
-            crate::http::request("POST", &self.config.endpoint, &headers, Some(&body)),
+            crate::runtime::http::request("POST", &self.config.endpoint, &headers, Some(&body)),
         )
         .await;
         let failure = match sent {

@@ -1,6 +1,6 @@
 //! TLS for every connection that leaves the process, through rustls (no OpenSSL): Postgres (sqlx
 //! reads `sslmode`, `sslrootcert`, `sslcert` and `sslkey` from the URL, as libpq does), AMQPS
-//! (lapin), and `https://` to the management API and to an OTLP collector ([`crate::http`]).
+//! (lapin), and `https://` to the management API and to an OTLP collector ([`crate::runtime::http`]).
 //!
 //! Trust is the system's roots (`/etc/ssl/certs`; `SSL_CERT_FILE` or `SSL_CERT_DIR` replace them)
 //! plus the CA file a connection names. A broker or management URL names its files in its query,

@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 
 use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder};
 
-use crate::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown, tls::TlsFiles};
+use crate::runtime::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown, tls::TlsFiles};
 
 /// A long-running broker client: where it connects, its name (shown in the broker's management
 /// UI, and the readiness flag that says whether it is up), and how long it waits between tries.
@@ -24,7 +24,7 @@ pub struct Link {
 }
 
 /// Open one connection, named `name` in the broker's management UI. An `amqps://` URL may name
-/// its CA file and client certificate in its query ([`crate::tls`]); they are read at every
+/// its CA file and client certificate in its query ([`crate::runtime::tls`]); they are read at every
 /// connect, so a rotated certificate is picked up by the next reconnect.
 pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
@@ -44,14 +44,14 @@ pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
 /// does not verify, or TLS files that cannot be read, is an error naming the broker and the
 /// reason, which no retry would cure. Anything else (the broker not up yet) is left to the
 /// sessions' reconnect loops.
-pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::startup::StartupError> {
+pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::runtime::startup::StartupError> {
     match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
         Ok(Ok(connection)) => {
             let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
             Ok(())
         }
-        Ok(Err(error)) => match crate::tls::verification_failure(&error) {
-            Some(reason) => Err(crate::startup::StartupError(format!("the broker at {url}: TLS: {reason}"))),
+        Ok(Err(error)) => match crate::runtime::tls::verification_failure(&error) {
+            Some(reason) => Err(crate::runtime::startup::StartupError(format!("the broker at {url}: TLS: {reason}"))),
             None => Ok(()),
         },
         Err(_) => Ok(()),

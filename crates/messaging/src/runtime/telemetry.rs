@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::{EnvFilter, Layer, filter::LevelFilter, layer::SubscriberExt, util::SubscriberInitExt};
 
-use crate::otel;
+use crate::runtime::otel;
 
 /// What [`init`] started; keep it until the binary exits: dropping it sends the spans still
 /// queued for the collector (within a few seconds).

@@ -44,7 +44,7 @@ fn parse(spec: &str) -> Vec<(String, Action)> {
         .filter(|point| !point.is_empty())
         .map(|point| match point.split_once('=') {
             Some((name, pause)) => {
-                let pause = crate::duration::parse_duration(pause)
+                let pause = crate::runtime::duration::parse_duration(pause)
                     .unwrap_or_else(|error| panic!("FAILPOINTS: bad pause for {name}: {error}"));
                 (name.to_owned(), Action::Pause(pause))
             }

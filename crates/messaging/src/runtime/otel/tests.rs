@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::trace::TraceContext;
+use crate::runtime::trace::TraceContext;
 
 fn config(vars: &[(&str, &str)]) -> Result<Option<Config>, String> {
     let vars: HashMap<String, String> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
@@ -58,7 +58,7 @@ fn an_https_endpoint_carries_its_tls_files_to_the_client() {
     .expect("valid")
     .expect("on");
     assert_eq!(on.endpoint, "https://collector:4318/v1/traces?cacertfile=%2Frun%2Fca.pem");
-    let files = crate::tls::TlsFiles::of_url(&url::Url::parse(&on.endpoint).expect("url"));
+    let files = crate::runtime::tls::TlsFiles::of_url(&url::Url::parse(&on.endpoint).expect("url"));
     assert_eq!(files.ca.as_deref(), Some(std::path::Path::new("/run/ca.pem")));
 }
 

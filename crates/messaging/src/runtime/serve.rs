@@ -30,7 +30,7 @@ use tokio::{
     sync::Semaphore,
 };
 
-use crate::{duration::parse_duration, shutdown::Shutdown};
+use crate::runtime::{duration::parse_duration, shutdown::Shutdown};
 
 /// Where a binary listens and how long its HTTP server waits for a client.
 #[derive(Debug, Clone, clap::Args)]
@@ -205,10 +205,10 @@ mod tests {
     use super::*;
 
     /// Serve `router` with `limits` on a free port.
-    async fn start(router: Router, limits: HttpArgs) -> (SocketAddr, crate::shutdown::ShutdownTrigger) {
+    async fn start(router: Router, limits: HttpArgs) -> (SocketAddr, crate::runtime::shutdown::ShutdownTrigger) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let (trigger, shutdown) = crate::shutdown::channel();
+        let (trigger, shutdown) = crate::runtime::shutdown::channel();
         tokio::spawn(async move { serve(listener, router, &limits, shutdown).await });
         (addr, trigger)
     }
