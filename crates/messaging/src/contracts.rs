@@ -13,6 +13,33 @@ use uuid::Uuid;
 pub const JOBS_EXCHANGE: &str = "jobs";
 
 /// A message type: its name (also its routing key), exchange and current major version.
+///
+/// ```
+/// use messaging::contracts::Contract;
+/// use serde::{Deserialize, Serialize};
+///
+/// /// A parcel left the warehouse.
+/// #[derive(Debug, Serialize, Deserialize)]
+/// #[serde(rename_all = "camelCase")]
+/// struct ParcelShipped {
+///     order_id: uuid::Uuid,
+///     job_id: uuid::Uuid,
+/// }
+///
+/// impl Contract for ParcelShipped {
+///     const TYPE: &'static str = "parcel.shipped";
+///     const EXCHANGE: &'static str = "shipping";
+///     // VERSION defaults to 1: a new major version is a new number here.
+///
+///     fn job(&self) -> Option<uuid::Uuid> {
+///         Some(self.job_id)
+///     }
+/// }
+///
+/// let body = serde_json::to_string(&ParcelShipped { order_id: uuid::Uuid::nil(), job_id: uuid::Uuid::nil() })?;
+/// assert!(body.starts_with(r#"{"orderId":"#));
+/// # Ok::<(), serde_json::Error>(())
+/// ```
 pub trait Contract: Serialize {
     /// The AMQP `type` and routing key.
     const TYPE: &'static str;

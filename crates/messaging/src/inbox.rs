@@ -10,7 +10,19 @@ use uuid::Uuid;
 /// Record `message_id` as processed in the caller's transaction. `false` means it was processed
 /// before: skip the effect and ack. A concurrent delivery of the same id blocks on the primary
 /// key until the first transaction ends, then sees the conflict; so two copies handled at once
-/// still apply once.
+/// still apply once. (The consumer runtime does this for every typed handler; a raw handler that
+/// manages its own transaction calls it first.)
+///
+/// ```no_run
+/// # async fn apply(pool: sqlx::PgPool, message_id: uuid::Uuid) -> sqlx::Result<()> {
+/// let mut tx = pool.begin().await?;
+/// if messaging::inbox::record(&mut tx, message_id, "parcel.shipped", "billing.parcel-shipped").await? {
+///     // The effect, in the same transaction: it commits with the inbox row, or neither does.
+///     sqlx::query("update invoices set shipped = true where message_id = $1").bind(message_id).execute(&mut *tx).await?;
+/// }
+/// tx.commit().await
+/// # }
+/// ```
 pub async fn record(
     conn: &mut PgConnection,
     message_id: Uuid,

@@ -54,6 +54,17 @@ impl PublishError {
 
 /// A channel in confirm mode. Publish on it only through [`Publisher::send`] (or `publish`): a
 /// message sent on the channel directly would have its confirm and return go unaccounted.
+///
+/// ```no_run
+/// use messaging::{envelope::Headers, publisher::{PublishError, Publisher}};
+///
+/// # async fn notify(connection: &lapin::Connection, body: &[u8]) -> Result<(), PublishError> {
+/// let publisher = Publisher::open(connection).await?;
+/// let properties = Headers::raw(None, 1).properties(uuid::Uuid::now_v7(), "parcel.shipped", chrono::Utc::now());
+/// // Returns once the broker has confirmed it; unroutable (returned) or nacked is an error.
+/// publisher.publish("shipping", "parcel.shipped", body, properties).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Publisher {
     channel: Channel,

@@ -55,7 +55,16 @@ pub async fn pending(pool: &PgPool, service: &Migrator) -> Result<Vec<i64>, Migr
 }
 
 /// Apply messaging's migrations and then `service`'s to `pool`'s database, in one run under
-/// sqlx's advisory lock (several instances may start together).
+/// sqlx's advisory lock (several instances may start together). The service runtime does this at
+/// start-up ([`crate::runtime::db::open`]); a tool of its own calls it directly.
+///
+/// ```no_run
+/// static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
+///
+/// # async fn up(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+/// messaging::schema::migrate(&pool, &MIGRATOR).await
+/// # }
+/// ```
 pub async fn migrate(pool: &PgPool, service: &Migrator) -> Result<(), MigrateError> {
     combined(service).await?.run(pool).await
 }

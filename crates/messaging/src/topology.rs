@@ -86,6 +86,19 @@ pub struct Binding {
 
 /// A consuming endpoint: one work queue (named after the endpoint), its bindings, and the message
 /// types and major versions it accepts (anything else is parked on arrival).
+///
+/// ```
+/// use messaging::{contracts::Contract, envelope::Unreadable, topology::Endpoint};
+/// # #[derive(serde::Serialize)] struct ParcelShipped;
+/// # impl Contract for ParcelShipped { const TYPE: &'static str = "parcel.shipped"; const EXCHANGE: &'static str = "shipping"; }
+///
+/// let endpoint = Endpoint::new("billing.parcel-shipped").consume::<ParcelShipped>();
+/// assert_eq!(endpoint.parking_queue(), "billing.parcel-shipped.parking");
+/// assert_eq!(endpoint.check("parcel.shipped", 1), Ok(()));
+/// // A major version it does not know yet, or a type it never asked for, is parked on arrival.
+/// assert!(matches!(endpoint.check("parcel.shipped", 2), Err(Unreadable::UnsupportedVersion { .. })));
+/// assert!(matches!(endpoint.check("parcel.lost", 1), Err(Unreadable::UnknownType(_))));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// e.g. `accounts.user-registered`: the work queue's name and the prefix of its other queues.
