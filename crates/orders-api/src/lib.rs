@@ -20,6 +20,7 @@ use messaging::{
         config::{BrokerArgs, ConsumerArgs, SecretUrl},
         db::{self, PoolSettings, SchemaArgs},
         health::{self, Health},
+        metrics::Metrics,
         serve::HttpArgs,
         shutdown::Shutdown,
     },
@@ -112,7 +113,13 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     else {
         return Ok(());
     };
-    let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
+    let mut metrics = Metrics::default();
+    let batches = writer::BatchMetrics::register(&mut metrics);
+    let health = Health {
+        databases: vec![("orders".to_owned(), pool.clone())],
+        metrics: Arc::new(metrics),
+        ..Health::default()
+    };
     let status = ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
@@ -125,7 +132,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             config.rabbitmq_management_url.clone(),
         )
     });
-    let writers = writer::Writers::start(pool.clone(), config.order_writers.into());
+    let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let served = service.routes(app(pool.clone(), writers, health, page)).run(listener, &config.http).await;
     pool.close().await;
     served?;

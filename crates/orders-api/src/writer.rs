@@ -25,8 +25,10 @@ use messaging::{
     runtime::{
         db::{self, QUERY_DEADLINE},
         failpoint,
+        metrics::Metrics,
     },
 };
+use prometheus_client::metrics::{counter::Counter, family::Family};
 use shop::OrderPlaced;
 use sqlx::{PgConnection, PgPool, types::Json};
 use tokio::sync::{Mutex, mpsc, oneshot};
@@ -38,6 +40,9 @@ use crate::order::{Accepted, IdempotencyKey, ValidOrder};
 /// (one or more) and has not yet sent the one statement that writes them (and commits, all or
 /// nothing).
 pub const BEFORE_COMMIT: &str = "api.before-commit";
+/// Statements that wrote several orders, by `outcome`: `committed`, or `fell_back` (the statement
+/// failed, and its orders were written again one by one).
+pub const ORDER_BATCHES: &str = "order_batches_total";
 /// Most orders in one statement.
 pub const MAX_ORDERS: usize = 64;
 /// Orders waiting for a writer, at most; a request beyond it waits for room.
@@ -204,11 +209,11 @@ pub struct Writers {
 
 impl Writers {
     /// Start `writers` writer tasks on `pool` (each holds one connection while it writes).
-    pub fn start(pool: PgPool, writers: usize) -> Self {
+    pub fn start(pool: PgPool, writers: usize, metrics: BatchMetrics) -> Self {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
         for _ in 0..writers.max(1) {
-            tokio::spawn(write_batches(pool.clone(), Arc::clone(&receiver)));
+            tokio::spawn(write_batches(pool.clone(), Arc::clone(&receiver), metrics.clone()));
         }
         Self { queue }
     }
@@ -222,9 +227,30 @@ impl Writers {
     }
 }
 
+/// How the writers' statements of several orders went, counted in [`ORDER_BATCHES`].
+#[derive(Debug, Clone)]
+pub struct BatchMetrics {
+    committed: Counter,
+    fell_back: Counter,
+}
+
+impl BatchMetrics {
+    /// Register [`ORDER_BATCHES`] beside the runtime's metrics.
+    pub fn register(metrics: &mut Metrics) -> Self {
+        let batches = Family::<[(&str, &str); 1], Counter>::default();
+        metrics.register(
+            "order_batches",
+            "Statements writing several orders: committed, or fell back to writing each alone",
+            batches.clone(),
+        );
+        let outcome = |outcome| batches.get_or_create(&[("outcome", outcome)]).clone();
+        Self { committed: outcome("committed"), fell_back: outcome("fell_back") }
+    }
+}
+
 /// One writer: take what is queued (waiting for at least one order), write it, answer; until the
 /// queue is closed.
-async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>) {
+async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>, metrics: BatchMetrics) {
     let mut batch = Vec::with_capacity(MAX_ORDERS);
     loop {
         if receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await == 0 {
@@ -233,7 +259,7 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
         // Its request is gone (the deadline passed): not written.
         batch.retain(|pending| !pending.reply.is_closed());
         if !batch.is_empty() {
-            write_batch(&pool, &mut batch).await;
+            write_batch(&pool, &mut batch, &metrics).await;
         }
     }
 }
@@ -241,17 +267,23 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
 /// Write `batch` in one statement, or, if that fails, each order alone; answer every request.
 /// Each step runs within [`QUERY_DEADLINE`]: a writer on a silent (black-holed) connection drops
 /// it and moves on, as a request's own statement would.
-async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>) {
+async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
     let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
     let outcomes = async {
         let mut conn = db::within(QUERY_DEADLINE, pool.acquire()).await?;
         failpoint::hit(BEFORE_COMMIT).await;
         let error = match db::within(QUERY_DEADLINE, insert_orders(&mut conn, &orders)).await {
-            Ok(written) => return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect()),
+            Ok(written) => {
+                if orders.len() > 1 {
+                    metrics.committed.inc();
+                }
+                return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect());
+            }
             Err(error) if orders.len() == 1 || db::is_unreachable(&error) => return Err(error),
             Err(error) => error,
         };
         // Nothing of the batch was written: each order again, alone, on the same connection.
+        metrics.fell_back.inc();
         tracing::info!(orders = orders.len(), %error, "a batch of orders failed; writing each alone");
         let mut outcomes = Vec::with_capacity(orders.len());
         for order in &orders {

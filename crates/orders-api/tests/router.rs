@@ -9,8 +9,8 @@ use axum::{
     body::Body,
     http::{Request, StatusCode, header},
 };
-use messaging::runtime::health::Health;
-use orders_api::writer::Writers;
+use messaging::runtime::{health::Health, metrics::Metrics};
+use orders_api::writer::{BatchMetrics, Writers};
 use serde_json::Value;
 use sqlx::PgPool;
 use testkit::TestEnv;
@@ -19,7 +19,10 @@ use tower::ServiceExt;
 /// The API's router on the test's own `orders` database.
 async fn api(env: &TestEnv) -> (Router, PgPool) {
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
-    let app = orders_api::app(pool.clone(), Writers::start(pool.clone(), 2), Health::default(), None);
+    let mut metrics = Metrics::default();
+    let writers = Writers::start(pool.clone(), 2, BatchMetrics::register(&mut metrics));
+    let health = Health { metrics: std::sync::Arc::new(metrics), ..Health::default() };
+    let app = orders_api::app(pool.clone(), writers, health, None);
     (app, pool)
 }
 

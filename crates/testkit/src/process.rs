@@ -72,13 +72,15 @@ pub async fn run_to_exit(mut command: Command, limit: Duration) -> std::process:
 }
 
 /// One running (or stopped) service process. Its stdout and stderr go to `<log_dir>/<name>.log`,
-/// appended across restarts. Dropping it kills the process.
+/// appended across restarts, and the failpoints it reaches to `<log_dir>/<name>.failpoints`
+/// (`FAILPOINTS_REPORT`). Dropping it kills the process.
 #[derive(Debug)]
 pub struct Process {
     name: String,
     binary: PathBuf,
     env: Vec<(String, String)>,
     log: PathBuf,
+    failpoints: PathBuf,
     child: Option<Child>,
     /// How many times it was started.
     pub starts: u32,
@@ -92,6 +94,7 @@ impl Process {
             binary,
             env,
             log: log_dir.join(format!("{name}.log")),
+            failpoints: log_dir.join(format!("{name}.failpoints")),
             child: None,
             starts: 0,
         };
@@ -124,6 +127,7 @@ impl Process {
         command
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(extra.iter().copied())
+            .env("FAILPOINTS_REPORT", &self.failpoints)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log handle"))
             .stderr(log)
@@ -191,6 +195,11 @@ impl Process {
     /// Its log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Times it reached (or paused at) the failpoint `name`, across its restarts.
+    pub fn failpoint_hits(&self, name: &str) -> usize {
+        messaging::runtime::failpoint::hits(&self.failpoints, name)
     }
 
     /// Times `needle` occurs in its log.

@@ -7,7 +7,13 @@
 //!   (new connections are accepted and then hang);
 //! - [`Proxy::restore`] forwards again; stalled connections resume where they were.
 
-use std::net::SocketAddr;
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
 
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -36,6 +42,7 @@ pub enum Mode {
 pub struct Proxy {
     addr: SocketAddr,
     mode: watch::Sender<Mode>,
+    open: Arc<AtomicUsize>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -45,8 +52,9 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (mode, watcher) = watch::channel(Mode::Pass);
-        let accept = tokio::spawn(accept_loop(listener, upstream.to_owned(), watcher));
-        Ok(Self { addr, mode, accept })
+        let open = Arc::new(AtomicUsize::new(0));
+        let accept = tokio::spawn(accept_loop(listener, upstream.to_owned(), watcher, Arc::clone(&open)));
+        Ok(Self { addr, mode, open, accept })
     }
 
     /// A proxy for the server a `scheme://[user[:pass]@]host:port/...` URL names, and that URL
@@ -96,6 +104,12 @@ impl Proxy {
     pub fn mode(&self) -> Mode {
         *self.mode.borrow()
     }
+
+    /// Client connections it holds open now. 0 after a [`Proxy::cut`] means every client's
+    /// connection is closed: each of them will see its server gone, whenever traffic passes again.
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
 }
 
 impl Drop for Proxy {
@@ -114,17 +128,39 @@ fn invalid(url: &str, what: &str) -> std::io::Error {
 
 /// Accept until dropped; each connection's tasks live in the set, so aborting this task closes
 /// them all.
-async fn accept_loop(listener: TcpListener, upstream: String, mode: watch::Receiver<Mode>) {
+async fn accept_loop(listener: TcpListener, upstream: String, mode: watch::Receiver<Mode>, open: Arc<AtomicUsize>) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 if let Ok((client, _)) = accepted {
-                    connections.spawn(carry(client, upstream.clone(), mode.clone()));
+                    let open = Open::count(&open);
+                    let (upstream, mode) = (upstream.clone(), mode.clone());
+                    connections.spawn(async move {
+                        carry(client, upstream, mode).await;
+                        drop(open);
+                    });
                 }
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
+    }
+}
+
+/// One client connection counted in [`Proxy::open_connections`] while it lives (the task that
+/// carries it may also be aborted, with the proxy).
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn count(open: &Arc<AtomicUsize>) -> Self {
+        open.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(open))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -77,7 +77,7 @@ async fn a_batch_committed_but_not_acked_when_its_worker_dies_is_skipped_whole_o
     let orders = [("SKU-1", 1), ("SKU-2", 1), ("SKU-3", 1), ("SKU-1", 1), ("SKU-2", 2)];
     let point = failpoint::WORKER_AFTER_COMMIT;
     queued_for_inventory(&mut shop, &orders, &[("FAILPOINTS", point)]).await;
-    shop.wait_for_log(Service::Inventory, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.wait_for_failpoint(Service::Inventory, point, 1).await;
     shop.kill(Service::Inventory).await;
     shop.restart(Service::Inventory).await;
 
@@ -94,7 +94,7 @@ async fn a_worker_killed_inside_a_batch_before_its_commit_applies_each_message_o
     let orders = [("SKU-1", 1), ("SKU-2", 1), ("SKU-3", 1), ("SKU-1", 1), ("SKU-2", 2)];
     let point = failpoint::WORKER_BEFORE_COMMIT;
     let jobs = queued_for_inventory(&mut shop, &orders, &[("FAILPOINTS", point)]).await;
-    shop.wait_for_log(Service::Inventory, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.wait_for_failpoint(Service::Inventory, point, 1).await;
     shop.kill(Service::Inventory).await;
     shop.restart(Service::Inventory).await;
 

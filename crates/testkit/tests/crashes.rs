@@ -7,15 +7,12 @@
 
 use std::time::Duration;
 
+use messaging::runtime::metrics::{CONSUMER_SESSIONS, DELIVERIES_HELD};
 use testkit::{
     eventually,
     shop::{Options, Service, Shop, WAIT},
 };
 use uuid::Uuid;
-
-const HELD: &str = "database unreachable; will apply again";
-const CONSUMING: &str = "consuming prefetch=";
-const LOST: &str = "broker connection lost";
 
 /// The parking and dead-letter intake queues of every endpoint, with their depths.
 async fn parked(shop: &Shop) -> Vec<(String, Option<u32>)> {
@@ -29,21 +26,34 @@ async fn parked(shop: &Shop) -> Vec<(String, Option<u32>)> {
     depths
 }
 
-fn log_count(shop: &mut Shop, service: Service, needle: &str) -> usize {
-    shop.process(service).log_count(needle)
+/// Wait until the inventory worker holds a delivery for its unreachable database, in a session
+/// that started after `sessions` had started.
+async fn wait_until_held(shop: &Shop, sessions: u64) {
+    eventually("the inventory worker to hold a delivery in a new session", WAIT, || async {
+        let started = shop.metric(Service::Inventory, CONSUMER_SESSIONS).await > sessions;
+        (started && shop.metric(Service::Inventory, DELIVERIES_HELD).await >= 1).then_some(())
+    })
+    .await;
 }
 
-/// Cut the inventory worker's broker connection once it holds a delivery, and wait until it has
+/// Close the inventory worker's broker connection (every delivery it holds goes back, unacked),
+/// and let it connect again.
+async fn cut_broker_connection(shop: &Shop) {
+    let proxy = shop.broker_proxy(Service::Inventory);
+    proxy.cut();
+    eventually("the worker's broker connection closed", WAIT, || async {
+        (proxy.open_connections() == 0).then_some(())
+    })
+    .await;
+    proxy.restore();
+}
+
+/// Cut the inventory worker's broker connection while it holds a delivery, and wait until it has
 /// reconnected and holds one again: one return of an unacked, unhandled delivery.
-async fn return_held_delivery(shop: &mut Shop) {
-    let consuming = log_count(shop, Service::Inventory, CONSUMING);
-    let held = log_count(shop, Service::Inventory, HELD);
-    let lost = log_count(shop, Service::Inventory, LOST);
-    shop.broker_proxy(Service::Inventory).cut();
-    shop.wait_for_log(Service::Inventory, LOST, lost + 1).await;
-    shop.broker_proxy(Service::Inventory).restore();
-    shop.wait_for_log(Service::Inventory, CONSUMING, consuming + 1).await;
-    shop.wait_for_log(Service::Inventory, HELD, held + 1).await;
+async fn return_held_delivery(shop: &Shop) {
+    let sessions = shop.metric(Service::Inventory, CONSUMER_SESSIONS).await;
+    cut_broker_connection(shop).await;
+    wait_until_held(shop, sessions).await;
 }
 
 #[tokio::test]
@@ -96,9 +106,9 @@ async fn deliveries_held_through_a_database_outage_and_25_broker_cuts_are_applie
     let mut shop = Shop::start(Options::default()).await;
     shop.database_proxy(Service::Inventory).cut();
     shop.place_burst(20).await;
-    shop.wait_for_log(Service::Inventory, HELD, 1).await;
+    wait_until_held(&shop, 0).await;
     for _ in 0..25 {
-        return_held_delivery(&mut shop).await;
+        return_held_delivery(&shop).await;
     }
     shop.database_proxy(Service::Inventory).restore();
 
@@ -119,13 +129,10 @@ async fn a_message_the_broker_dead_letters_by_its_delivery_limit_still_ends_with
     let mut shop = Shop::start(options).await;
     shop.database_proxy(Service::Inventory).cut();
     let job_id: Uuid = shop.place(&[("SKU-1", 1)]).await;
-    shop.wait_for_log(Service::Inventory, HELD, 1).await;
+    wait_until_held(&shop, 0).await;
     // First return: back and redelivered (held again). Second return: over the limit.
-    return_held_delivery(&mut shop).await;
-    let lost = log_count(&mut shop, Service::Inventory, LOST);
-    shop.broker_proxy(Service::Inventory).cut();
-    shop.wait_for_log(Service::Inventory, LOST, lost + 1).await;
-    shop.broker_proxy(Service::Inventory).restore();
+    return_held_delivery(&shop).await;
+    cut_broker_connection(&shop).await;
 
     let job = eventually("the job to be quarantined", WAIT, || async {
         let job = shop.job(job_id).await;

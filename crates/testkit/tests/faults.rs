@@ -31,7 +31,7 @@ async fn crash_at(shop: &mut Shop, service: Service, point: &str) -> usize {
     shop.kill(service).await;
     shop.restart_with(service, &[("FAILPOINTS", point)]).await;
     let placed = shop.place_burst(20).await.len();
-    shop.wait_for_log(service, &format!("FAILPOINT {point} reached"), 1).await;
+    shop.wait_for_failpoint(service, point, 1).await;
     shop.kill(service).await;
     shop.restart(service).await;
     placed
@@ -45,7 +45,6 @@ async fn relay_killed_after_confirm_before_mark_republishes_and_the_inboxes_skip
     // The batch confirmed but never marked went out again; a consumer's inbox skipped each copy.
     let skipped = duplicates_skipped(&shop).await;
     assert!(skipped >= 1, "the republished batch shows as skipped duplicates, got {skipped}");
-    shop.wait_for_log(Service::Relay, "relay publishing", 2).await;
 }
 
 #[tokio::test]
@@ -202,7 +201,7 @@ async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadlin
         let url = url.clone();
         tokio::spawn(async move { http::request("POST", &url, &key, Some(body)).await })
     };
-    shop.wait_for_log(Service::Api, "FAILPOINT api.before-commit pausing", 1).await;
+    shop.wait_for_failpoint(Service::Api, orders_api::writer::BEFORE_COMMIT, 1).await;
     shop.database_proxy(Service::Api).stall();
 
     // messaging::runtime::db::QUERY_DEADLINE (10 s) bounds it; without it, the kernel's TCP timeout would

@@ -7,13 +7,12 @@ use std::process::Output;
 
 use chrono::Utc;
 use lapin::types::AMQPValue;
-use messaging::envelope;
+use messaging::{envelope, runtime::failpoint};
 use serde_json::Value;
 use testkit::{
     TestEnv, eventually, process,
     shop::{Options, Service, Shop, WAIT},
 };
-use tokio::io::{AsyncBufReadExt, BufReader};
 use uuid::Uuid;
 
 const INVENTORY: &str = "inventory.order-placed";
@@ -162,26 +161,22 @@ async fn a_redrive_killed_between_publish_and_ack_leaves_every_message_parked_or
 
 /// Run `msgctl parked redrive` on inventory's parking and `kill -9` it at `failpoint`.
 async fn redrive_killed_at(env: &TestEnv, failpoint: &str) {
+    let report = std::env::temp_dir().join(format!("msgctl-{}.failpoints", Uuid::new_v4()));
     let mut redrive = tokio::process::Command::new(process::binary("msgctl"))
         .env("AMQP_URL", env.amqp_url())
         .env("FAILPOINTS", failpoint)
+        .env("FAILPOINTS_REPORT", &report)
         .args(["parked", "redrive", "--endpoint", INVENTORY])
-        .stderr(std::process::Stdio::piped())
+        .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
         .expect("spawn msgctl");
-    let mut stderr = BufReader::new(redrive.stderr.take().expect("stderr")).lines();
-    let reached = tokio::time::timeout(WAIT, async {
-        while let Some(line) = stderr.next_line().await.expect("read stderr") {
-            if line.contains(&format!("FAILPOINT {failpoint} reached")) {
-                return true;
-            }
-        }
-        false
+    eventually(&format!("msgctl at {failpoint}"), WAIT, || async {
+        (failpoint::hits(&report, failpoint) >= 1).then_some(())
     })
     .await;
-    assert_eq!(reached, Ok(true), "msgctl reached {failpoint}");
     redrive.kill().await.expect("kill -9 msgctl");
+    let _ = std::fs::remove_file(&report);
 }
 
 #[tokio::test]

@@ -70,6 +70,7 @@ impl<H: Handler> Runtime<H> {
             }
         };
         self.health.readiness.set(&self.flag, true);
+        self.metrics.session_started();
         tracing::info!(prefetch = self.settings.prefetch, "consuming");
 
         // Ends with the session (connection lost, or shutdown): deliveries still waiting for the

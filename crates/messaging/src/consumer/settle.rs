@@ -211,9 +211,11 @@ impl<H: Handler> Runtime<H> {
         Fut: Future<Output = Result<T, HandlerError>>,
     {
         let mut waits = 0;
+        let mut held = None;
         loop {
             match work().await {
                 Err(HandlerError::Unavailable(error)) => {
+                    held.get_or_insert_with(|| self.metrics.held());
                     let delay = self.settings.reconnect.delay(waits);
                     waits += 1;
                     tracing::warn!(%error, ?delay, "database unreachable; will apply again");

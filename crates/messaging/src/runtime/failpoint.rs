@@ -10,8 +10,14 @@
 //!
 //! Nothing is armed unless the variable is set; an unarmed point costs one lookup in an empty list.
 //! The points below are messaging's own; a service names its own points the same way.
+//!
+//! A test learns that a point was reached from `FAILPOINTS_REPORT`, a file to which every hit of
+//! an armed point appends the point's name on a line of its own ([`hits`] counts them), not from
+//! the log line, whose wording is for people.
 
 use std::{
+    io::Write,
+    path::Path,
     sync::{
         OnceLock,
         atomic::{AtomicBool, Ordering},
@@ -59,14 +65,37 @@ pub async fn hit(name: &str) {
     match armed().iter().find(|(armed, _)| armed == name).map(|(_, action)| *action) {
         Some(Action::Freeze) if !FROZE.swap(true, Ordering::SeqCst) => {
             eprintln!("FAILPOINT {name} reached");
+            report(name);
             std::future::pending::<()>().await;
         }
         Some(Action::Pause(pause)) => {
             eprintln!("FAILPOINT {name} pausing");
+            report(name);
             tokio::time::sleep(pause).await;
         }
         _ => {}
     }
+}
+
+/// Append `name` to the `FAILPOINTS_REPORT` file, if one is named. A report that cannot be written
+/// panics (in the task that reached the point, with the reason in the log): a test timing out on a
+/// report that never came would be chasing the wrong fault.
+fn report(name: &str) {
+    let Some(path) = std::env::var_os("FAILPOINTS_REPORT") else { return };
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut file| file.write_all(format!("{name}\n").as_bytes()));
+    if let Err(error) = appended {
+        panic!("FAILPOINTS_REPORT {}: {error}", path.to_string_lossy());
+    }
+}
+
+/// How many times the point `name` was reached (or paused at), as the process with
+/// `FAILPOINTS_REPORT=report` wrote them; 0 before the file exists.
+pub fn hits(report: &Path, name: &str) -> usize {
+    std::fs::read_to_string(report).map_or(0, |text| text.lines().filter(|line| *line == name).count())
 }
 
 #[cfg(test)]
@@ -83,5 +112,15 @@ mod tests {
             ]
         );
         assert!(parse("").is_empty());
+    }
+
+    #[test]
+    fn hits_count_one_point_by_its_whole_name() {
+        let report = std::env::temp_dir().join(format!("failpoints-{}", std::process::id()));
+        assert_eq!(hits(&report, WORKER_AFTER_COMMIT), 0, "no file yet");
+        std::fs::write(&report, "worker.after-commit\nworker.after-commit-2\nworker.after-commit\n").expect("write");
+        assert_eq!(hits(&report, WORKER_AFTER_COMMIT), 2);
+        assert_eq!(hits(&report, RELAY_AFTER_CONFIRM), 0);
+        std::fs::remove_file(&report).expect("remove");
     }
 }

@@ -25,6 +25,11 @@ pub const INBOX_DUPLICATES: &str = "inbox_duplicates_skipped_total";
 /// transaction, or `fell_back` (something in it failed, and its messages were applied again one by
 /// one).
 pub const CONSUMER_BATCHES: &str = "consumer_batches_total";
+/// Consumer sessions started, by `endpoint`: the first, and one after every lost connection.
+pub const CONSUMER_SESSIONS: &str = "consumer_sessions_total";
+/// Deliveries held unacked right now because their database is unreachable, by `endpoint`: an
+/// outage being ridden out (they are applied once it answers, or handed back unspent).
+pub const DELIVERIES_HELD: &str = "consumer_deliveries_held";
 /// Outbox rows published and confirmed, by `database`.
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Outbox publishes returned or nacked by the broker, by `database`.
@@ -92,6 +97,10 @@ pub struct Metrics {
     pub(crate) duplicates: Family<ByEndpoint, Counter>,
     /// [`CONSUMER_BATCHES`].
     pub(crate) batches: Family<ByOutcome, Counter>,
+    /// [`CONSUMER_SESSIONS`].
+    pub(crate) sessions: Family<ByEndpoint, Counter>,
+    /// [`DELIVERIES_HELD`].
+    pub(crate) held: Family<ByEndpoint, Gauge>,
     /// [`OUTBOX_PUBLISHED`].
     pub(crate) published: Family<ByDatabase, Counter>,
     /// [`OUTBOX_PUBLISH_FAILURES`].
@@ -125,6 +134,18 @@ impl Default for Metrics {
             "consumer_batches",
             "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
             batches.clone(),
+        );
+        let sessions = Family::default();
+        registry.register(
+            "consumer_sessions",
+            "Consumer sessions started: the first, and one after every lost broker connection",
+            sessions.clone(),
+        );
+        let held = Family::default();
+        registry.register(
+            "consumer_deliveries_held",
+            "Deliveries held unacked while their database is unreachable",
+            held.clone(),
         );
         let published = Family::default();
         registry.register("outbox_published", "Outbox rows published with a broker confirm", published.clone());
@@ -173,6 +194,8 @@ impl Default for Metrics {
             handled,
             duplicates,
             batches,
+            sessions,
+            held,
             published,
             publish_failures,
             handling,
@@ -250,6 +273,8 @@ pub struct EndpointMetrics {
     duplicates: Counter,
     /// Committed, fell back.
     batches: [Counter; 2],
+    sessions: Counter,
+    held: Gauge,
 }
 
 impl EndpointMetrics {
@@ -271,6 +296,28 @@ impl EndpointMetrics {
     /// Count a batch: `committed` in one transaction, or not (applied again one by one).
     pub fn batch(&self, committed: bool) {
         self.batches[usize::from(!committed)].inc();
+    }
+
+    /// Count a consumer session that started consuming.
+    pub fn session_started(&self) {
+        self.sessions.inc();
+    }
+
+    /// A delivery is held for its database: counted in [`DELIVERIES_HELD`] until the guard drops.
+    pub fn held(&self) -> Held {
+        self.held.inc();
+        Held(self.held.clone())
+    }
+}
+
+/// A delivery counted as held for its database, until dropped (whichever way its wait ends).
+#[derive(Debug)]
+#[must_use = "the delivery counts as held only while this lives"]
+pub struct Held(Gauge);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -323,7 +370,27 @@ impl Metrics {
             handling: Handling::ALL.map(|outcome| self.handling.get_or_create(&by(outcome.as_str())).clone()),
             duplicates: self.duplicates.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
             batches: ["committed", "fell_back"].map(|outcome| self.batches.get_or_create(&by(outcome)).clone()),
+            sessions: self.sessions.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
+            held: self.held.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
         }
+    }
+
+    /// Register a service's own metric (`name` without `_total`; see `prometheus-client`'s
+    /// `Registry::register`) beside the runtime's, before the metrics are shared. The service keeps
+    /// its handle to the metric and counts through it.
+    ///
+    /// ```
+    /// use messaging::runtime::metrics::Metrics;
+    /// use prometheus_client::metrics::counter::Counter;
+    ///
+    /// let mut metrics = Metrics::default();
+    /// let refunds = Counter::<u64>::default();
+    /// metrics.register("refunds", "Refunds issued", refunds.clone());
+    /// refunds.inc();
+    /// assert!(metrics.render().contains("refunds_total 1"));
+    /// ```
+    pub fn register(&mut self, name: &str, help: &str, metric: impl prometheus_client::registry::Metric) {
+        self.registry.register(name, help, metric);
     }
 
     /// Every metric in the OpenMetrics text format (served as `CONTENT_TYPE`).

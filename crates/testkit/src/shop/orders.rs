@@ -123,11 +123,12 @@ impl Shop {
         .await
     }
 
-    /// Wait until `needle` appears in a service's log (at least `times` times in all).
-    pub async fn wait_for_log(&self, service: Service, needle: &str, times: usize) {
+    /// Wait until a service has reached (or paused at) the failpoint `name` at least `times` times
+    /// in all.
+    pub async fn wait_for_failpoint(&self, service: Service, name: &str, times: usize) {
         let process = &self.running(service).process;
-        let what = format!("{needle:?} in {}", process.log_path().display());
-        eventually(&what, WAIT, || async { (process.log_count(needle) >= times).then_some(()) }).await;
+        let what = format!("{} at failpoint {name} ({times} times)", process.name());
+        eventually(&what, WAIT, || async { (process.failpoint_hits(name) >= times).then_some(()) }).await;
     }
 
     /// A counter's value (summed over its label sets) from a service's `/metrics`; 0 if absent.
