@@ -1,40 +1,52 @@
-//! Spans to an OpenTelemetry collector: OTLP over HTTP with the JSON encoding, opt-in through the
-//! standard `OTEL_*` environment variables and off unless one names an endpoint.
+//! Spans to an OpenTelemetry collector: OTLP over HTTP, protobuf (the default) or JSON, opt-in
+//! through the standard `OTEL_*` environment variables and off unless one names an endpoint.
 //!
 //! Which spans: every `tracing` span that records a `trace_id` and a `span_id` (hex, as
-//! [`TraceContext::record_on`](crate::runtime::trace::TraceContext::record_on) writes them): the API's
-//! `POST /orders` and each consumer's delivery span. Their ids are the ones that travel in the
-//! `traceparent` headers, so the collector sees one order as one trace across every service. The
-//! span's other fields become its attributes; `otel.kind` (`server`, `consumer`, …) and
+//! [`TraceContext::record_on`](crate::runtime::trace::TraceContext::record_on) writes them): the
+//! API's `POST /orders` and each consumer's delivery span. Their ids are the ones that travel in
+//! the `traceparent` headers, so the collector sees one order as one trace across every service.
+//! The span's other fields become its attributes; `otel.kind` (`server`, `consumer`, …) and
 //! `otel.status_code` (`error`) set its kind and status, as `tracing-opentelemetry` reads them.
 //! A span whose trace the caller marked as not sampled is not exported.
 //!
-//! How: spans are queued as they close (never blocking the service: a full queue drops the span
-//! and counts it) and a thread of their own sends them in batches, so a slow or absent collector
-//! costs the service nothing but those spans. [`Exporter`]'s drop sends what is queued, within a
-//! bound, when the binary exits.
+//! How: [`SpanLayer`] turns each such span, as it closes, into the OpenTelemetry SDK's
+//! `SpanData` under our ids, and hands it to the SDK's batch processor, which queues it (never
+//! blocking the service: a full queue drops the span) and sends batches from a thread of its own
+//! through the SDK's OTLP exporter and our HTTP client ([`client`]: rustls, the endpoint's CA and
+//! client certificate). A slow or absent collector costs the service nothing but those spans.
+//! [`Exporter`]'s drop sends what is queued, within a bound, when the binary exits. Decision 0014
+//! says why the spans are built from ours rather than made by the SDK's tracer.
 //!
 //! The variables read, with their defaults (the names and meanings of the OpenTelemetry
 //! specification): `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used as is) or
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` (+ `/v1/traces`), unset = off; `OTEL_SDK_DISABLED`;
-//! `OTEL_TRACES_EXPORTER` (`otlp` or `none`); `OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL` (only
-//! `http/json`); `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`; `OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT`
-//! (10000 ms); `OTEL_SERVICE_NAME` (else `service.name` in `OTEL_RESOURCE_ATTRIBUTES`, else the
-//! binary's name); `OTEL_RESOURCE_ATTRIBUTES`; `OTEL_BSP_SCHEDULE_DELAY` (5000 ms),
-//! `OTEL_BSP_MAX_QUEUE_SIZE` (2048), `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` (512);
-//! `OTEL_EXPORTER_OTLP[_TRACES]_CERTIFICATE` (the CA file of an `https://` endpoint, beside the
-//! system's roots), `..._CLIENT_CERTIFICATE` and `..._CLIENT_KEY` (a client certificate).
+//! `OTEL_TRACES_EXPORTER` (`otlp` or `none`); `OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL`
+//! (`http/protobuf` or `http/json`); `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`;
+//! `OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT` (10000 ms); `OTEL_SERVICE_NAME` (else `service.name` in
+//! `OTEL_RESOURCE_ATTRIBUTES`, else the binary's name); `OTEL_RESOURCE_ATTRIBUTES`;
+//! `OTEL_BSP_SCHEDULE_DELAY` (5000 ms), `OTEL_BSP_MAX_QUEUE_SIZE` (2048),
+//! `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` (512); `OTEL_EXPORTER_OTLP[_TRACES]_CERTIFICATE` (the CA file
+//! of an `https://` endpoint, beside the system's roots), `..._CLIENT_CERTIFICATE` and
+//! `..._CLIENT_KEY` (a client certificate).
+
+mod client;
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    borrow::Cow,
+    sync::Arc,
+    time::{Duration, SystemTime},
 };
 
-use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use opentelemetry::{
+    InstrumentationScope, KeyValue, Value,
+    trace::{SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::{
+    Resource,
+    error::OTelSdkResult,
+    trace::{BatchConfigBuilder, BatchSpanProcessor, SpanData, SpanEvents, SpanExporter, SpanLinks, SpanProcessor},
+};
 use tracing::{
     Subscriber,
     field::{Field, Visit},
@@ -50,6 +62,8 @@ const FLUSH_BOUND: Duration = Duration::from_secs(3);
 pub struct Config {
     /// The full URL spans are POSTed to, e.g. `http://127.0.0.1:4318/v1/traces`.
     pub endpoint: String,
+    /// How the request is encoded: `http/protobuf` or `http/json`.
+    pub protocol: Protocol,
     /// Extra request headers (`OTEL_EXPORTER_OTLP_HEADERS`), e.g. an API key.
     pub headers: Vec<(String, String)>,
     /// The resource's attributes, `service.name` first.
@@ -112,12 +126,16 @@ impl Config {
             }
         }
         let endpoint = endpoint.to_string();
-        if let Some(protocol) = either("PROTOCOL").filter(|protocol| protocol.trim() != "http/json") {
-            return Err(format!(
-                "OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: this exporter sends `http/json`, which every collector's \
-                 OTLP receiver accepts; set that"
-            ));
-        }
+        let protocol = match either("PROTOCOL").as_deref().map(str::trim) {
+            None | Some("http/protobuf") => Protocol::HttpBinary,
+            Some("http/json") => Protocol::HttpJson,
+            Some(other) => {
+                return Err(format!(
+                    "OTEL_EXPORTER_OTLP_PROTOCOL={other}: this exporter sends OTLP over HTTP, `http/protobuf` or \
+                     `http/json`, which a collector's OTLP receiver takes on port 4318; set one of those"
+                ));
+            }
+        };
         let headers = match either("HEADERS") {
             Some(list) => key_values(&list, "OTEL_EXPORTER_OTLP_HEADERS")?,
             None => Vec::new(),
@@ -139,6 +157,7 @@ impl Config {
         let max_batch = number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", var("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"), 512)?;
         Ok(Some(Self {
             endpoint,
+            protocol,
             headers,
             resource,
             timeout: Duration::from_millis(timeout.max(1)),
@@ -162,142 +181,88 @@ fn key_values(list: &str, variable: &str) -> Result<Vec<(String, String)>, Strin
         .collect()
 }
 
-/// The running exporter: its thread sends what the [`SpanLayer`] queues. Dropping it sends what
-/// is still queued, within a few seconds.
+/// The running export: the SDK's batch processor and its thread. Dropping it sends what is still
+/// queued, within a few seconds, and stops the thread.
 #[derive(Debug)]
 pub struct Exporter {
-    flush: mpsc::UnboundedSender<std::sync::mpsc::SyncSender<()>>,
+    processor: Arc<BatchSpanProcessor>,
 }
 
-/// Start the export thread for `config`; the layer goes into the `tracing` subscriber.
-pub fn start(config: Config) -> std::io::Result<(SpanLayer, Exporter)> {
-    let (spans, queued) = mpsc::channel(config.max_queue);
-    let (flush, flushes) = mpsc::unbounded_channel();
-    let dropped = Arc::new(AtomicU64::new(0));
-    let layer = SpanLayer { spans, dropped: dropped.clone() };
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    std::thread::Builder::new()
-        .name("otel-export".into())
-        .spawn(move || runtime.block_on(export(config, queued, flushes, dropped)))?;
-    Ok((layer, Exporter { flush }))
+/// Start exporting for `config`; the layer goes into the `tracing` subscriber.
+pub fn start(config: Config) -> Result<(SpanLayer, Exporter), String> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_http_client(client::Client::new(config.timeout).map_err(|error| error.to_string())?)
+        .with_endpoint(config.endpoint.clone())
+        .with_protocol(config.protocol)
+        .with_timeout(config.timeout)
+        .with_headers(config.headers.iter().cloned().collect())
+        .build()
+        .map_err(|error| error.to_string())?;
+    let shown = crate::runtime::config::SecretUrl::new(&config.endpoint).to_string();
+    let batches = BatchConfigBuilder::default()
+        .with_max_queue_size(config.max_queue)
+        .with_max_export_batch_size(config.max_batch)
+        .with_scheduled_delay(config.schedule_delay)
+        .build();
+    let mut processor =
+        BatchSpanProcessor::new(Reporting { inner: exporter, endpoint: shown, failing: false.into() }, batches);
+    let resource = config.resource.iter().map(|(key, value)| KeyValue::new(key.clone(), value.clone()));
+    processor.set_resource(&Resource::builder_empty().with_attributes(resource).build());
+    let processor = Arc::new(processor);
+    let scope = InstrumentationScope::builder("messaging").with_version(env!("CARGO_PKG_VERSION")).build();
+    Ok((SpanLayer { processor: processor.clone(), scope }, Exporter { processor }))
 }
 
 impl Drop for Exporter {
     fn drop(&mut self) {
-        let (done, sent) = std::sync::mpsc::sync_channel(1);
-        if self.flush.send(done).is_ok() {
-            let _ = sent.recv_timeout(FLUSH_BOUND);
-        }
+        let _ = self.processor.shutdown_with_timeout(FLUSH_BOUND);
     }
 }
 
-/// The export thread's loop: a batch goes out when it is full, when the oldest span in it has
-/// waited `schedule_delay`, and on a flush.
-async fn export(
-    config: Config,
-    mut queued: mpsc::Receiver<FinishedSpan>,
-    mut flushes: mpsc::UnboundedReceiver<std::sync::mpsc::SyncSender<()>>,
-    dropped: Arc<AtomicU64>,
-) {
-    let mut sender = Sender { config, failing: false };
-    let mut batch = Vec::new();
-    let mut due = None;
-    loop {
-        let wait = due.map_or(Duration::from_secs(3600), |due: Instant| due.saturating_duration_since(Instant::now()));
-        tokio::select! {
-            span = queued.recv() => match span {
-                Some(span) => {
-                    due.get_or_insert_with(|| Instant::now() + sender.config.schedule_delay);
-                    batch.push(span);
-                    if batch.len() >= sender.config.max_batch {
-                        sender.send(std::mem::take(&mut batch), &dropped).await;
-                        due = None;
-                    }
-                }
-                None => break,
-            },
-            flush = flushes.recv() => {
-                while let Ok(span) = queued.try_recv() {
-                    batch.push(span);
-                }
-                for chunk in std::mem::take(&mut batch).chunks(sender.config.max_batch) {
-                    sender.send(chunk.to_vec(), &dropped).await;
-                }
-                due = None;
-                match flush {
-                    Some(done) => { let _ = done.try_send(()); }
-                    None => break,
-                }
+/// The OTLP exporter, saying when sending starts and stops failing (not on every batch).
+#[derive(Debug)]
+struct Reporting<E> {
+    inner: E,
+    /// The collector, its password masked.
+    endpoint: String,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+impl<E: SpanExporter> SpanExporter for Reporting<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let exported = self.inner.export(batch).await;
+        let was_failing = self.failing.swap(exported.is_err(), std::sync::atomic::Ordering::Relaxed);
+        match &exported {
+            Err(error) if !was_failing => {
+                tracing::warn!(endpoint = %self.endpoint, %error, spans, "spans not exported; dropping them until the collector answers");
             }
-            () = tokio::time::sleep(wait), if due.is_some() => {
-                sender.send(std::mem::take(&mut batch), &dropped).await;
-                due = None;
-            }
+            Ok(()) if was_failing => tracing::info!(endpoint = %self.endpoint, "spans exported again"),
+            _ => {}
         }
+        exported
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
     }
 }
 
-/// Sends batches, and says when sending starts and stops failing (not on every batch).
-struct Sender {
-    config: Config,
-    failing: bool,
-}
-
-impl Sender {
-    async fn send(&mut self, batch: Vec<FinishedSpan>, dropped: &AtomicU64) {
-        if batch.is_empty() {
-            return;
-        }
-        let lost = dropped.swap(0, Ordering::Relaxed);
-        if lost > 0 {
-            tracing::warn!(spans = lost, "spans dropped: the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE)");
-        }
-        let body = request_body(&self.config, &batch).to_string();
-        let headers: Vec<(&str, &str)> =
-            self.config.headers.iter().map(|(name, value)| (name.as_str(), value.as_str())).collect();
-        let sent = tokio::time::timeout(
-            self.config.timeout,
-            crate::runtime::http::request("POST", &self.config.endpoint, &headers, Some(&body)),
-        )
-        .await;
-        let failure = match sent {
-            Ok(Ok(response)) if (200..300).contains(&response.status) => None,
-            Ok(Ok(response)) => Some(format!("HTTP {}: {}", response.status, String::from_utf8_lossy(&response.body))),
-            Ok(Err(error)) => Some(error.to_string()),
-            Err(_) => Some(format!("no answer within {:?}", self.config.timeout)),
-        };
-        match failure {
-            Some(error) if !self.failing => {
-                tracing::warn!(endpoint = %self.config.endpoint, %error, spans = batch.len(), "spans not exported; dropping them until the collector answers");
-                self.failing = true;
-            }
-            Some(_) => {}
-            None if self.failing => {
-                tracing::info!(endpoint = %self.config.endpoint, "spans exported again");
-                self.failing = false;
-            }
-            None => {}
-        }
-    }
-}
-
-/// One OTLP `ExportTraceServiceRequest`, JSON-encoded (ids in hex, times in nanoseconds as
-/// strings, as the OTLP/JSON mapping asks).
-fn request_body(config: &Config, batch: &[FinishedSpan]) -> Value {
-    let resource: Vec<Value> =
-        config.resource.iter().map(|(key, value)| json!({ "key": key, "value": { "stringValue": value } })).collect();
-    let spans: Vec<Value> = batch.iter().map(FinishedSpan::json).collect();
-    json!({ "resourceSpans": [{
-        "resource": { "attributes": resource },
-        "scopeSpans": [{ "scope": { "name": "messaging", "version": env!("CARGO_PKG_VERSION") }, "spans": spans }],
-    }] })
-}
-
-/// The `tracing` layer that queues every finished span that carries trace ids.
+/// The `tracing` layer that hands every finished span that carries trace ids to the processor.
 #[derive(Debug)]
 pub struct SpanLayer {
-    spans: mpsc::Sender<FinishedSpan>,
-    dropped: Arc<AtomicU64>,
+    processor: Arc<dyn SpanProcessor>,
+    /// What produced the spans: this library, at its version.
+    scope: InstrumentationScope,
 }
 
 /// A span's fields, as recorded so far.
@@ -371,53 +336,56 @@ struct Open {
     fields: Fields,
 }
 
-/// A closed span, queued for export.
-#[derive(Debug, Clone)]
-struct FinishedSpan {
-    name: String,
-    start: SystemTime,
-    end: SystemTime,
-    fields: Fields,
-}
-
-impl FinishedSpan {
-    fn json(&self) -> Value {
-        let nanos = |at: SystemTime| at.duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos().to_string();
-        let kind = match self.fields.kind.as_deref() {
-            Some("server") => 2,
-            Some("client") => 3,
-            Some("producer") => 4,
-            Some("consumer") => 5,
-            _ => 1,
+impl Open {
+    /// The span as the SDK exports it, under our ids; `None` without them, or if the caller asked
+    /// for its trace not to be recorded.
+    fn finish(self, end: SystemTime, scope: &InstrumentationScope) -> Option<SpanData> {
+        let Fields { trace_id, span_id, parent_id, unsampled, kind, name, error, attributes } = self.fields;
+        if unsampled {
+            return None;
+        }
+        let context = SpanContext::new(
+            TraceId::from(trace_id?),
+            SpanId::from(span_id?),
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::NONE,
+        );
+        let kind = match kind.as_deref() {
+            Some("server") => SpanKind::Server,
+            Some("client") => SpanKind::Client,
+            Some("producer") => SpanKind::Producer,
+            Some("consumer") => SpanKind::Consumer,
+            _ => SpanKind::Internal,
         };
-        let attributes: Vec<Value> = self
-            .fields
-            .attributes
-            .iter()
+        let attributes = attributes
+            .into_iter()
             .map(|(key, value)| {
                 let value = match value {
-                    Attribute::Text(text) => json!({ "stringValue": text }),
-                    Attribute::Int(int) => json!({ "intValue": int.to_string() }),
-                    Attribute::Bool(flag) => json!({ "boolValue": flag }),
-                    Attribute::Float(float) => json!({ "doubleValue": float }),
+                    Attribute::Text(text) => Value::from(text),
+                    Attribute::Int(int) => Value::I64(int),
+                    Attribute::Bool(flag) => Value::Bool(flag),
+                    Attribute::Float(float) => Value::F64(float),
                 };
-                json!({ "key": key, "value": value })
+                KeyValue::new(key, value)
             })
             .collect();
-        let mut span = json!({
-            "traceId": format!("{:032x}", self.fields.trace_id.unwrap_or_default()),
-            "spanId": format!("{:016x}", self.fields.span_id.unwrap_or_default()),
-            "name": self.name,
-            "kind": kind,
-            "startTimeUnixNano": nanos(self.start),
-            "endTimeUnixNano": nanos(self.end),
-            "attributes": attributes,
-            "status": if self.fields.error { json!({ "code": 2 }) } else { json!({}) },
-        });
-        if let Some(parent) = self.fields.parent_id {
-            span["parentSpanId"] = json!(format!("{parent:016x}"));
-        }
-        span
+        Some(SpanData {
+            span_context: context,
+            // Every parent we know of came in a `traceparent`, from another process.
+            parent_span_id: parent_id.map_or(SpanId::INVALID, SpanId::from),
+            parent_span_is_remote: parent_id.is_some(),
+            span_kind: kind,
+            name: Cow::Owned(name.unwrap_or_else(|| self.name.to_owned())),
+            start_time: self.start,
+            end_time: end,
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: if error { Status::error("") } else { Status::Unset },
+            instrumentation_scope: scope.clone(),
+        })
     }
 }
 
@@ -439,13 +407,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for SpanLayer {
     fn on_close(&self, id: span::Id, ctx: Context<'_, S>) {
         let Some(span) = ctx.span(&id) else { return };
         let Some(open) = span.extensions_mut().remove::<Open>() else { return };
-        if open.fields.trace_id.is_none() || open.fields.span_id.is_none() || open.fields.unsampled {
-            return;
-        }
-        let name = open.fields.name.clone().unwrap_or_else(|| open.name.to_owned());
-        let finished = FinishedSpan { name, start: open.start, end: SystemTime::now(), fields: open.fields };
-        if self.spans.try_send(finished).is_err() {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+        if let Some(finished) = open.finish(SystemTime::now(), &self.scope) {
+            self.processor.on_end(finished);
         }
     }
 }

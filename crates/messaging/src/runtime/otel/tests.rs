@@ -1,4 +1,4 @@
-//! The exporter's configuration, spans and request bodies.
+//! The exporter's configuration, and the spans it hands to the SDK.
 
 use std::collections::HashMap;
 
@@ -23,6 +23,7 @@ fn off_unless_an_endpoint_is_named_or_when_disabled() {
 fn the_standard_variables_are_read_with_their_defaults() {
     let on = config(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")]).expect("valid").expect("on");
     assert_eq!(on.endpoint, "http://collector:4318/v1/traces");
+    assert_eq!(on.protocol, Protocol::HttpBinary, "http/protobuf, as the specification's default");
     assert_eq!(on.resource, vec![("service.name".to_owned(), "billing-worker".to_owned())]);
     assert_eq!((on.timeout, on.schedule_delay), (Duration::from_secs(10), Duration::from_secs(5)));
     assert_eq!((on.max_queue, on.max_batch), (2048, 512));
@@ -38,6 +39,7 @@ fn the_standard_variables_are_read_with_their_defaults() {
     .expect("valid")
     .expect("on");
     assert_eq!(on.endpoint, "http://collector:4318/custom");
+    assert_eq!(on.protocol, Protocol::HttpJson);
     assert_eq!(on.headers, vec![("api-key".into(), "a b".into()), ("tenant".into(), "shop".into())]);
     assert_eq!(
         on.resource,
@@ -77,13 +79,30 @@ fn what_it_cannot_honour_is_refused_by_name() {
     }
 }
 
+/// A processor that keeps what it is handed.
+#[derive(Debug, Default)]
+struct Kept(std::sync::Mutex<Vec<SpanData>>);
+
+impl SpanProcessor for Kept {
+    fn on_start(&self, _: &mut opentelemetry_sdk::trace::Span, _: &opentelemetry::Context) {}
+    fn on_end(&self, span: SpanData) {
+        self.0.lock().expect("lock").push(span);
+    }
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+    fn shutdown_with_timeout(&self, _: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+}
+
 #[test]
-fn a_finished_span_with_trace_ids_is_queued_as_an_otlp_span_and_others_are_not() {
+fn a_finished_span_with_trace_ids_goes_to_the_processor_under_those_ids_and_others_do_not() {
     use tracing::field::Empty;
     use tracing_subscriber::layer::SubscriberExt;
 
-    let (spans, mut queued) = mpsc::channel(8);
-    let layer = SpanLayer { spans, dropped: Arc::default() };
+    let kept = Arc::new(Kept::default());
+    let layer = SpanLayer { processor: kept.clone(), scope: InstrumentationScope::builder("messaging").build() };
     let caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let context = TraceContext::continuing(Some(caller));
     tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
@@ -109,17 +128,17 @@ fn a_finished_span_with_trace_ids_is_queued_as_an_otlp_span_and_others_are_not()
             tracing::info_span!("delivery", trace_id = Empty, span_id = Empty, parent_id = Empty, sampled = Empty);
         unsampled.record_on(&span);
     });
-    let json = queued.try_recv().expect("the traced span").json();
-    assert!(queued.try_recv().is_err(), "only the sampled span with trace ids");
-    assert_eq!(json["traceId"], "4bf92f3577b34da6a3ce929d0e0e4736");
-    assert_eq!(json["spanId"], format!("{:016x}", context.span_id));
-    assert_eq!(json["parentSpanId"], "00f067aa0ba902b7");
-    assert_eq!(json["name"], "delivery");
-    assert_eq!(json["kind"], 5);
-    assert_eq!(json["status"]["code"], 2);
-    let attributes = json!([
-        { "key": "endpoint", "value": { "stringValue": "billing.inventory-reserved" } },
-        { "key": "attempt", "value": { "intValue": "2" } },
-    ]);
-    assert_eq!(json["attributes"], attributes);
+    let spans = kept.0.lock().expect("lock");
+    let [span] = spans.as_slice() else { panic!("only the sampled span with trace ids: {spans:?}") };
+    assert_eq!(span.span_context.trace_id(), TraceId::from(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128));
+    assert_eq!(span.span_context.span_id(), SpanId::from(context.span_id));
+    assert_eq!(span.parent_span_id, SpanId::from(0x00f0_67aa_0ba9_02b7_u64));
+    assert!(span.parent_span_is_remote, "the parent came in a traceparent");
+    assert_eq!(span.name, "delivery");
+    assert_eq!(span.span_kind, SpanKind::Consumer);
+    assert!(matches!(span.status, Status::Error { .. }));
+    assert_eq!(
+        span.attributes,
+        [KeyValue::new("endpoint", "billing.inventory-reserved"), KeyValue::new("attempt", 2_i64)]
+    );
 }
