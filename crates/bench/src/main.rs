@@ -7,6 +7,7 @@
 //! `just bench`, or: `cargo build --release --bins && cargo run --release -p bench`.
 //! Runs on private databases and a private vhost of the servers `DATABASE_URL` / `AMQP_URL` name.
 
+mod end_to_end;
 mod limits;
 mod report;
 mod stages;
@@ -14,12 +15,13 @@ mod stages;
 use std::time::Duration;
 
 use clap::Parser;
+use end_to_end::EndToEnd;
 use lapin::options::QueuePurgeOptions;
 use limits::Catalog;
 use messaging::topology;
 use report::Report;
 use sqlx::PgPool;
-use stages::{percentiles, rate_from_timestamps, start, stop, wait_count};
+use stages::{rate_from_timestamps, start, stop, wait_count};
 use testkit::TestEnv;
 
 /// What to measure.
@@ -66,42 +68,6 @@ fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &st
     let busy = format!("machine {:.0} % busy", used.busy * 100.0);
     report.figure(section, &format!("  its CPU per message: {who}"), per_message * 1e6, "us/msg", &busy);
     per_message
-}
-
-/// What an end-to-end phase cost.
-struct PhaseCost {
-    /// CPU milliseconds per order, by service process, then Postgres and RabbitMQ.
-    cpu_per_order: Vec<(String, f64)>,
-    /// Transactions committed in the three databases, per order.
-    commits: f64,
-    /// The machine's busy share over the phase (0 to 1).
-    busy: f64,
-}
-
-impl PhaseCost {
-    /// Print it under `label`; returns the whole CPU per order, in seconds.
-    fn report(&self, report: &mut Report, label: &str) -> f64 {
-        for (name, milliseconds) in &self.cpu_per_order {
-            report.figure("cpu", &format!("{label}: {name}"), milliseconds * 1000.0, "us/ord", "CPU time per order");
-        }
-        let note = "transactions committed in the three databases, per order";
-        report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
-        let note = "share of the machine's CPU time in use over the phase";
-        report.figure("cpu", &format!("{label}: machine busy"), self.busy * 100.0, "%", note);
-        let total: f64 = self.cpu_per_order.iter().map(|(_, milliseconds)| milliseconds).sum();
-        report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
-        total / 1000.0
-    }
-}
-
-/// The database name at the end of a Postgres URL.
-fn db_name(url: &str) -> String {
-    url.rsplit('/').next().unwrap_or_default().to_owned()
-}
-
-/// `vars` and then `extra`.
-fn env_with<'a>(vars: &'a [(&'a str, String)], extra: &'a [(String, String)]) -> Vec<(&'a str, String)> {
-    vars.iter().cloned().chain(extra.iter().map(|(name, value)| (name.as_str(), value.clone()))).collect()
 }
 
 fn name_value(s: &str) -> Result<(String, String), String> {
@@ -153,17 +119,6 @@ impl Stages {
     fn slowest(&self) -> f64 {
         self.accept_rate.min(self.relay_rate).min(self.worker_rate)
     }
-}
-
-/// What the end-to-end section measured that the targets check.
-struct EndToEnd {
-    hot: f64,
-    /// POST -> succeeded p99 at half the sustained rate, ms.
-    p99: f64,
-    /// Commit -> publish p50 and p99, ms.
-    commit_to_publish: (f64, f64),
-    /// The largest service's peak RSS, MiB.
-    peak_rss: f64,
 }
 
 #[tokio::main]
@@ -383,172 +338,6 @@ impl Bench {
         let rate = rate_from_timestamps(orders, "outbox", "published_at", &format!("id > {first}")).await;
         println!("  ({label})");
         rate
-    }
-
-    /// Every service together: the same-run baseline, the defaults on hot SKUs and on a wide
-    /// catalog, latency at half the sustained rate, commit -> publish, memory.
-    async fn end_to_end(&mut self, stages: &Stages) -> EndToEnd {
-        println!("\n== end to end: every service ==");
-        let wide = Catalog::Wide(WIDE_CATALOG);
-        sqlx::query(
-            "insert into stock (sku, available) select unnest($1::text[]), 1000000000 on conflict (sku) do nothing",
-        )
-        .bind(Catalog::wide_skus(WIDE_CATALOG))
-        .execute(&self.inventory)
-        .await
-        .expect("wide catalog");
-        let slowest = stages.slowest();
-        // The same-run baseline: every consumer as before batching, one message per transaction,
-        // 16 at once (BATCH_SIZE=1 and the PREFETCH that was measured best for it).
-        let before_batching = [("BATCH_SIZE", "1"), ("PREFETCH", "16")];
-        let (api_addr, processes) = self.start_shop(&before_batching.map(|(n, v)| (n.to_owned(), v.to_owned()))).await;
-        let (unbatched, cpu_unbatched, note) =
-            self.sustained("BATCH_SIZE=1, PREFETCH=16", &api_addr, Catalog::Hot, &processes).await;
-        self.report.figure("e2e", "sustained, one message per transaction (baseline)", unbatched, "/s", &note);
-        cpu_unbatched.report(&mut self.report, "BATCH_SIZE=1");
-        for process in processes {
-            stop(process).await;
-        }
-
-        // The shipped defaults (or what --service-var sets), four hot SKUs, then a wide catalog.
-        let (api_addr, processes) = self.start_shop(&self.args.service_vars.clone()).await;
-        let (hot, cpu_hot, note) = self.sustained("defaults, 4 hot SKUs", &api_addr, Catalog::Hot, &processes).await;
-        self.report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);
-        let cpu_per_order = cpu_hot.report(&mut self.report, "defaults, hot");
-        // The wide catalog's prices (its stock was created above), in the database billing created.
-        let billing = self.env.pool("billing").await;
-        sqlx::query(
-            "insert into prices (sku, unit_price_cents) select unnest($1::text[]), 100 on conflict (sku) do nothing",
-        )
-        .bind(Catalog::wide_skus(WIDE_CATALOG))
-        .execute(&billing)
-        .await
-        .expect("wide catalog prices");
-        let (wide_rate, cpu_wide, note) = self.sustained("defaults, wide catalog", &api_addr, wide, &processes).await;
-        let report = &mut self.report;
-        report.figure("e2e", &format!("sustained throughput, {WIDE_CATALOG} SKUs"), wide_rate, "/s", &note);
-        cpu_wide.report(report, "defaults, wide");
-        report.figure("e2e", "sustained / slowest stage alone", hot / slowest, "x", &format!("slowest {slowest:.0}/s"));
-        // If both used the whole machine, that ratio would be the inventory drain's CPU per message
-        // over an order's: the inventory's share of what an order costs.
-        report.figure(
-            "e2e",
-            "  the same if both used the whole machine",
-            stages.drain_cpu_per_message / cpu_per_order,
-            "x",
-            "inventory drain's CPU per message / an order's CPU (hot)",
-        );
-        report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
-
-        let p99 = self.latency_at(hot / 2.0, &api_addr, &billing).await;
-        let commit_to_publish = self.commit_to_publish().await;
-        let mut peak_rss = 0.0_f64;
-        for process in &processes {
-            let rss = process.peak_rss_kib().unwrap_or(0) as f64 / 1024.0;
-            peak_rss = peak_rss.max(rss);
-            self.report.figure(
-                "memory",
-                &format!("peak RSS {}", process.name()),
-                rss,
-                "MiB",
-                "after the end-to-end load",
-            );
-        }
-        for process in processes {
-            stop(process).await;
-        }
-        EndToEnd { hot, p99, commit_to_publish, peak_rss }
-    }
-
-    /// The four services, with `extra` variables; the API's address.
-    async fn start_shop(&self, extra: &[(String, String)]) -> (String, [testkit::process::Process; 4]) {
-        let billing_url = self.env.database_url("billing");
-        let all = format!("{},{},{billing_url}", self.orders_url, self.inventory_url);
-        let log_dir = &self.log_dir;
-        let (api, api_addr) =
-            start("orders-api", &env_with(&self.service_vars(&self.orders_url), extra), log_dir).await;
-        let (inventory_worker, _) =
-            start("inventory-worker", &env_with(&self.service_vars(&self.inventory_url), extra), log_dir).await;
-        let (billing_worker, _) =
-            start("billing-worker", &env_with(&self.service_vars(&billing_url), extra), log_dir).await;
-        let (relay, _) = start("relay", &env_with(&self.service_vars(&all), extra), log_dir).await;
-        (api_addr, [api, inventory_worker, billing_worker, relay])
-    }
-
-    /// Sustained maximum: offer as fast as the API answers, until every order has succeeded; with
-    /// each process's and each server's CPU seconds per order over the phase.
-    async fn sustained(
-        &self,
-        label: &str,
-        api_addr: &str,
-        catalog: Catalog,
-        processes: &[testkit::process::Process; 4],
-    ) -> (f64, PhaseCost, String) {
-        let (orders, c) = (&self.orders, self.args.concurrency);
-        let databases: Vec<String> =
-            ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect();
-        let pids: Vec<(String, u32)> = processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect();
-        let cpu = |pids: &[(String, u32)]| {
-            let mut seconds: Vec<(String, f64)> =
-                pids.iter().map(|(name, pid)| (name.clone(), stages::cpu_seconds(*pid))).collect();
-            seconds.push(("postgres (all)".into(), stages::cpu_seconds_of("postgres")));
-            seconds.push(("rabbitmq (all)".into(), stages::cpu_seconds_of("beam.smp")));
-            seconds
-        };
-        let before = cpu(&pids);
-        let commits_before = stages::commits(orders, &databases).await;
-        // After `commits`, which waits for the statistics to settle.
-        let machine = stages::Busy::start();
-        let (_, jobs) = stages::post_orders(api_addr, c, self.args.orders, catalog).await;
-        stages::wait_succeeded(orders, &jobs).await;
-        let busy = machine.finish();
-        let after = cpu(&pids);
-        let commits = stages::commits(orders, &databases).await - commits_before;
-        let (rate,): (f64,) = sqlx::query_as(
-            "select count(*) / extract(epoch from max(updated_at) - min(created_at))::float8 from jobs where id = any($1)",
-        )
-        .bind(&jobs)
-        .fetch_one(orders)
-        .await
-        .expect("sustained");
-        let cpu_per_order = before
-            .iter()
-            .zip(after)
-            .map(|((name, was), (_, is))| (name.clone(), (is - was) * 1000.0 / jobs.len() as f64))
-            .collect();
-        let cost = PhaseCost { cpu_per_order, commits: commits as f64 / jobs.len() as f64, busy };
-        (rate, cost, format!("{} orders, concurrency {c}, {label}", self.args.orders))
-    }
-
-    /// POST -> succeeded at `offered` orders per second, and where the time goes; the p99, ms.
-    async fn latency_at(&mut self, offered: f64, api_addr: &str, billing: &PgPool) -> f64 {
-        let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
-        let sent_ids: Vec<uuid::Uuid> = sent.iter().map(|(id, _)| *id).collect();
-        stages::wait_succeeded(&self.orders, &sent_ids).await;
-        let mut steps = stages::latency_steps(&self.orders, &self.inventory, billing, &sent).await;
-        let (_, latencies) = steps.pop().expect("the last step is succeeded");
-        let (p50, p95, p99) = percentiles(&latencies);
-        let note = format!("offered {offered:.0}/s");
-        let report = &mut self.report;
-        report.figure("e2e", "POST -> succeeded p50", p50, "ms", &note);
-        report.figure("e2e", "POST -> succeeded p95", p95, "ms", &note);
-        report.figure("e2e", "POST -> succeeded p99", p99, "ms", &note);
-        // Where that time goes: p50 and p99 from the send to each step before it.
-        for (step, latencies) in steps {
-            let (p50, _, p99) = percentiles(&latencies);
-            report.figure("e2e", &format!("  to {step}, p50"), p50, "ms", "");
-            report.figure("e2e", &format!("  to {step}, p99"), p99, "ms", "");
-        }
-        p99
-    }
-
-    /// Commit -> publish with the relay idle on NOTIFY: p50 and p99, ms.
-    async fn commit_to_publish(&mut self) -> (f64, f64) {
-        let pings = stages::commit_to_publish(&self.orders, &self.amqp, 300, Duration::from_millis(10)).await;
-        let (p50, _, p99) = percentiles(&pings);
-        self.report.figure("e2e", "commit -> publish p50 (relay idle on NOTIFY)", p50, "ms", "300 rows, 10 ms apart");
-        self.report.figure("e2e", "commit -> publish p99", p99, "ms", "");
-        (p50, p99)
     }
 
     /// The targets, against this run's own figures.

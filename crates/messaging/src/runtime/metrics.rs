@@ -14,7 +14,7 @@ use prometheus_client::{
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
-    registry::{Registry, Unit},
+    registry::{Metric, Registry, Unit},
 };
 
 /// Deliveries handled, by `endpoint` and `outcome` (succeeded, duplicate, retried, parked).
@@ -118,91 +118,106 @@ pub struct Metrics {
     pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
 }
 
+/// Register `metric` under `name` (and `unit`, if any) and hand it back, to keep.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, unit: Option<Unit>, help: &str, metric: M) -> M {
+    match unit {
+        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
+        None => registry.register(name, help, metric.clone()),
+    }
+    metric
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
-        let handled = Family::default();
-        registry.register("messages_handled", "Deliveries handled, by endpoint and outcome", handled.clone());
-        let duplicates = Family::default();
-        registry.register(
-            "inbox_duplicates_skipped",
-            "Redelivered messages skipped because the inbox had already processed them",
-            duplicates.clone(),
-        );
-        let batches = Family::default();
-        registry.register(
-            "consumer_batches",
-            "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
-            batches.clone(),
-        );
-        let sessions = Family::default();
-        registry.register(
-            "consumer_sessions",
-            "Consumer sessions started: the first, and one after every lost broker connection",
-            sessions.clone(),
-        );
-        let held = Family::default();
-        registry.register(
-            "consumer_deliveries_held",
-            "Deliveries held unacked while their database is unreachable",
-            held.clone(),
-        );
-        let published = Family::default();
-        registry.register("outbox_published", "Outbox rows published with a broker confirm", published.clone());
-        let publish_failures = Family::default();
-        registry.register(
-            "outbox_publish_failures",
-            "Outbox publishes returned (unroutable) or nacked; the rows are retried",
-            publish_failures.clone(),
-        );
-        let handling: Histograms<ByOutcome> = Family::new_with_constructor(short_durations);
-        registry.register_with_unit(
-            "message_handling_duration",
-            "One message's transaction (inbox row, handler, commit), by endpoint and outcome",
-            Unit::Seconds,
-            handling.clone(),
-        );
-        let publish_lag: Histograms<ByDatabase> = Family::new_with_constructor(short_durations);
-        registry.register_with_unit(
-            "outbox_publish_lag",
-            "From an outbox row's commit to its broker confirm",
-            Unit::Seconds,
-            publish_lag.clone(),
-        );
-        let job_duration: Histograms<ByJobState> = Family::new_with_constructor(job_durations);
-        registry.register_with_unit(
-            "job_duration",
-            "From a job's creation (POST /orders) to its end, by final state",
-            Unit::Seconds,
-            job_duration.clone(),
-        );
-        let outbox_rows = Family::default();
-        registry.register(
-            "outbox_rows",
-            "Outbox rows by state (published rows are kept until retention deletes them)",
-            outbox_rows.clone(),
-        );
-        let oldest_unpublished = Family::default();
-        registry.register_with_unit(
-            "outbox_oldest_unpublished_age",
-            "How long the oldest unpublished outbox row has waited (0 when none waits)",
-            Unit::Seconds,
-            oldest_unpublished.clone(),
-        );
+        let r = &mut registry;
+        let seconds = Some(Unit::Seconds);
         Self {
+            handled: registered(
+                r,
+                "messages_handled",
+                None,
+                "Deliveries handled, by endpoint and outcome",
+                Family::default(),
+            ),
+            duplicates: registered(
+                r,
+                "inbox_duplicates_skipped",
+                None,
+                "Redelivered messages skipped because the inbox had already processed them",
+                Family::default(),
+            ),
+            batches: registered(
+                r,
+                "consumer_batches",
+                None,
+                "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
+                Family::default(),
+            ),
+            sessions: registered(
+                r,
+                "consumer_sessions",
+                None,
+                "Consumer sessions started: the first, and one after every lost broker connection",
+                Family::default(),
+            ),
+            held: registered(
+                r,
+                "consumer_deliveries_held",
+                None,
+                "Deliveries held unacked while their database is unreachable",
+                Family::default(),
+            ),
+            published: registered(
+                r,
+                "outbox_published",
+                None,
+                "Outbox rows published with a broker confirm",
+                Family::default(),
+            ),
+            publish_failures: registered(
+                r,
+                "outbox_publish_failures",
+                None,
+                "Outbox publishes returned (unroutable) or nacked; the rows are retried",
+                Family::default(),
+            ),
+            handling: registered(
+                r,
+                "message_handling_duration",
+                seconds.clone(),
+                "One message's transaction (inbox row, handler, commit), by endpoint and outcome",
+                Family::new_with_constructor(short_durations),
+            ),
+            publish_lag: registered(
+                r,
+                "outbox_publish_lag",
+                seconds.clone(),
+                "From an outbox row's commit to its broker confirm",
+                Family::new_with_constructor(short_durations),
+            ),
+            job_duration: registered(
+                r,
+                "job_duration",
+                seconds.clone(),
+                "From a job's creation (POST /orders) to its end, by final state",
+                Family::new_with_constructor(job_durations),
+            ),
+            outbox_rows: registered(
+                r,
+                "outbox_rows",
+                None,
+                "Outbox rows by state (published rows are kept until retention deletes them)",
+                Family::default(),
+            ),
+            oldest_unpublished: registered(
+                r,
+                "outbox_oldest_unpublished_age",
+                seconds,
+                "How long the oldest unpublished outbox row has waited (0 when none waits)",
+                Family::default(),
+            ),
             registry,
-            handled,
-            duplicates,
-            batches,
-            sessions,
-            held,
-            published,
-            publish_failures,
-            handling,
-            publish_lag,
-            job_duration,
-            outbox_rows,
-            oldest_unpublished,
         }
     }
 }
@@ -389,7 +404,7 @@ impl Metrics {
     /// refunds.inc();
     /// assert!(metrics.render().contains("refunds_total 1"));
     /// ```
-    pub fn register(&mut self, name: &str, help: &str, metric: impl prometheus_client::registry::Metric) {
+    pub fn register(&mut self, name: &str, help: &str, metric: impl Metric) {
         self.registry.register(name, help, metric);
     }
 
