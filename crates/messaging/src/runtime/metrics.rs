@@ -118,107 +118,94 @@ pub struct Metrics {
     pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
 }
 
-/// Register `metric` under `name` (and `unit`, if any) and hand it back, to keep.
-fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, unit: Option<Unit>, help: &str, metric: M) -> M {
-    match unit {
-        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
-        None => registry.register(name, help, metric.clone()),
-    }
-    metric
-}
-
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::default();
-        let r = &mut registry;
-        let seconds = Some(Unit::Seconds);
-        Self {
-            handled: registered(
-                r,
-                "messages_handled",
-                None,
-                "Deliveries handled, by endpoint and outcome",
-                Family::default(),
-            ),
-            duplicates: registered(
-                r,
-                "inbox_duplicates_skipped",
-                None,
-                "Redelivered messages skipped because the inbox had already processed them",
-                Family::default(),
-            ),
-            batches: registered(
-                r,
-                "consumer_batches",
-                None,
-                "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
-                Family::default(),
-            ),
-            sessions: registered(
-                r,
-                "consumer_sessions",
-                None,
-                "Consumer sessions started: the first, and one after every lost broker connection",
-                Family::default(),
-            ),
-            held: registered(
-                r,
-                "consumer_deliveries_held",
-                None,
-                "Deliveries held unacked while their database is unreachable",
-                Family::default(),
-            ),
-            published: registered(
-                r,
-                "outbox_published",
-                None,
-                "Outbox rows published with a broker confirm",
-                Family::default(),
-            ),
-            publish_failures: registered(
-                r,
-                "outbox_publish_failures",
-                None,
-                "Outbox publishes returned (unroutable) or nacked; the rows are retried",
-                Family::default(),
-            ),
-            handling: registered(
-                r,
-                "message_handling_duration",
-                seconds.clone(),
-                "One message's transaction (inbox row, handler, commit), by endpoint and outcome",
-                Family::new_with_constructor(short_durations),
-            ),
-            publish_lag: registered(
-                r,
-                "outbox_publish_lag",
-                seconds.clone(),
-                "From an outbox row's commit to its broker confirm",
-                Family::new_with_constructor(short_durations),
-            ),
-            job_duration: registered(
-                r,
-                "job_duration",
-                seconds.clone(),
-                "From a job's creation (POST /orders) to its end, by final state",
-                Family::new_with_constructor(job_durations),
-            ),
-            outbox_rows: registered(
-                r,
-                "outbox_rows",
-                None,
-                "Outbox rows by state (published rows are kept until retention deletes them)",
-                Family::default(),
-            ),
-            oldest_unpublished: registered(
-                r,
-                "outbox_oldest_unpublished_age",
-                seconds,
-                "How long the oldest unpublished outbox row has waited (0 when none waits)",
-                Family::default(),
-            ),
-            registry,
-        }
+        let mut metrics = Self {
+            registry: Registry::default(),
+            handled: Family::default(),
+            duplicates: Family::default(),
+            batches: Family::default(),
+            sessions: Family::default(),
+            held: Family::default(),
+            handling: Family::new_with_constructor(short_durations),
+            published: Family::default(),
+            publish_failures: Family::default(),
+            publish_lag: Family::new_with_constructor(short_durations),
+            job_duration: Family::new_with_constructor(job_durations),
+            outbox_rows: Family::default(),
+            oldest_unpublished: Family::default(),
+        };
+        metrics.register_consumers();
+        metrics.register_outboxes();
+        metrics
+    }
+}
+
+impl Metrics {
+    /// The consumers' series, and the jobs' durations.
+    fn register_consumers(&mut self) {
+        let r = &mut self.registry;
+        r.register("messages_handled", "Deliveries handled, by endpoint and outcome", self.handled.clone());
+        r.register(
+            "inbox_duplicates_skipped",
+            "Redelivered messages skipped because the inbox had already processed them",
+            self.duplicates.clone(),
+        );
+        r.register(
+            "consumer_batches",
+            "Batches of deliveries applied in one transaction (committed), or applied again one by one (fell_back)",
+            self.batches.clone(),
+        );
+        r.register(
+            "consumer_sessions",
+            "Consumer sessions started: the first, and one after every lost broker connection",
+            self.sessions.clone(),
+        );
+        r.register(
+            "consumer_deliveries_held",
+            "Deliveries held unacked while their database is unreachable",
+            self.held.clone(),
+        );
+        r.register_with_unit(
+            "message_handling_duration",
+            "One message's transaction (inbox row, handler, commit), by endpoint and outcome",
+            Unit::Seconds,
+            self.handling.clone(),
+        );
+        r.register_with_unit(
+            "job_duration",
+            "From a job's creation (POST /orders) to its end, by final state",
+            Unit::Seconds,
+            self.job_duration.clone(),
+        );
+    }
+
+    /// The relay's series, and the outbox gauges every service reads at scrape time.
+    fn register_outboxes(&mut self) {
+        let r = &mut self.registry;
+        r.register("outbox_published", "Outbox rows published with a broker confirm", self.published.clone());
+        r.register(
+            "outbox_publish_failures",
+            "Outbox publishes returned (unroutable) or nacked; the rows are retried",
+            self.publish_failures.clone(),
+        );
+        r.register_with_unit(
+            "outbox_publish_lag",
+            "From an outbox row's commit to its broker confirm",
+            Unit::Seconds,
+            self.publish_lag.clone(),
+        );
+        r.register(
+            "outbox_rows",
+            "Outbox rows by state (published rows are kept until retention deletes them)",
+            self.outbox_rows.clone(),
+        );
+        r.register_with_unit(
+            "outbox_oldest_unpublished_age",
+            "How long the oldest unpublished outbox row has waited (0 when none waits)",
+            Unit::Seconds,
+            self.oldest_unpublished.clone(),
+        );
     }
 }
 
