@@ -211,6 +211,7 @@ impl<H: Handler> Runtime<H> {
         Fut: Future<Output = Result<T, HandlerError>>,
     {
         let mut waits = 0;
+        // Counted as held from the first unanswered try until this returns, whichever way.
         let mut held = None;
         loop {
             match work().await {
