@@ -2,7 +2,9 @@
 //! [`Worker`](crate::service::Worker) or [`Service`](crate::service::Service) calls none of this:
 //! its code names contracts, endpoints, handlers and the outbox, and the runtime does the rest.
 //! The parts are public for binaries with a start-up of their own (the relay and `msgctl`), for a
-//! service that adds its own HTTP routes or database work (orders-api), and for the test kit.
+//! service that adds its own HTTP routes or database work (orders-api), and for the test kit; a
+//! namespace rather than a cargo feature, since the consumer cannot run without them (decision
+//! 0015).
 //!
 //! | part | what it is |
 //! |---|---|
