@@ -367,13 +367,14 @@ impl Metrics {
     /// The series of `endpoint`.
     pub fn endpoint(&self, endpoint: &str) -> EndpointMetrics {
         let by = |outcome: &str| ByOutcome { endpoint: endpoint.to_owned(), outcome: outcome.to_owned() };
+        let alone = ByEndpoint { endpoint: endpoint.to_owned() };
         EndpointMetrics {
             handled: Handled::ALL.map(|outcome| self.handled.get_or_create(&by(outcome.as_str())).clone()),
             handling: Handling::ALL.map(|outcome| self.handling.get_or_create(&by(outcome.as_str())).clone()),
-            duplicates: self.duplicates.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
+            duplicates: self.duplicates.get_or_create(&alone).clone(),
             batches: ["committed", "fell_back"].map(|outcome| self.batches.get_or_create(&by(outcome)).clone()),
-            sessions: self.sessions.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
-            held: self.held.get_or_create(&ByEndpoint { endpoint: endpoint.to_owned() }).clone(),
+            sessions: self.sessions.get_or_create(&alone).clone(),
+            held: self.held.get_or_create(&alone).clone(),
         }
     }
 
