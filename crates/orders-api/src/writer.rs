@@ -270,7 +270,7 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
 async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
     let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
     let outcomes = async {
-        let mut conn = db::within(QUERY_DEADLINE, pool.acquire()).await?;
+        let mut conn = db::within(QUERY_DEADLINE, db::acquire(pool)).await?;
         failpoint::hit(BEFORE_COMMIT).await;
         let error = match db::within(QUERY_DEADLINE, insert_orders(&mut conn, &orders)).await {
             Ok(written) => {

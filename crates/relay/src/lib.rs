@@ -354,7 +354,7 @@ impl Relay {
         declared: &mut HashSet<String>,
     ) -> Result<Option<SentBatch>, SessionError> {
         let (tx, rows) = db::within(db::QUERY_DEADLINE, async {
-            let mut tx = self.db.pool.begin().await?;
+            let mut tx = db::begin(&self.db.pool).await?;
             let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
             Ok::<_, sqlx::Error>((tx, rows))
         })

@@ -18,7 +18,7 @@ impl<H: Handler> Runtime<H> {
     /// context, so the outbox rows it writes continue that message's trace.
     pub(super) async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
         let all = async {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = db::begin(&self.pool).await?;
             let messages: Vec<(Uuid, &str)> = members
                 .iter()
                 .map(|member| (member.message.message_id, member.message.message_type.as_str()))
@@ -72,7 +72,7 @@ impl<H: Handler> Runtime<H> {
 
     /// Inbox row, handler, commit: all or nothing.
     async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = db::begin(&self.pool).await?;
         let applied = self.record_and_handle(&mut tx, message).await?;
         // A duplicate changed nothing: its transaction rolls back.
         if let Applied::Done = applied {
