@@ -22,7 +22,7 @@ use messaging::{
     publisher::{PublishError, Publisher},
     runtime::{
         broker,
-        config::SecretUrl,
+        config::{BrokerNodes, SecretUrl},
         duration::{format_duration, parse_duration},
         failpoint, http,
     },
@@ -236,17 +236,25 @@ fn passive() -> QueueDeclareOptions {
 /// Where the broker is: AMQP for the messages, the management API to find the parking queues.
 #[derive(Debug)]
 pub struct Broker {
-    /// The AMQP URL (its path is the vhost).
-    pub amqp_url: SecretUrl,
+    /// The broker's nodes, one AMQP URL each (its path is the vhost).
+    pub amqp_url: BrokerNodes,
     /// The management API, if not the AMQP URL's host on port 15672.
     pub management_url: Option<SecretUrl>,
 }
 
+/// Where the management API is: the one given, or that of the node msgctl is connected to.
+struct Management<'a> {
+    amqp_url: &'a SecretUrl,
+    management_url: Option<&'a SecretUrl>,
+}
+
 pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> Result<(), Failure> {
-    let amqp_url = &broker.amqp_url;
-    let connection = broker::connect(amqp_url, "msgctl")
+    let nodes = &broker.amqp_url;
+    let (connection, node) = broker::connect_any(nodes, 0, "msgctl")
         .await
-        .map_err(|error| Failure::Described(format!("cannot reach the broker at {amqp_url}: {error}")))?;
+        .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
+    // The management API is asked on the node that answered.
+    let broker = &Management { amqp_url: nodes.url(node), management_url: broker.management_url.as_ref() };
     let outcome = async {
         match action {
             Action::List { mut filter, json } => {
@@ -274,14 +282,14 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
 
 /// The endpoints named, or else every endpoint that has a parking queue (`<endpoint>.parking`) in
 /// the AMQP URL's vhost, by name. AMQP cannot list queues: the management API can.
-async fn endpoints(broker: &Broker, named: Vec<String>) -> Result<Vec<String>, Failure> {
+async fn endpoints(broker: &Management<'_>, named: Vec<String>) -> Result<Vec<String>, Failure> {
     if !named.is_empty() {
         return Ok(named);
     }
     let vhost = lapin::uri::AMQPUri::from_str(broker.amqp_url.expose())
         .map_err(|error| Failure::Described(format!("{}: {error}", broker.amqp_url)))?
         .vhost;
-    let management = match &broker.management_url {
+    let management = match broker.management_url {
         Some(url) => url.clone(),
         None => http::management_url_of(broker.amqp_url.expose())
             .map(SecretUrl::new)

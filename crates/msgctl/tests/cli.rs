@@ -42,6 +42,31 @@ fn an_unreachable_broker_is_one_line_and_exit_1() {
     assert!(one_line_error(&output).starts_with("msgctl: cannot reach the broker at amqp://guest:***@127.0.0.1:1"));
 }
 
+#[test]
+fn a_node_list_that_is_not_one_broker_is_one_line_and_exit_2() {
+    let nodes = "amqp://guest:s3cret@127.0.0.1:1/%2f,amqp://other:s3cret@127.0.0.1:2/%2f";
+    let output = msgctl(nodes, &["parked", "list", "--endpoint", "e"]);
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let error = one_line_error(&output);
+    assert!(error.contains("AMQP_URL entry 2 (amqp://other:***@127.0.0.1:2/%2f): user \"other\""), "{error}");
+    assert!(!error.contains("s3cret"), "{error}");
+}
+
+#[tokio::test]
+async fn a_node_that_does_not_answer_is_passed_over_for_the_next() {
+    let env = TestEnv::new().await;
+    // The first node refuses every connection.
+    let (down, down_url) = testkit::proxy::Proxy::for_url(&env.amqp_url()).await.expect("a proxy");
+    down.cut();
+    let nodes = format!("{down_url},{}", env.amqp_url());
+    // Off the runtime, which the proxy needs to refuse connections.
+    let redrive = move || msgctl(&nodes, &["parked", "redrive", "--endpoint", "no.such-endpoint"]);
+    let output = tokio::task::spawn_blocking(redrive).await.expect("msgctl");
+    // The second node answered: the refusal is the broker's, not an unreachable one.
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(one_line_error(&output).contains("unknown endpoint `no.such-endpoint`"), "{output:?}");
+}
+
 #[tokio::test]
 async fn an_unknown_endpoint_is_one_line_and_exit_1() {
     let env = TestEnv::new().await;

@@ -78,6 +78,10 @@ struct Readiness {
     status: String,
     /// What is not ready: each database that does not answer, each broker session that is down.
     failing: Vec<String>,
+    /// The broker node (`host:port`, one of `AMQP_URL`'s) each connected broker session is on, by
+    /// session.
+    #[schema(rename = "brokerNodes")]
+    broker_nodes: std::collections::BTreeMap<String, String>,
 }
 
 /// The live page: recent jobs, per-endpoint counts, outbox backlogs and parking, refreshed every

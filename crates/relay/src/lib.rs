@@ -149,7 +149,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let relay =
             Relay { db, metrics, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
         let link = Link {
-            url: config.broker.amqp_url.clone(),
+            nodes: config.broker.amqp_url.clone(),
             name: relay.flag(),
             backoff: Backoff::default(),
             readiness: health.readiness.clone(),

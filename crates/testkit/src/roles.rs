@@ -58,7 +58,8 @@ impl Accounts {
     /// user is replaced.
     pub fn service_env(&self, service: Service, database_url: &str, amqp_url: &str) -> Vec<(&'static str, String)> {
         let user = self.broker_user(service);
-        let mut vars = vec![("AMQP_URL", as_user(amqp_url, &user, None))];
+        let nodes: Vec<String> = amqp_url.split(',').map(|url| as_user(url, &user, None)).collect();
+        let mut vars = vec![("AMQP_URL", nodes.join(","))];
         if service == Service::Relay {
             let role = self.relay_role();
             let urls: Vec<String> = database_url.split(',').map(|url| as_user(url, &role, None)).collect();

@@ -98,7 +98,7 @@ fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u1
         policy,
         prefetch,
         batch: messaging::consumer::Batching::OFF,
-        amqp_url: messaging::runtime::config::SecretUrl::new(env.amqp_url()),
+        amqp_url: env.amqp_url().parse().expect("the test broker's URL"),
         reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         max_crashes: 3,
         handler_timeout: Duration::from_secs(10),

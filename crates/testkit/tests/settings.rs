@@ -123,3 +123,25 @@ async fn every_pooled_connection_carries_the_database_timeouts() {
     }
     assert_eq!(shown, ["4500ms", "1500ms", "20s"]);
 }
+
+/// Every service binary refuses a broker node list that is not one broker, before it connects to
+/// anything: exit 2 and one line naming the entry, its password masked.
+#[tokio::test]
+async fn a_broker_node_list_that_is_not_one_broker_stops_every_service() {
+    let nodes = "amqp://shop:s3cret@127.0.0.1:1/shop,amqp://shop:s3cret@127.0.0.1:2/billing";
+    for service in Service::ALL {
+        let mut command = tokio::process::Command::new(process::binary(service.binary()));
+        command
+            .env_clear()
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+            .env("AMQP_URL", nodes)
+            .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()));
+        let refused = process::run_to_exit(command, Duration::from_secs(30)).await;
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{service:?}: {said}");
+        assert_eq!(said.trim_end().lines().count(), 1, "{service:?}: one line: {said}");
+        let named = "AMQP_URL entry 2 (amqp://shop:***@127.0.0.1:2/billing): vhost \"billing\", but entry 1 names vhost \"shop\"";
+        assert!(said.contains(named), "{service:?}: {said}");
+        assert!(!said.contains("s3cret"), "{service:?}: {said}");
+    }
+}

@@ -53,7 +53,7 @@ use crate::{
     runtime::{
         backoff::Backoff,
         broker::{self, Link},
-        config::{BrokerArgs, ConsumerArgs, SecretUrl},
+        config::{BrokerArgs, BrokerNodes, ConsumerArgs},
         health::Health,
         metrics::{EndpointMetrics, Handling},
         shutdown::Shutdown,
@@ -225,8 +225,8 @@ pub struct ConsumerSettings {
     pub prefetch: u16,
     /// How deliveries are grouped into transactions.
     pub batch: Batching,
-    /// The broker.
-    pub amqp_url: SecretUrl,
+    /// The broker's nodes.
+    pub amqp_url: BrokerNodes,
     /// Between reconnects (and between tries while the database is unreachable).
     pub reconnect: Backoff,
     /// Starts of a redelivered message, alone and never finished, before it is parked as the one
@@ -302,7 +302,7 @@ pub async fn run<H: Handler>(
         panic!("the handler of {name} does not fit its endpoint: {mismatch}");
     }
     let link = Link {
-        url: settings.amqp_url.clone(),
+        nodes: settings.amqp_url.clone(),
         name: readiness_flag(&settings.endpoint),
         backoff: settings.reconnect,
         readiness: Arc::clone(&health.readiness),

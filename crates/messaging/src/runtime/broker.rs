@@ -2,19 +2,29 @@
 //! long-running loop in this workspace owns a "session": connect, declare, work until the
 //! connection fails, then reconnect here with backoff. Nothing is acked or marked published on a
 //! connection that failed, so what was in flight is redelivered or republished by the next session.
+//!
+//! A cluster is named by several URLs ([`BrokerNodes`]): each reconnect starts at the node after
+//! the one whose connection was lost, and tries every node in turn before it waits.
 
 use std::{sync::Arc, time::Duration};
 
 use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder};
 
-use crate::runtime::{backoff::Backoff, config::SecretUrl, health::Readiness, shutdown::Shutdown, tls::TlsFiles};
+use crate::runtime::{
+    backoff::Backoff,
+    config::{BrokerNodes, SecretUrl},
+    health::Readiness,
+    shutdown::Shutdown,
+    tls::TlsFiles,
+};
 
 /// A long-running broker client: where it connects, its name (shown in the broker's management
-/// UI, and the readiness flag that says whether it is up), and how long it waits between tries.
+/// UI, and the readiness flag that says whether it is up, and on which node), and how long it
+/// waits between rounds of tries.
 #[derive(Debug, Clone)]
 pub struct Link {
-    /// The broker.
-    pub url: SecretUrl,
+    /// The broker's nodes.
+    pub nodes: BrokerNodes,
     /// e.g. `consumer:accounts.user-registered`, `relay:accounts`.
     pub name: String,
     /// Between connection attempts.
@@ -40,42 +50,68 @@ pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
         .await
 }
 
-/// At start-up, before anything is written: one connection to the broker. A certificate that
-/// does not verify, or TLS files that cannot be read, is an error naming the broker and the
-/// reason, which no retry would cure. Anything else (the broker not up yet) is left to the
+/// At start-up, before anything is written: one connection to each of the broker's nodes. A
+/// certificate that does not verify, or TLS files that cannot be read, is an error naming the node
+/// and the reason, which no retry would cure. Anything else (a node not up yet) is left to the
 /// sessions' reconnect loops.
-pub async fn check_tls(url: &SecretUrl) -> Result<(), crate::runtime::startup::StartupError> {
-    match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
-        Ok(Ok(connection)) => {
-            let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
-            Ok(())
+pub async fn check_tls(nodes: &BrokerNodes) -> Result<(), crate::runtime::startup::StartupError> {
+    for index in 0..nodes.len() {
+        let url = nodes.url(index);
+        match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
+            Ok(Ok(connection)) => {
+                let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
+            }
+            Ok(Err(error)) => {
+                if let Some(reason) = crate::runtime::tls::verification_failure(&error) {
+                    let refusal = format!("the broker at {url}: TLS: {reason}");
+                    return Err(crate::runtime::startup::StartupError(refusal));
+                }
+            }
+            Err(_) => {}
         }
-        Ok(Err(error)) => match crate::runtime::tls::verification_failure(&error) {
-            Some(reason) => Err(crate::runtime::startup::StartupError(format!("the broker at {url}: TLS: {reason}"))),
-            None => Ok(()),
-        },
-        Err(_) => Ok(()),
     }
+    Ok(())
 }
 
-/// Connect, retrying with backoff until it works or shutdown is asked for (`None`).
+/// One connection, to the first of the nodes that answers, trying each once from `first`: for a
+/// tool that makes one short connection. The error is the last node's.
+pub async fn connect_any(nodes: &BrokerNodes, first: usize, name: &str) -> lapin::Result<(Connection, usize)> {
+    let mut last = None;
+    for index in (first..).take(nodes.len()) {
+        match connect(nodes.url(index), name).await {
+            Ok(connection) => return Ok((connection, index % nodes.len())),
+            Err(error) => {
+                if nodes.len() > 1 {
+                    tracing::warn!(%error, url = %nodes.url(index), "cannot reach this broker node; trying the next");
+                }
+                last = Some(error);
+            }
+        }
+    }
+    Err(last.expect("a node list names at least one node"))
+}
+
+/// Connect, trying the nodes in turn from `first` and waiting with backoff after each round in
+/// which none answered, until one does (its connection and index) or shutdown is asked for
+/// (`None`). With one node, every failed try is a round.
 pub async fn connect_with_backoff(
-    url: &SecretUrl,
+    nodes: &BrokerNodes,
+    first: usize,
     name: &str,
     backoff: Backoff,
     shutdown: &Shutdown,
-) -> Option<Connection> {
-    let mut failures = 0;
+) -> Option<(Connection, usize)> {
+    let mut rounds = 0;
     loop {
         if shutdown.is_triggered() {
             return None;
         }
-        match connect(url, name).await {
-            Ok(connection) => return Some(connection),
+        match connect_any(nodes, first, name).await {
+            Ok(connected) => return Some(connected),
             Err(error) => {
-                let delay = backoff.delay(failures);
-                tracing::warn!(%error, %url, ?delay, "cannot reach the broker; retrying");
-                failures += 1;
+                let delay = backoff.delay(rounds);
+                tracing::warn!(%error, %nodes, ?delay, "cannot reach the broker; retrying");
+                rounds += 1;
                 if !shutdown.sleep(delay).await {
                     return None;
                 }
@@ -105,15 +141,18 @@ pub trait Session {
 
 /// The reconnect loop every long-running broker client uses: connect (with the link's backoff),
 /// run `session` on the connection, close it, and start again after a backoff until a session
-/// ends with [`SessionEnd::Shutdown`] or shutdown is asked for. The link's readiness flag is
-/// cleared after every session (the session sets it once it is up).
+/// ends with [`SessionEnd::Shutdown`] or shutdown is asked for. A lost connection's successor is
+/// tried on the next node first. The link's readiness flag is cleared after every session (the
+/// session sets it once it is up), and its node is the one it is connected to.
 pub async fn run_sessions(link: &Link, shutdown: &Shutdown, session: &mut impl Session) {
     let (readiness, flag, backoff) = (&link.readiness, link.name.as_str(), link.backoff);
     readiness.set(flag, false);
-    let mut failures = 0;
-    while let Some(connection) = connect_with_backoff(&link.url, flag, backoff, shutdown).await {
+    let (mut failures, mut first) = (0, 0);
+    while let Some((connection, node)) = connect_with_backoff(&link.nodes, first, flag, backoff, shutdown).await {
+        readiness.set_node(flag, Some(link.nodes.address(node)));
         let end = session.run(&connection).await;
         readiness.set(flag, false);
+        readiness.set_node(flag, None);
         // Bounded: on a connection that has just died, lapin can wait forever for the close-ok.
         let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into())).await;
         match end {
@@ -121,6 +160,7 @@ pub async fn run_sessions(link: &Link, shutdown: &Shutdown, session: &mut impl S
             SessionEnd::Lost { was_up: true } => failures = 0,
             SessionEnd::Lost { was_up: false } => {}
         }
+        first = node + 1;
         let delay = backoff.delay(failures);
         failures += 1;
         if !shutdown.sleep(delay).await {

@@ -75,6 +75,145 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
+/// The broker's nodes, as `AMQP_URL` names them: one URL, or several separated by commas, one for
+/// each node of a cluster. A client connects to one; when that connection is lost it tries the
+/// next, in turn ([`crate::runtime::broker::run_sessions`]).
+///
+/// Every entry is an `amqp://` or `amqps://` URL with a host, and all of them name the same user
+/// and the same vhost: they are one broker reached at several addresses, not several brokers. Each
+/// may carry its own TLS files in its query.
+///
+/// ```
+/// use messaging::runtime::config::BrokerNodes;
+///
+/// let nodes: BrokerNodes = "amqp://shop:secret@rabbit-1:5672/shop,amqp://shop:secret@rabbit-2:5672/shop".parse()?;
+/// assert_eq!(nodes.len(), 2);
+/// assert_eq!(nodes.address(1), "rabbit-2:5672");
+/// assert_eq!(nodes.to_string(), "amqp://shop:***@rabbit-1:5672/shop,amqp://shop:***@rabbit-2:5672/shop");
+///
+/// let refused = "amqp://shop:secret@rabbit-1/shop,amqp://shop:secret@rabbit-2/billing".parse::<BrokerNodes>();
+/// assert!(refused.unwrap_err().contains("vhost"));
+/// # Ok::<(), String>(())
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct BrokerNodes {
+    urls: Vec<SecretUrl>,
+    addresses: Vec<String>,
+}
+
+impl BrokerNodes {
+    /// How many nodes are named (at least one).
+    pub fn len(&self) -> usize {
+        self.urls.len()
+    }
+
+    /// Never: a parsed list names at least one node.
+    pub fn is_empty(&self) -> bool {
+        self.urls.is_empty()
+    }
+
+    /// Node `index`'s URL (indices wrap around, so a caller can count attempts).
+    pub fn url(&self, index: usize) -> &SecretUrl {
+        &self.urls[index % self.urls.len()]
+    }
+
+    /// Node `index`'s `host:port`, as `/readyz` reports it (indices wrap around).
+    pub fn address(&self, index: usize) -> &str {
+        &self.addresses[index % self.addresses.len()]
+    }
+
+    /// The first node's URL: where the tools that make one short connection start.
+    pub fn first(&self) -> &SecretUrl {
+        &self.urls[0]
+    }
+}
+
+impl FromStr for BrokerNodes {
+    type Err = String;
+
+    /// Refuses, naming the entry (its password masked): an empty entry, one that is not an
+    /// `amqp://` or `amqps://` URL with a host, and one whose user or vhost differs from the
+    /// first's.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (mut urls, mut addresses) = (Vec::new(), Vec::new());
+        let mut first: Option<(String, String)> = None;
+        for (position, entry) in (1..).zip(s.split(',').map(str::trim)) {
+            let shown = SecretUrl::new(entry);
+            let refuse = |why: &str| format!("AMQP_URL entry {position} ({shown}): {why}");
+            if entry.is_empty() {
+                return Err(refuse("empty (a stray comma?)"));
+            }
+            let parsed = url::Url::parse(entry).map_err(|error| refuse(&error.to_string()))?;
+            let default_port = match parsed.scheme() {
+                "amqp" => 5672,
+                "amqps" => 5671,
+                other => return Err(refuse(&format!("scheme {other}: not amqp or amqps"))),
+            };
+            let Some(host) = parsed.host_str().filter(|host| !host.is_empty()) else {
+                return Err(refuse("no host"));
+            };
+            // As lapin reads it: an empty path is the default vhost, `/`.
+            let vhost = match parsed.path().trim_start_matches('/') {
+                "" => "/".to_owned(),
+                path => percent_encoding::percent_decode_str(path).decode_utf8_lossy().into_owned(),
+            };
+            let user = (parsed.username().to_owned(), vhost);
+            match &first {
+                None => first = Some(user),
+                Some((name, _)) if *name != user.0 => {
+                    return Err(refuse(&format!("user {:?}, but entry 1 names user {name:?}", user.0)));
+                }
+                Some((_, vhost)) if *vhost != user.1 => {
+                    return Err(refuse(&format!("vhost {:?}, but entry 1 names vhost {vhost:?}", user.1)));
+                }
+                Some(_) => {}
+            }
+            addresses.push(format!("{host}:{}", parsed.port().unwrap_or(default_port)));
+            urls.push(SecretUrl::new(entry));
+        }
+        Ok(Self { urls, addresses })
+    }
+}
+
+impl fmt::Display for BrokerNodes {
+    /// Every node's URL, passwords masked, separated by commas.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, url) in self.urls.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{url}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for BrokerNodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{self}\"")
+    }
+}
+
+/// Parses `AMQP_URL` for clap, whose own message for a refused value would print the value, and
+/// so its passwords: the refusal names the entry, its password masked, and nothing else.
+#[derive(Debug, Clone, Copy)]
+struct NodesParser;
+
+impl clap::builder::TypedValueParser for NodesParser {
+    type Value = BrokerNodes;
+
+    fn parse_ref(
+        &self,
+        _command: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<BrokerNodes, clap::Error> {
+        use clap::error::ErrorKind;
+        let value = value.to_str().ok_or_else(|| clap::Error::raw(ErrorKind::InvalidUtf8, "AMQP_URL: not UTF-8\n"))?;
+        value.parse().map_err(|refusal| clap::Error::raw(ErrorKind::ValueValidation, format!("{refusal}\n")))
+    }
+}
+
 /// `args` (a binary's command line, its name first) with a setting added for each one given in a
 /// file: every flag whose environment variable is `NAME` also takes `NAME_FILE`, the path of a
 /// file holding its value (a trailing newline is dropped), the way the official Postgres image
@@ -117,9 +256,17 @@ pub fn args_with_secret_files(
 #[derive(Debug, Clone, clap::Args)]
 pub struct BrokerArgs {
     /// RabbitMQ URL (AMQP 0-9-1); the vhost is the path, `%2f` for `/`. TLS: `amqps://`, with
-    /// `?cacertfile=/run/ca.pem` (and `&certfile=...&keyfile=...` for a client certificate).
-    #[arg(long, env = "AMQP_URL", hide_env_values = true, default_value = "amqp://guest:guest@localhost:5672/%2f")]
-    pub amqp_url: SecretUrl,
+    /// `?cacertfile=/run/ca.pem` (and `&certfile=...&keyfile=...` for a client certificate). A
+    /// cluster: one URL per node, separated by commas (same user and vhost), tried in turn when a
+    /// connection is lost.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@localhost:5672/%2f",
+        value_parser = NodesParser
+    )]
+    pub amqp_url: BrokerNodes,
 }
 
 /// How a consuming endpoint retries and how many deliveries it takes at once.
@@ -241,6 +388,39 @@ mod tests {
         assert_eq!(
             SecretUrl::new("postgres://app@db/shop?sslmode=verify-full&password=hunter2").to_string(),
             "postgres://app@db/shop?sslmode=verify-full&password=***"
+        );
+    }
+
+    #[test]
+    fn broker_nodes_are_one_broker_at_several_addresses() {
+        let one: BrokerNodes = "amqp://guest:guest@localhost/%2f".parse().expect("one node");
+        assert_eq!((one.len(), one.address(0), one.address(1)), (1, "localhost:5672", "localhost:5672"));
+        let three: BrokerNodes =
+            " amqps://shop:pw@r1/shop?cacertfile=/ca.pem, amqps://shop:pw@r2:6000/shop ,amqps://shop:pw@r3/shop"
+                .parse()
+                .expect("three nodes");
+        assert_eq!([three.address(0), three.address(1), three.address(5)], ["r1:5671", "r2:6000", "r3:5671"]);
+        assert_eq!(three.url(4).expose(), "amqps://shop:pw@r2:6000/shop");
+        assert!(!format!("{three} {three:?}").contains("pw"));
+        // `/` is the default vhost however it is written.
+        assert!("amqp://u:p@a:1,amqp://u:p@b:2/,amqp://u:p@c:3/%2f,amqp://u:p@d:4/%2F".parse::<BrokerNodes>().is_ok());
+    }
+
+    #[test]
+    fn a_broker_node_list_that_is_not_one_broker_is_refused_naming_the_entry() {
+        let refusal = |nodes: &str| nodes.parse::<BrokerNodes>().expect_err(nodes);
+        assert_eq!(refusal("amqp://u:p@a/v,"), "AMQP_URL entry 2 (): empty (a stray comma?)");
+        assert_eq!(refusal(""), "AMQP_URL entry 1 (): empty (a stray comma?)");
+        assert!(refusal("amqp://u:p@a/v,b:5672").starts_with("AMQP_URL entry 2 (b:5672): "));
+        assert_eq!(refusal("http://u:p@a/v"), "AMQP_URL entry 1 (http://u:***@a/v): scheme http: not amqp or amqps");
+        assert_eq!(refusal("amqp:///v"), "AMQP_URL entry 1 (amqp:///v): no host");
+        assert_eq!(
+            refusal("amqp://u:secret@a/v,amqp://w:secret@b/v"),
+            "AMQP_URL entry 2 (amqp://w:***@b/v): user \"w\", but entry 1 names user \"u\""
+        );
+        assert_eq!(
+            refusal("amqp://u:p@a/v,amqp://u:p@b/%2f"),
+            "AMQP_URL entry 2 (amqp://u:***@b/%2f): vhost \"/\", but entry 1 names vhost \"v\""
         );
     }
 

@@ -1,6 +1,6 @@
 //! `/healthz`, `/readyz` and `/metrics`, served by every binary (the API merges them into its own
 //! router). Liveness says the process runs; readiness says its databases answer and each of its
-//! broker sessions is up.
+//! broker sessions is up, and names the broker node each session is connected to.
 
 use std::{collections::BTreeMap, sync::Arc, sync::Mutex, time::Duration};
 
@@ -25,6 +25,7 @@ use crate::{
 #[derive(Debug, Default)]
 pub struct Readiness {
     flags: Mutex<BTreeMap<String, bool>>,
+    nodes: Mutex<BTreeMap<String, String>>,
 }
 
 impl Readiness {
@@ -36,6 +37,21 @@ impl Readiness {
             (Some(true), false) => tracing::warn!(what = name, "not ready"),
             _ => {}
         }
+    }
+
+    /// Record the broker node (`host:port`) session `name` is connected to, or that it is
+    /// connected to none.
+    pub fn set_node(&self, name: &str, node: Option<&str>) {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match node {
+            Some(node) => nodes.insert(name.to_owned(), node.to_owned()),
+            None => nodes.remove(name),
+        };
+    }
+
+    /// Each connected session's broker node, by session name.
+    pub fn nodes(&self) -> BTreeMap<String, String> {
+        self.nodes.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
     /// The flags that are not ready.
@@ -71,8 +87,11 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     }
     let failing = health.readiness.failing();
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body =
-        serde_json::json!({ "status": if failing.is_empty() { "ready" } else { "not ready" }, "failing": failing });
+    let body = serde_json::json!({
+        "status": if failing.is_empty() { "ready" } else { "not ready" },
+        "failing": failing,
+        "brokerNodes": health.readiness.nodes(),
+    });
     (status, Json(body))
 }
 

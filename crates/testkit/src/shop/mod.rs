@@ -43,6 +43,9 @@ pub struct Options {
     /// Each service under its own least-privilege database roles and broker user, made by the
     /// DBA's scripts ([`crate::roles`]), its URLs given as files (`DATABASE_URL_FILE`, ...).
     pub least_privilege: bool,
+    /// How many broker nodes each service's `AMQP_URL` names (at least 1): each is a proxy of its
+    /// own to the test's broker, so a test can take one "node" away from a service.
+    pub broker_nodes: usize,
 }
 
 impl Default for Options {
@@ -55,6 +58,7 @@ impl Default for Options {
             log_filter: "info".into(),
             consumer_env: Vec::new(),
             least_privilege: false,
+            broker_nodes: 1,
         }
     }
 }
@@ -93,12 +97,13 @@ impl Options {
     }
 }
 
-/// One service process and its two proxies.
+/// One service process and its proxies: one to Postgres, and one to RabbitMQ for each node its
+/// `AMQP_URL` names.
 #[derive(Debug)]
 struct Running {
     process: Process,
     database: Proxy,
-    broker: Proxy,
+    brokers: Vec<Proxy>,
 }
 
 /// How the services run.
@@ -169,7 +174,11 @@ impl Shop {
             // One proxy carries all of a service's database connections (the relay's three
             // databases live on one server).
             let (database, database_url) = Proxy::for_url(&database_url).await.expect("database proxy");
-            let (broker, amqp_url) = Proxy::for_url(&env.amqp_url()).await.expect("broker proxy");
+            let mut brokers = Vec::new();
+            for _ in 0..options.broker_nodes.max(1) {
+                brokers.push(Proxy::for_url(&env.amqp_url()).await.expect("broker proxy").0);
+            }
+            let amqp_url = brokers.iter().map(|proxy| proxy.rewrite(&env.amqp_url())).collect::<Vec<_>>().join(",");
             let port = process::free_port();
             let mut vars = match &accounts {
                 None => vec![("DATABASE_URL", database_url), ("AMQP_URL", amqp_url)],
@@ -209,7 +218,7 @@ impl Shop {
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             let process = Process::spawn(service.binary(), process::binary(service.binary()), vars, &log_dir);
             http.insert(service, format!("http://127.0.0.1:{port}"));
-            services.insert(service, Running { process, database, broker });
+            services.insert(service, Running { process, database, brokers });
             // Each service migrates its own database; the relay needs those tables to exist.
             if service != Service::Relay {
                 wait_ready_at(&http[&service], &log_dir).await;
@@ -322,9 +331,15 @@ impl Shop {
         &self.running(service).database
     }
 
-    /// The proxy between a service and RabbitMQ.
+    /// The proxy between a service and RabbitMQ (its first node's, if it was given several).
     pub fn broker_proxy(&self, service: Service) -> &Proxy {
-        &self.running(service).broker
+        &self.running(service).brokers[0]
+    }
+
+    /// The proxies between a service and RabbitMQ, one for each node its `AMQP_URL` names
+    /// ([`Options::broker_nodes`]), in that order.
+    pub fn broker_proxies(&self, service: Service) -> &[Proxy] {
+        &self.running(service).brokers
     }
 
     /// A service's HTTP base URL.
