@@ -4,7 +4,7 @@
 
 use std::process::Output;
 
-use testkit::TestEnv;
+use testkit::{TestEnv, proxy::Mode};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_msgctl");
 
@@ -53,18 +53,26 @@ fn a_node_list_that_is_not_one_broker_is_one_line_and_exit_2() {
 }
 
 #[tokio::test]
-async fn a_node_that_does_not_answer_is_passed_over_for_the_next() {
+async fn a_node_that_refuses_or_stays_silent_is_passed_over_for_the_next() {
     let env = TestEnv::new().await;
-    // The first node refuses every connection.
-    let (down, down_url) = testkit::proxy::Proxy::for_url(&env.amqp_url()).await.expect("a proxy");
-    down.cut();
-    let nodes = format!("{down_url},{}", env.amqp_url());
-    // Off the runtime, which the proxy needs to refuse connections.
-    let redrive = move || msgctl(&nodes, &["parked", "redrive", "--endpoint", "no.such-endpoint"]);
-    let output = tokio::task::spawn_blocking(redrive).await.expect("msgctl");
-    // The second node answered: the refusal is the broker's, not an unreachable one.
-    assert_eq!(output.status.code(), Some(1), "{output:?}");
-    assert!(one_line_error(&output).contains("unknown endpoint `no.such-endpoint`"), "{output:?}");
+    let (first, first_url) = testkit::proxy::Proxy::for_url(&env.amqp_url()).await.expect("a proxy");
+    let nodes = format!("{first_url},{}", env.amqp_url());
+    // Off the runtime, which the proxy needs to refuse or hold connections.
+    let redrive = || {
+        let nodes = nodes.clone();
+        tokio::task::spawn_blocking(move || msgctl(&nodes, &["parked", "redrive", "--endpoint", "no.such-endpoint"]))
+    };
+    // The first node refuses every connection, then accepts them and answers nothing (a
+    // partition): each time the second node answers, and the refusal is the broker's own.
+    for cut_off in [Mode::Cut, Mode::Stall] {
+        match cut_off {
+            Mode::Cut => first.cut(),
+            _ => first.stall(),
+        }
+        let output = redrive().await.expect("msgctl");
+        assert_eq!(output.status.code(), Some(1), "{cut_off:?}: {output:?}");
+        assert!(one_line_error(&output).contains("unknown endpoint `no.such-endpoint`"), "{cut_off:?}: {output:?}");
+    }
 }
 
 #[tokio::test]

@@ -57,7 +57,7 @@ pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
 pub async fn check_tls(nodes: &BrokerNodes) -> Result<(), crate::runtime::startup::StartupError> {
     for index in 0..nodes.len() {
         let url = nodes.url(index);
-        match tokio::time::timeout(Duration::from_secs(10), connect(url, "start-up check")).await {
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect(url, "start-up check")).await {
             Ok(Ok(connection)) => {
                 let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
             }
@@ -73,12 +73,21 @@ pub async fn check_tls(nodes: &BrokerNodes) -> Result<(), crate::runtime::startu
     Ok(())
 }
 
-/// One connection, to the first of the nodes that answers, trying each once from `first`: for a
-/// tool that makes one short connection. The error is the last node's.
+/// How long one connection attempt to one node may take before the next node is tried: a node cut
+/// off by a partition accepts nothing and refuses nothing.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One connection, to the first of the nodes that answers within [`CONNECT_TIMEOUT`], trying each
+/// once from `first`. The error is the last node's.
 pub async fn connect_any(nodes: &BrokerNodes, first: usize, name: &str) -> lapin::Result<(Connection, usize)> {
     let mut last = None;
     for index in (first..).take(nodes.len()) {
-        match connect(nodes.url(index), name).await {
+        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, connect(nodes.url(index), name));
+        let connected = attempt.await.unwrap_or_else(|_| {
+            let silent = format!("no answer within {}", crate::runtime::duration::format_duration(CONNECT_TIMEOUT));
+            Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, silent)))
+        });
+        match connected {
             Ok(connection) => return Ok((connection, index % nodes.len())),
             Err(error) => {
                 if nodes.len() > 1 {
