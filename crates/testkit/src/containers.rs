@@ -67,7 +67,7 @@ pub(super) async fn start() -> Result<super::Servers, String> {
     let http_port = rabbitmq.get_host_port_ipv4(15672).await.map_err(|e| e.to_string())?;
     let servers = super::Servers {
         postgres: format!("postgres://postgres:postgres@127.0.0.1:{pg_port}"),
-        amqp: format!("amqp://guest:guest@127.0.0.1:{amqp_port}"),
+        amqp: vec![format!("amqp://guest:guest@127.0.0.1:{amqp_port}")],
         management: format!("http://guest:guest@127.0.0.1:{http_port}"),
     };
     // A reused container was started by another test process and may not be up yet (only a

@@ -41,8 +41,9 @@ use uuid::Uuid;
 pub struct Servers {
     /// `postgres://user@host:port[?query]` (no database).
     postgres: String,
-    /// `amqp://user:pass@host:port[?query]` (no vhost).
-    amqp: String,
+    /// `amqp://user:pass@host:port[?query]` (no vhost) of each of the broker's nodes: one, or a
+    /// cluster's, as `AMQP_URL` lists them.
+    amqp: Vec<String>,
     /// `http://user:pass@host:port[?query]` of the management API.
     management: String,
 }
@@ -69,10 +70,11 @@ async fn locate_servers() -> Servers {
     let postgres = env(&["TEST_DATABASE_URL", "DATABASE_URL"]);
     let amqp = env(&["TEST_AMQP_URL", "AMQP_URL"]);
     if let (Some(postgres), Some(amqp)) = (postgres, amqp) {
-        let amqp = origin(&amqp);
-        // The management API on the broker's host, as the broker's own user, unless named.
+        let amqp: Vec<String> = amqp.split(',').map(|node| origin(node.trim())).collect();
+        // The management API on the (first) broker node's host, as the broker's own user, unless
+        // named.
         let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"])
-            .or_else(|| messaging::runtime::http::management_url_of(&amqp))
+            .or_else(|| messaging::runtime::http::management_url_of(&amqp[0]))
             .expect("AMQP URL");
         return Servers { postgres: origin(&postgres), amqp, management };
     }
@@ -125,9 +127,20 @@ impl TestEnv {
         http::join(&self.servers.postgres, &format!("/t_{}_{service}", self.id))
     }
 
-    /// This test's broker URL (its own vhost).
+    /// This test's broker URL (its own vhost), as a service's `AMQP_URL`: one URL for each of
+    /// the broker's nodes, separated by commas.
     pub fn amqp_url(&self) -> String {
-        http::join(&self.servers.amqp, &format!("/{}", self.vhost))
+        self.amqp_nodes().join(",")
+    }
+
+    /// This test's broker URL on each of the broker's nodes (one, unless it is a cluster).
+    pub fn amqp_nodes(&self) -> Vec<String> {
+        self.servers.amqp.iter().map(|node| http::join(node, &format!("/{}", self.vhost))).collect()
+    }
+
+    /// This test's vhost, `t-<id>`.
+    pub fn vhost(&self) -> &str {
+        &self.vhost
     }
 
     /// The broker's management API, `http://user:pass@host:port` (every vhost's).
@@ -158,11 +171,10 @@ impl TestEnv {
         pool
     }
 
-    /// A broker connection on this test's vhost.
+    /// A broker connection on this test's vhost (on the first node that answers).
     pub async fn amqp(&self) -> Connection {
-        messaging::runtime::broker::connect(&messaging::runtime::config::SecretUrl::new(self.amqp_url()), "test")
-            .await
-            .expect("connect to test vhost")
+        let nodes = self.amqp_url().parse().expect("the test broker's nodes");
+        messaging::runtime::broker::connect_any(&nodes, 0, "test").await.expect("connect to test vhost").0
     }
 
     /// Publish `body` as a message of contract `C` belonging to job `job_id`, `copies` times under

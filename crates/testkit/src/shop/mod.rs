@@ -43,8 +43,9 @@ pub struct Options {
     /// Each service under its own least-privilege database roles and broker user, made by the
     /// DBA's scripts ([`crate::roles`]), its URLs given as files (`DATABASE_URL_FILE`, ...).
     pub least_privilege: bool,
-    /// How many broker nodes each service's `AMQP_URL` names (at least 1): each is a proxy of its
-    /// own to the test's broker, so a test can take one "node" away from a service.
+    /// How many broker nodes each service's `AMQP_URL` names at least: each is a proxy of its own
+    /// to one of the test broker's nodes (taken in turn, so with a one-node broker all go to it),
+    /// and a test can take one "node" away from a service. A cluster's nodes are all named anyway.
     pub broker_nodes: usize,
 }
 
@@ -174,11 +175,14 @@ impl Shop {
             // One proxy carries all of a service's database connections (the relay's three
             // databases live on one server).
             let (database, database_url) = Proxy::for_url(&database_url).await.expect("database proxy");
+            // One proxy for each broker node (a cluster's, or the one node named again).
+            let nodes = env.amqp_nodes();
             let mut brokers = Vec::new();
-            for _ in 0..options.broker_nodes.max(1) {
-                brokers.push(Proxy::for_url(&env.amqp_url()).await.expect("broker proxy").0);
+            for node in nodes.iter().cycle().take(options.broker_nodes.max(nodes.len())) {
+                brokers.push(Proxy::for_url(node).await.expect("broker proxy"));
             }
-            let amqp_url = brokers.iter().map(|proxy| proxy.rewrite(&env.amqp_url())).collect::<Vec<_>>().join(",");
+            let amqp_url = brokers.iter().map(|(_, url)| url.as_str()).collect::<Vec<_>>().join(",");
+            let brokers = brokers.into_iter().map(|(proxy, _)| proxy).collect();
             let port = process::free_port();
             let mut vars = match &accounts {
                 None => vec![("DATABASE_URL", database_url), ("AMQP_URL", amqp_url)],

@@ -1,0 +1,77 @@
+//! The shop on a three-node RabbitMQ cluster (`.ci/rabbitmq-cluster`), every service naming all
+//! three nodes in its `AMQP_URL` (through a proxy each). The node that leads the inventory
+//! worker's quorum queue dies (`kill -9`) mid-burst and later comes back; then the node the
+//! inventory worker is connected to does: each time nothing is lost or applied twice, and every
+//! service is ready again.
+//!
+//! Ignored in the normal run, which has one node: `.ci/run` starts the cluster and runs it with
+//! `eval "$(.ci/rabbitmq-cluster env)"; cargo test -p testkit --test cluster -- --ignored`.
+
+use std::time::Instant;
+
+use testkit::{
+    http,
+    shop::{Options, Service, Shop},
+};
+
+/// `.ci/rabbitmq-cluster ARGS...`, as `TEST_CLUSTER_CTL` names it; its output.
+async fn cluster(args: &[&str]) -> String {
+    let ctl = std::env::var("TEST_CLUSTER_CTL")
+        .expect("TEST_CLUSTER_CTL names the cluster's script: eval \"$(.ci/rabbitmq-cluster env)\"");
+    let output = tokio::process::Command::new(&ctl).args(args).output().await.expect("run the cluster's script");
+    assert!(output.status.success(), "{ctl} {}: {output:?}", args.join(" "));
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// The node (`rabbitcN@localhost`) that leads quorum queue `queue` of the test's vhost.
+async fn leader(shop: &Shop, queue: &str) -> String {
+    let path = format!("/api/queues/{}/{queue}", shop.env.vhost());
+    let response = http::request("GET", &http::join(shop.env.management_url(), &path), &[], None)
+        .await
+        .expect("the management API");
+    assert_eq!(response.status, 200, "{}", String::from_utf8_lossy(&response.body));
+    let queue: serde_json::Value = serde_json::from_slice(&response.body).expect("a queue");
+    queue["leader"].as_str().unwrap_or_else(|| panic!("a quorum queue has a leader: {queue}")).to_owned()
+}
+
+#[tokio::test]
+#[ignore = "needs the three-node cluster of .ci/rabbitmq-cluster; .ci/run runs it"]
+async fn a_dying_node_loses_nothing_whether_it_leads_the_queue_or_holds_the_connections() {
+    let mut shop = Shop::start(Options::default()).await;
+    assert_eq!(shop.env.amqp_nodes().len(), 3, "AMQP_URL names the cluster's three nodes");
+    shop.place_burst(30).await;
+    let queue = "inventory.order-placed";
+    let leading = leader(&shop, queue).await;
+    let node = (1..=3).find(|n| leading == format!("rabbitc{n}@localhost")).expect("a node of the cluster");
+    kill_and_bring_back(&mut shop, node, &format!("leading {queue}")).await;
+    println!("cluster: {queue} now led by {}", leader(&shop, queue).await);
+
+    let on = connected_node(&shop, Service::Inventory).await;
+    kill_and_bring_back(&mut shop, on, "holding the inventory worker's connection").await;
+}
+
+/// Kill node `node` (1 to 3) mid-burst, check the books, bring it back, check them again.
+async fn kill_and_bring_back(shop: &mut Shop, node: usize, why: &str) {
+    cluster(&["kill", &node.to_string()]).await;
+    let killed = Instant::now();
+    shop.place_burst(30).await;
+    shop.assert_books_balance().await;
+    println!("cluster: rabbitc{node} ({why}) killed; the books balanced {:?} later", killed.elapsed());
+    cluster(&["start"]).await;
+    shop.place_burst(10).await;
+    for service in Service::ALL {
+        shop.wait_ready(service).await;
+    }
+    shop.assert_books_balance().await;
+}
+
+/// The node (1 to 3) `service`'s consumer is connected to, from its `/readyz` and its proxies (the
+/// n-th proxy leads to node n).
+async fn connected_node(shop: &Shop, service: Service) -> usize {
+    let response = http::request("GET", &format!("{}/readyz", shop.http(service)), &[], None).await.expect("/readyz");
+    let body: serde_json::Value = serde_json::from_slice(&response.body).expect("a readiness body");
+    let on = body["brokerNodes"].as_object().and_then(|nodes| nodes.values().next()).and_then(|on| on.as_str());
+    let on = on.unwrap_or_else(|| panic!("{service:?} names its node: {body}"));
+    let proxies = shop.broker_proxies(service);
+    1 + proxies.iter().position(|proxy| proxy.addr().to_string() == on).expect("one of its proxies")
+}
