@@ -121,11 +121,6 @@ impl BrokerNodes {
     pub fn address(&self, index: usize) -> &str {
         &self.addresses[index % self.addresses.len()]
     }
-
-    /// The first node's URL: where the tools that make one short connection start.
-    pub fn first(&self) -> &SecretUrl {
-        &self.urls[0]
-    }
 }
 
 impl FromStr for BrokerNodes {
