@@ -1,8 +1,9 @@
 //! The shop on a three-node RabbitMQ cluster (`.ci/rabbitmq-cluster`), every service naming all
 //! three nodes in its `AMQP_URL` (through a proxy each). The node that leads the inventory
 //! worker's quorum queue dies (`kill -9`) mid-burst and later comes back; then the node the
-//! inventory worker is connected to does: each time nothing is lost or applied twice, and every
-//! service is ready again.
+//! inventory worker is connected to does; then the billing worker's node is stopped as an
+//! operator would stop it: each time nothing is lost or applied twice, and every service is ready
+//! again.
 //!
 //! A consumer connected through the node that dies may hold deliveries when it dies. The quorum
 //! queue cannot tell a dead node from one behind a partition, so it returns them only after its
@@ -52,23 +53,31 @@ async fn a_dying_node_loses_nothing_whether_it_leads_the_queue_or_holds_the_conn
     let queue = "inventory.order-placed";
     let leading = leader(&shop, queue).await;
     let node = (1..=3).find(|n| leading == format!("rabbitc{n}@localhost")).expect("a node of the cluster");
-    kill_and_bring_back(&mut shop, node, &format!("leading {queue}")).await;
+    down_and_back(&mut shop, "kill", node, &format!("leading {queue}")).await;
     println!("cluster: {queue} now led by {}", leader(&shop, queue).await);
 
     let on = connected_node(&shop, Service::Inventory).await;
-    kill_and_bring_back(&mut shop, on, "holding the inventory worker's connection").await;
+    down_and_back(&mut shop, "kill", on, "holding the inventory worker's connection").await;
+
+    // An operator's stop (a rolling upgrade's): the node closes its connections and hands its
+    // queues over, so nothing waits for the disconnected-consumer timeout.
+    let on = connected_node(&shop, Service::Billing).await;
+    down_and_back(&mut shop, "stop", on, "holding the billing worker's connection").await;
 }
 
-/// Kill node `node` (1 to 3) mid-burst, check the books, bring it back, check them again.
-async fn kill_and_bring_back(shop: &mut Shop, node: usize, why: &str) {
-    cluster(&["kill", &node.to_string()]).await;
-    let killed = Instant::now();
+/// Take node `node` (1 to 3) down by `how` (`kill`: `kill -9`, or `stop`) mid-burst, check the
+/// books, bring it back, check them again.
+async fn down_and_back(shop: &mut Shop, how: &str, node: usize, why: &str) {
+    cluster(&[how, &node.to_string()]).await;
+    let down = Instant::now();
     shop.place_burst(30).await;
     if let Err(ledger) = shop.try_settle(RIDE_OUT).await {
         let queues = queues(shop).await;
-        panic!("the books did not settle within {RIDE_OUT:?} of killing rabbitc{node} ({why}):\n{ledger}\n{queues:?}");
+        panic!(
+            "the books did not settle within {RIDE_OUT:?} of `{how}` of rabbitc{node} ({why}):\n{ledger}\n{queues:?}"
+        );
     }
-    println!("cluster: rabbitc{node} ({why}) killed; every order settled {:?} later", killed.elapsed());
+    println!("cluster: rabbitc{node} ({why}) {how}; every order settled {:?} later", down.elapsed());
     shop.assert_books_balance().await;
     cluster(&["start"]).await;
     shop.place_burst(10).await;
