@@ -242,35 +242,29 @@ pub struct Broker {
     pub management_url: Option<SecretUrl>,
 }
 
-/// Where the management API is: the one given, or that of the node msgctl is connected to.
-struct Management<'a> {
-    amqp_url: &'a SecretUrl,
-    management_url: Option<&'a SecretUrl>,
-}
-
 pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> Result<(), Failure> {
     let nodes = &broker.amqp_url;
     let (connection, node) = broker::connect_any(nodes, 0, "msgctl")
         .await
         .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
     // The management API is asked on the node that answered.
-    let broker = &Management { amqp_url: nodes.url(node), management_url: broker.management_url.as_ref() };
+    let node = nodes.url(node);
     let outcome = async {
         match action {
             Action::List { mut filter, json } => {
-                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
                 list(&connection, &filter, json).await
             }
             Action::Show { message_id, endpoint } => {
-                show(&connection, message_id, &endpoints(broker, endpoint).await?).await
+                show(&connection, message_id, &endpoints(broker, node, endpoint).await?).await
             }
             Action::Redrive { mut filter, dry_run, force } => {
-                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
                 let horizon = if force { None } else { Some(inbox_retention) };
                 redrive(&connection, &filter, dry_run, horizon).await
             }
             Action::Purge { mut filter, yes } => {
-                filter.endpoint = endpoints(broker, filter.endpoint).await?;
+                filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
                 purge(&connection, &filter, yes).await
             }
         }
@@ -281,19 +275,20 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
 }
 
 /// The endpoints named, or else every endpoint that has a parking queue (`<endpoint>.parking`) in
-/// the AMQP URL's vhost, by name. AMQP cannot list queues: the management API can.
-async fn endpoints(broker: &Management<'_>, named: Vec<String>) -> Result<Vec<String>, Failure> {
+/// the AMQP URL's vhost, by name. AMQP cannot list queues: the management API can (the one given,
+/// or that of `node`, the broker node msgctl is connected to).
+async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Result<Vec<String>, Failure> {
     if !named.is_empty() {
         return Ok(named);
     }
-    let vhost = lapin::uri::AMQPUri::from_str(broker.amqp_url.expose())
-        .map_err(|error| Failure::Described(format!("{}: {error}", broker.amqp_url)))?
+    let vhost = lapin::uri::AMQPUri::from_str(node.expose())
+        .map_err(|error| Failure::Described(format!("{node}: {error}")))?
         .vhost;
-    let management = match broker.management_url {
+    let management = match &broker.management_url {
         Some(url) => url.clone(),
-        None => http::management_url_of(broker.amqp_url.expose())
+        None => http::management_url_of(node.expose())
             .map(SecretUrl::new)
-            .ok_or_else(|| Failure::Described(format!("{}: no host to find the management API on", broker.amqp_url)))?,
+            .ok_or_else(|| Failure::Described(format!("{node}: no host to find the management API on")))?,
     };
     let path = format!(
         "/api/queues/{}?columns=name",

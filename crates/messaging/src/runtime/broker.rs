@@ -39,11 +39,22 @@ pub struct Link {
 /// of 60 s twice over.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
 
-/// Open one connection, named `name` in the broker's management UI, with [`HEARTBEAT`]. An
-/// `amqps://` URL may name its CA file and client certificate in its query
-/// ([`crate::runtime::tls`]); they are read at every connect, so a rotated certificate is picked
-/// up by the next reconnect.
+/// How long one connection attempt may take: a node cut off by a partition accepts nothing and
+/// refuses nothing, and the next node should be tried instead.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Open one connection, named `name` in the broker's management UI, with [`HEARTBEAT`], or fail
+/// with `TimedOut` after [`CONNECT_TIMEOUT`]. An `amqps://` URL may name its CA file and client
+/// certificate in its query ([`crate::runtime::tls`]); they are read at every connect, so a
+/// rotated certificate is picked up by the next reconnect.
 pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
+    tokio::time::timeout(CONNECT_TIMEOUT, connect_unbounded(url, name)).await.unwrap_or_else(|_| {
+        let silent = format!("no answer within {}", crate::runtime::duration::format_duration(CONNECT_TIMEOUT));
+        Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, silent)))
+    })
+}
+
+async fn connect_unbounded(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let parsed = url::Url::parse(url.expose())
         .map_err(|error| lapin::Error::from(std::io::Error::new(std::io::ErrorKind::InvalidInput, error)))?;
@@ -68,37 +79,27 @@ pub async fn connect(url: &SecretUrl, name: &str) -> lapin::Result<Connection> {
 pub async fn check_tls(nodes: &BrokerNodes) -> Result<(), crate::runtime::startup::StartupError> {
     for index in 0..nodes.len() {
         let url = nodes.url(index);
-        match tokio::time::timeout(CONNECT_TIMEOUT, connect(url, "start-up check")).await {
-            Ok(Ok(connection)) => {
+        match connect(url, "start-up check").await {
+            Ok(connection) => {
                 let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
             }
-            Ok(Err(error)) => {
+            Err(error) => {
                 if let Some(reason) = crate::runtime::tls::verification_failure(&error) {
                     let refusal = format!("the broker at {url}: TLS: {reason}");
                     return Err(crate::runtime::startup::StartupError(refusal));
                 }
             }
-            Err(_) => {}
         }
     }
     Ok(())
 }
-
-/// How long one connection attempt to one node may take before the next node is tried: a node cut
-/// off by a partition accepts nothing and refuses nothing.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One connection, to the first of the nodes that answers within [`CONNECT_TIMEOUT`], trying each
 /// once from `first`. The error is the last node's.
 pub async fn connect_any(nodes: &BrokerNodes, first: usize, name: &str) -> lapin::Result<(Connection, usize)> {
     let mut last = None;
     for index in (first..).take(nodes.len()) {
-        let attempt = tokio::time::timeout(CONNECT_TIMEOUT, connect(nodes.url(index), name));
-        let connected = attempt.await.unwrap_or_else(|_| {
-            let silent = format!("no answer within {}", crate::runtime::duration::format_duration(CONNECT_TIMEOUT));
-            Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, silent)))
-        });
-        match connected {
+        match connect(nodes.url(index), name).await {
             Ok(connection) => return Ok((connection, index % nodes.len())),
             Err(error) => {
                 if nodes.len() > 1 {
