@@ -6,6 +6,9 @@
 //! - [`Proxy::stall`] keeps connections open but forwards nothing, as a network black hole would
 //!   (new connections are accepted and then hang);
 //! - [`Proxy::restore`] forwards again; stalled connections resume where they were.
+//!
+//! A [`Balancer`] is the load balancer in front of several instances of one service: each new
+//! connection goes to the next instance in turn, or past it to the one after if it refuses.
 
 use std::{
     net::SocketAddr,
@@ -126,6 +129,64 @@ fn invalid(url: &str, what: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{url}: {what}"))
 }
 
+/// A TCP load balancer on an ephemeral local port, in front of several instances of a service:
+/// each new connection goes to the next upstream in turn, and to the one after if that one
+/// refuses it (an instance that is down), as a load balancer's passive health check does. A
+/// connection already carried dies with its instance; the client retries, as it would behind a
+/// real one. Dropping it closes everything it carries.
+#[derive(Debug)]
+pub struct Balancer {
+    addr: SocketAddr,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Balancer {
+    /// Listen on `127.0.0.1:0` and spread connections over `upstreams` (`host:port` each).
+    pub async fn start(upstreams: Vec<String>) -> std::io::Result<Self> {
+        assert!(!upstreams.is_empty(), "a balancer needs an upstream");
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let accept = tokio::spawn(async move {
+            let upstreams = Arc::new(upstreams);
+            let next = Arc::new(AtomicUsize::new(0));
+            // Balanced connections are never cut or stalled: their mode stays `Pass`.
+            let (_pass, mode) = watch::channel(Mode::Pass);
+            let mut connections = JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let first = next.fetch_add(1, Ordering::Relaxed);
+                        let (upstreams, mode) = (Arc::clone(&upstreams), mode.clone());
+                        connections.spawn(async move {
+                            for i in 0..upstreams.len() {
+                                let upstream = &upstreams[(first + i) % upstreams.len()];
+                                if let Ok(server) = TcpStream::connect(upstream).await {
+                                    pipe(client, server, mode).await;
+                                    return;
+                                }
+                            }
+                        });
+                    }
+                    Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                }
+            }
+        });
+        Ok(Self { addr, accept })
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
 /// Accept until dropped; each connection's tasks live in the set, so aborting this task closes
 /// them all.
 async fn accept_loop(listener: TcpListener, upstream: String, mode: watch::Receiver<Mode>, open: Arc<AtomicUsize>) {
@@ -184,6 +245,11 @@ async fn carry(client: TcpStream, upstream: String, mut mode: watch::Receiver<Mo
         return;
     }
     let Ok(server) = TcpStream::connect(&upstream).await else { return };
+    pipe(client, server, mode).await;
+}
+
+/// Pump both ways between a client and its server until either ends or the mode cuts them.
+async fn pipe(client: TcpStream, server: TcpStream, mode: watch::Receiver<Mode>) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();

@@ -3,6 +3,8 @@
 //!
 //! - [`Shop::start`]: every service as a real process, each reaching Postgres and RabbitMQ
 //!   through its own pair of fault [`Proxy`]s. The crash and fault tests and the `chaos` soak.
+//!   With [`Options::instances`] above 1, several of each: the APIs behind one [`Balancer`] (the
+//!   shop's [`Shop::front`]), relays over the same databases, workers on the same queues.
 //! - [`Shop::in_process`]: the services as tasks of the test process, started by the caller (the
 //!   suites' `tests/common`, which link the service crates), for tests that need no process to
 //!   die. Process-only helpers (kill, restart, proxies, logs) panic on such a shop.
@@ -17,12 +19,12 @@ use uuid::Uuid;
 use crate::{
     TestEnv, ledger,
     process::{self, Process},
-    proxy::Proxy,
+    proxy::{Balancer, Proxy},
 };
 
 mod orders;
 
-pub use crate::services::Service;
+pub use crate::services::{Instance, Service};
 
 /// Knobs of a shop.
 #[derive(Debug, Clone)]
@@ -47,6 +49,10 @@ pub struct Options {
     /// to one of the test broker's nodes (taken in turn, so with a one-node broker all go to it),
     /// and a test can take one "node" away from a service. A cluster's nodes are all named anyway.
     pub broker_nodes: usize,
+    /// How many instances of each service run (1 or more): the APIs behind one load balancer,
+    /// which [`Shop::front`] names, the relays over the same databases, the workers consuming the
+    /// same queues. Each instance has its own proxies.
+    pub instances: usize,
 }
 
 impl Default for Options {
@@ -60,6 +66,7 @@ impl Default for Options {
             consumer_env: Vec::new(),
             least_privilege: false,
             broker_nodes: 1,
+            instances: 1,
         }
     }
 }
@@ -110,7 +117,7 @@ struct Running {
 /// How the services run.
 #[derive(Debug)]
 enum Run {
-    Processes(BTreeMap<Service, Running>),
+    Processes(BTreeMap<Instance, Running>),
     InProcess { trigger: Option<ShutdownTrigger>, tasks: Vec<(Service, JoinHandle<Result<(), BoxError>>)> },
 }
 
@@ -119,7 +126,9 @@ enum Run {
 #[derive(Debug)]
 pub struct Shop {
     run: Run,
-    http: BTreeMap<Service, String>,
+    http: BTreeMap<Instance, String>,
+    /// The API's load balancer, when several instances run.
+    balancer: Option<Balancer>,
     log_dir: PathBuf,
     /// Direct pools (not through the proxies) for checking the books.
     pub orders: PgPool,
@@ -165,7 +174,11 @@ impl Shop {
         };
         let mut services = BTreeMap::new();
         let mut http = BTreeMap::new();
-        for service in Service::ALL {
+        let instances = Service::ALL
+            .into_iter()
+            .flat_map(|service| (0..options.instances.max(1)).map(move |index| Instance { service, index }));
+        for instance in instances {
+            let service = instance.service;
             let database_url = match service {
                 Service::Api => env.database_url("orders"),
                 Service::Inventory => env.database_url("inventory"),
@@ -193,7 +206,7 @@ impl Shop {
                     .map(|(name, value)| match name {
                         "OUTBOX_RELAY_ROLE" => (name, value),
                         _ => {
-                            let file = log_dir.join(format!("{}.{name}", service.binary()));
+                            let file = log_dir.join(format!("{instance}.{name}"));
                             std::fs::write(&file, format!("{value}\n")).expect("write a secret file");
                             (secret_file_variable(name), file.display().to_string())
                         }
@@ -220,15 +233,23 @@ impl Shop {
                 vars.push(("DEMO_FAULTS", options.demo_faults.to_string()));
             }
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
-            let process = Process::spawn(service.binary(), process::binary(service.binary()), vars, &log_dir);
-            http.insert(service, format!("http://127.0.0.1:{port}"));
-            services.insert(service, Running { process, database, brokers });
+            let process = Process::spawn(&instance.to_string(), process::binary(service.binary()), vars, &log_dir);
+            http.insert(instance, format!("http://127.0.0.1:{port}"));
+            services.insert(instance, Running { process, database, brokers });
             // Each service migrates its own database; the relay needs those tables to exist.
             if service != Service::Relay {
-                wait_ready_at(&http[&service], &log_dir).await;
+                wait_ready_at(&http[&instance], &log_dir).await;
             }
         }
         let mut shop = Self::assemble(env, Run::Processes(services), http, log_dir).await;
+        for relay in shop.instances().into_iter().filter(|instance| instance.service == Service::Relay) {
+            shop.wait_ready(relay).await;
+        }
+        if options.instances > 1 {
+            let apis = shop.http.iter().filter(|(instance, _)| instance.service == Service::Api);
+            let upstreams = apis.map(|(_, base)| base.trim_start_matches("http://").to_owned()).collect();
+            shop.balancer = Some(Balancer::start(upstreams).await.expect("the APIs' load balancer"));
+        }
         // Ready on its port is not enough: a service that could not bind it answers nothing, and
         // whatever else holds the port does.
         shop.assert_all_running();
@@ -248,11 +269,12 @@ impl Shop {
         for (_, base) in http.iter().filter(|(service, _)| **service != Service::Relay) {
             crate::wait_ready(base, WAIT, "").await;
         }
+        let http = http.into_iter().map(|(service, base)| (service.into(), base)).collect();
         Self::assemble(env, Run::InProcess { trigger: Some(trigger), tasks }, http, log_dir).await
     }
 
-    async fn assemble(env: TestEnv, run: Run, http: BTreeMap<Service, String>, log_dir: PathBuf) -> Self {
-        wait_ready_at(&http[&Service::Relay], &log_dir).await;
+    async fn assemble(env: TestEnv, run: Run, http: BTreeMap<Instance, String>, log_dir: PathBuf) -> Self {
+        wait_ready_at(&http[&Service::Relay.into()], &log_dir).await;
         let orders = env.pool("orders").await;
         let inventory = env.pool("inventory").await;
         let billing = env.pool("billing").await;
@@ -260,6 +282,7 @@ impl Shop {
         Self {
             run,
             http,
+            balancer: None,
             log_dir,
             orders,
             inventory,
@@ -294,16 +317,16 @@ impl Shop {
         }
     }
 
-    fn processes(&mut self) -> &mut BTreeMap<Service, Running> {
+    fn processes(&mut self) -> &mut BTreeMap<Instance, Running> {
         match &mut self.run {
             Run::Processes(services) => services,
             Run::InProcess { .. } => panic!("this shop runs in-process: it has no processes or proxies"),
         }
     }
 
-    fn running(&self, service: Service) -> &Running {
+    fn running(&self, at: impl Into<Instance>) -> &Running {
         match &self.run {
-            Run::Processes(services) => &services[&service],
+            Run::Processes(services) => &services[&at.into()],
             Run::InProcess { .. } => panic!("this shop runs in-process: it has no processes or proxies"),
         }
     }
@@ -325,65 +348,81 @@ impl Shop {
         &self.log_dir
     }
 
-    /// A service's process.
-    pub fn process(&mut self, service: Service) -> &mut Process {
-        &mut self.processes().get_mut(&service).expect("service").process
+    /// Every instance of every service, in start order.
+    pub fn instances(&self) -> Vec<Instance> {
+        self.http.keys().copied().collect()
     }
 
-    /// The proxy between a service and Postgres.
-    pub fn database_proxy(&self, service: Service) -> &Proxy {
-        &self.running(service).database
+    /// A service instance's process (a bare [`Service`]: its first).
+    pub fn process(&mut self, at: impl Into<Instance>) -> &mut Process {
+        &mut self.processes().get_mut(&at.into()).expect("service").process
     }
 
-    /// The proxy between a service and RabbitMQ (its first node's, if it was given several).
-    pub fn broker_proxy(&self, service: Service) -> &Proxy {
-        &self.running(service).brokers[0]
+    /// The proxy between a service instance and Postgres.
+    pub fn database_proxy(&self, at: impl Into<Instance>) -> &Proxy {
+        &self.running(at).database
     }
 
-    /// The proxies between a service and RabbitMQ, one for each node its `AMQP_URL` names
-    /// ([`Options::broker_nodes`]), in that order.
-    pub fn broker_proxies(&self, service: Service) -> &[Proxy] {
-        &self.running(service).brokers
+    /// The proxy between a service instance and RabbitMQ (its first node's, if it was given
+    /// several).
+    pub fn broker_proxy(&self, at: impl Into<Instance>) -> &Proxy {
+        &self.running(at).brokers[0]
     }
 
-    /// A service's HTTP base URL.
-    pub fn http(&self, service: Service) -> &str {
-        &self.http[&service]
+    /// The proxies between a service instance and RabbitMQ, one for each node its `AMQP_URL`
+    /// names ([`Options::broker_nodes`]), in that order.
+    pub fn broker_proxies(&self, at: impl Into<Instance>) -> &[Proxy] {
+        &self.running(at).brokers
     }
 
-    /// Wait until a service's `/readyz` says ready.
-    pub async fn wait_ready(&self, service: Service) {
-        wait_ready_at(self.http(service), &self.log_dir).await;
+    /// A service instance's own HTTP base URL (a bare [`Service`]: its first instance's).
+    pub fn http(&self, at: impl Into<Instance>) -> &str {
+        &self.http[&at.into()]
     }
 
-    /// `kill -9` a service.
-    pub async fn kill(&mut self, service: Service) {
-        self.process(service).kill().await;
+    /// Where clients place orders: the APIs' load balancer when several run, else the API.
+    pub fn front(&self) -> String {
+        match &self.balancer {
+            Some(balancer) => format!("http://{}", balancer.addr()),
+            None => self.http(Service::Api).to_owned(),
+        }
     }
 
-    /// Start a killed service again (with extra variables for this run) and wait until ready.
-    pub async fn restart_with(&mut self, service: Service, extra: &[(&str, &str)]) {
-        self.process(service).start_with(extra);
-        self.wait_ready(service).await;
+    /// Wait until a service instance's `/readyz` says ready.
+    pub async fn wait_ready(&self, at: impl Into<Instance>) {
+        wait_ready_at(self.http(at), &self.log_dir).await;
     }
 
-    /// Start a killed service again and wait until ready.
-    pub async fn restart(&mut self, service: Service) {
-        self.restart_with(service, &[]).await;
+    /// `kill -9` a service instance.
+    pub async fn kill(&mut self, at: impl Into<Instance>) {
+        self.process(at).kill().await;
+    }
+
+    /// Start a killed service instance again (with extra variables for this run) and wait until
+    /// ready.
+    pub async fn restart_with(&mut self, at: impl Into<Instance>, extra: &[(&str, &str)]) {
+        let at = at.into();
+        self.process(at).start_with(extra);
+        self.wait_ready(at).await;
+    }
+
+    /// Start a killed service instance again and wait until ready.
+    pub async fn restart(&mut self, at: impl Into<Instance>) {
+        self.restart_with(at, &[]).await;
     }
 
     /// Start again every service that exited by itself (a crashing handler), as a supervisor
     /// would, without waiting for it to be ready (it may crash again first); returns how many.
     pub async fn restart_exited(&mut self) -> usize {
         let mut exited = Vec::new();
-        for (service, running) in self.processes() {
+        for (instance, running) in self.processes() {
             if running.process.check_running().is_err() {
-                exited.push(*service);
+                exited.push(*instance);
             }
         }
-        for &service in &exited {
-            self.process(service).take_exit();
-            self.process(service).start();
+        for &instance in &exited {
+            self.process(instance).take_exit();
+            self.process(instance).start();
         }
         exited.len()
     }

@@ -9,13 +9,13 @@ use messaging::{envelope, publisher::Publisher};
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::{Run, Service, Shop, WAIT};
+use super::{Instance, Run, Shop, WAIT};
 use crate::{eventually, http, ledger::Ledger};
 
 impl Shop {
     /// `GET /jobs/{job_id}`.
     pub async fn job(&self, job_id: Uuid) -> Value {
-        let url = format!("{}/jobs/{job_id}", self.http(Service::Api));
+        let url = format!("{}/jobs/{job_id}", self.front());
         let response = http::request("GET", &url, &[], None).await.expect("GET /jobs/{id}");
         assert_eq!(response.status, 200, "GET /jobs/{job_id}: {}", String::from_utf8_lossy(&response.body));
         response.json()
@@ -24,16 +24,16 @@ impl Shop {
     /// Panic if any service exited by itself.
     pub fn assert_all_running(&mut self) {
         let Run::Processes(services) = &mut self.run else { return };
-        for (service, running) in services {
+        for (instance, running) in services {
             if let Err(status) = running.process.check_running() {
-                panic!("{service:?} exited by itself with {status}; logs in {}", self.log_dir.display());
+                panic!("{instance} exited by itself with {status}; logs in {}", self.log_dir.display());
             }
         }
     }
 
     /// `POST /orders` with a raw body and extra headers, as sent; nothing is recorded.
     pub async fn post_order(&self, body: &str, headers: &[(&str, &str)]) -> http::Response {
-        let url = format!("{}/orders", self.http(Service::Api));
+        let url = format!("{}/orders", self.front());
         http::request("POST", &url, headers, Some(body)).await.expect("POST /orders")
     }
 
@@ -42,7 +42,7 @@ impl Shop {
     pub async fn try_place(&mut self, lines: &[(&str, i32)]) -> std::io::Result<http::Response> {
         let lines: Vec<Value> = lines.iter().map(|(sku, q)| serde_json::json!({"sku": sku, "quantity": q})).collect();
         let body = serde_json::json!({"customerId": "chaos", "lines": lines}).to_string();
-        let url = format!("{}/orders", self.http(Service::Api));
+        let url = format!("{}/orders", self.front());
         let response = tokio::time::timeout(Duration::from_secs(10), http::request("POST", &url, &[], Some(&body)))
             .await
             .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "POST /orders took over 10 s"))??;
@@ -87,7 +87,7 @@ impl Shop {
     /// The status of the job's order (`GET /orders/{orderId}`).
     pub async fn order_status(&self, job_id: Uuid) -> String {
         let order_id = self.job(job_id).await["orderId"].as_str().expect("the job names its order").to_owned();
-        let url = format!("{}/orders/{order_id}", self.http(Service::Api));
+        let url = format!("{}/orders/{order_id}", self.front());
         let response = http::request("GET", &url, &[], None).await.expect("GET /orders/{id}");
         assert_eq!(response.status, 200, "GET /orders/{order_id}: {}", String::from_utf8_lossy(&response.body));
         response.json()["status"].as_str().expect("the order's status").to_owned()
@@ -125,21 +125,21 @@ impl Shop {
 
     /// Wait until a service has reached (or paused at) the failpoint `name` at least `times` times
     /// in all.
-    pub async fn wait_for_failpoint(&self, service: Service, name: &str, times: usize) {
-        let process = &self.running(service).process;
+    pub async fn wait_for_failpoint(&self, at: impl Into<Instance>, name: &str, times: usize) {
+        let process = &self.running(at).process;
         let what = format!("{} at failpoint {name} ({times} times)", process.name());
         eventually(&what, WAIT, || async { (process.failpoint_hits(name) >= times).then_some(()) }).await;
     }
 
-    /// A counter's value (summed over its label sets) from a service's `/metrics`; 0 if absent.
-    pub async fn metric(&self, service: Service, series: &str) -> u64 {
-        self.metric_value(service, series).await as u64
+    /// A counter's value (summed over its label sets) from a service instance's `/metrics`; 0 if absent.
+    pub async fn metric(&self, at: impl Into<Instance>, series: &str) -> u64 {
+        self.metric_value(at, series).await as u64
     }
 
     /// A series' value (summed over its label sets, e.g. a gauge or a histogram's `_count`) from
     /// a service's `/metrics`; 0 if absent. `series` may name some labels: `name{endpoint="e"`.
-    pub async fn metric_value(&self, service: Service, series: &str) -> f64 {
-        let url = format!("{}/metrics", self.http(service));
+    pub async fn metric_value(&self, at: impl Into<Instance>, series: &str) -> f64 {
+        let url = format!("{}/metrics", self.http(at));
         let Ok(response) = http::request("GET", &url, &[], None).await else { return 0.0 };
         let text = String::from_utf8_lossy(&response.body).into_owned();
         text.lines()
