@@ -15,6 +15,7 @@
 //! in its chroot. Default `rabbitmqctl`.
 
 pub mod cli;
+pub mod cluster;
 pub use messaging::runtime::http;
 pub mod ledger;
 pub mod process;
