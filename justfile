@@ -17,6 +17,16 @@ chaos orders="5000" kills="24" cuts="12":
     cargo build --bins
     cargo run -p testkit --bin chaos -- --orders {{orders}} --kills {{kills}} --cuts {{cuts}}
 
+# The soak on the three-node cluster of .ci/rabbitmq-cluster (started here; needs root for its
+# network namespaces): two instances of every service, and each node fault (the leader of a work
+# queue killed, a node stopped, a node partitioned) `faults` times besides the service faults.
+# Prints the ledger and how long each kind of fault took to ride out.
+chaos-cluster orders="20000" faults="20" rate="7":
+    cargo build --bins
+    bash .ci/rabbitmq-cluster start
+    eval "$(bash .ci/rabbitmq-cluster env)" && cargo run -p testkit --bin chaos -- --orders {{orders}} --rate {{rate}} \
+        --instances 2 --kills 24 --cuts 12 --node-kills {{faults}} --node-stops {{faults}} --partitions {{faults}}
+
 # The benchmark: the servers' limits and every stage, in one run, on release builds.
 bench *args:
     cargo build --release --bins

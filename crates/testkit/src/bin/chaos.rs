@@ -9,18 +9,32 @@
 //! The client behaves as a client should: every order carries an Idempotency-Key and is retried
 //! until it gets an answer, so an API killed after its commit but before its reply costs nothing.
 //!
+//! With `--instances 2` every service runs twice (the APIs behind one load balancer), and a kill or
+//! a cut takes one instance. On the three-node cluster of `.ci/rabbitmq-cluster`
+//! (`TEST_CLUSTER_CTL` set, as its `env` prints), `--node-kills` kill the node leading a work
+//! queue, `--node-stops` stop a node as an operator would, and `--partitions` cut a node off from
+//! the other two and from every client for half a minute (`just chaos-cluster`). After each fault
+//! the soak waits until every order accepted before it ended has settled, and reports how long
+//! that took (the fault's ride-out) for each kind of fault.
+//!
 //! `--crash-orders` of the orders name CRASH-1, which makes the inventory worker exit every time it
 //! handles one; the soak restarts a worker that exits that way, as a supervisor would, and expects
 //! each such order to end quarantined by the crash bound, taking no other order with it.
 
-use std::{collections::BTreeMap, process::ExitCode, time::Duration};
+use std::{
+    collections::BTreeMap,
+    process::ExitCode,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use clap::Parser;
 use shop::demo::CRASH_EXIT_CODE;
 use testkit::{
+    cluster::Cluster,
     http,
     ledger::Ledger,
-    shop::{Options, Service, Shop},
+    shop::{Instance, Options, Service, Shop},
 };
 use tokio::{task::JoinSet, time::Instant};
 use uuid::Uuid;
@@ -50,7 +64,57 @@ struct Args {
     /// Orders naming CRASH-1, spread evenly over the run.
     #[arg(long, default_value_t = 3)]
     crash_orders: usize,
+    /// Instances of each service (the APIs behind one load balancer).
+    #[arg(long, default_value_t = 1)]
+    instances: usize,
+    /// Kills (`kill -9`) of the broker node leading a work queue, each brought back (cluster).
+    #[arg(long, default_value_t = 0)]
+    node_kills: usize,
+    /// Stops of a broker node as an operator stops it, each started again (cluster).
+    #[arg(long, default_value_t = 0)]
+    node_stops: usize,
+    /// Partitions of a broker node from the other two and from every client, healed after 25 to
+    /// 35 s (cluster).
+    #[arg(long, default_value_t = 0)]
+    partitions: usize,
+    /// A fault not ridden out (every order accepted before it ended settled) within this many
+    /// seconds fails the run.
+    #[arg(long, default_value_t = 180)]
+    ride_out_secs: u64,
 }
+
+/// The queues consumers work from, one of whose leaders a node kill takes.
+const WORK_QUEUES: [&str; 3] = ["inventory.order-placed", "billing.inventory-reserved", "orders.status"];
+
+/// One fault the soak injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    /// `kill -9` of a service instance, restarted after 0.1 to 1 s.
+    Kill,
+    /// A cut or stall of one instance's connections to Postgres or RabbitMQ, for 1 to 3 s.
+    Cut,
+    /// `kill -9` of the broker node leading a work queue, started again after 5 to 15 s.
+    NodeKill,
+    /// A broker node stopped by `rabbitmqctl stop`, started again after 5 to 15 s.
+    NodeStop,
+    /// A broker node cut off from the other nodes and every client for 25 to 35 s.
+    Partition,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Kill => "service kill",
+            Self::Cut => "connection cut/stall",
+            Self::NodeKill => "node kill (queue leader)",
+            Self::NodeStop => "node stop",
+            Self::Partition => "node partition",
+        }
+    }
+}
+
+/// Job ids the API has accepted so far, shared between the load and the havoc.
+type Accepted = Arc<Mutex<Vec<Uuid>>>;
 
 /// What the client saw.
 #[derive(Debug, Default)]
@@ -74,9 +138,14 @@ struct Driven {
 /// What the chaos did.
 #[derive(Debug, Default)]
 struct Havoc {
-    kills: BTreeMap<&'static str, usize>,
+    kills: BTreeMap<String, usize>,
     cuts: usize,
     stalls: usize,
+    /// How long each fault took to ride out, by kind: from its start, and from its end (the
+    /// service restarted, the connection restored, the cluster whole again).
+    ride_outs: BTreeMap<Fault, Vec<(Duration, Duration)>>,
+    /// Faults whose orders had not settled within `--ride-out-secs`.
+    not_ridden_out: Vec<String>,
     /// Services that exited without being killed, other than by a demo crash.
     self_exits: Vec<String>,
     /// Workers that exited by a demo crash (CRASH-1), restarted at once.
@@ -87,14 +156,54 @@ impl Havoc {
     /// Restart every service that exited by itself, as a supervisor would: a demo crash is
     /// expected, any other exit is recorded as a failure.
     async fn supervise(&mut self, shop: &mut Shop) {
-        for service in Service::ALL {
-            let Some(status) = shop.process(service).take_exit() else { continue };
+        for instance in shop.instances() {
+            let Some(status) = shop.process(instance).take_exit() else { continue };
             if status.code() == Some(CRASH_EXIT_CODE) {
                 self.crash_exits += 1;
             } else {
-                self.self_exits.push(format!("{service:?}: {status}"));
+                self.self_exits.push(format!("{instance}: {status}"));
             }
-            shop.process(service).start();
+            shop.process(instance).start();
+        }
+    }
+
+    /// Supervise until `task` (bringing the cluster back) ends.
+    async fn supervise_until(&mut self, shop: &mut Shop, mut task: tokio::task::JoinHandle<()>) {
+        loop {
+            self.supervise(shop).await;
+            tokio::select! {
+                joined = &mut task => {
+                    joined.expect("the cluster's script");
+                    return;
+                }
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    }
+
+    /// Supervise until every order in `accepted` has settled, and record how long `fault`, begun
+    /// at `began`, took to ride out.
+    async fn ride_out(&mut self, shop: &mut Shop, fault: Fault, began: Instant, accepted: &[Uuid], limit: Duration) {
+        let ended = Instant::now();
+        let deadline = began + limit;
+        loop {
+            self.supervise(shop).await;
+            let unsettled: i64 = sqlx::query_scalar(
+                "select count(*) from jobs where id = any($1) and state in ('queued', 'published', 'retry_wait')",
+            )
+            .bind(accepted)
+            .fetch_one(&shop.orders)
+            .await
+            .unwrap_or(i64::MAX);
+            if unsettled == 0 {
+                self.ride_outs.entry(fault).or_default().push((began.elapsed(), ended.elapsed()));
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.not_ridden_out.push(format!("{}: {unsettled} orders unsettled after {limit:?}", fault.name()));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -113,13 +222,30 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
     fastrand::seed(seed);
-    println!("chaos: {} orders at {}/s, {} kills, {} cuts, seed {seed}", args.orders, args.rate, args.kills, args.cuts);
+    let cluster = Cluster::from_env().await;
+    if args.node_kills + args.node_stops + args.partitions > 0 && cluster.is_none() {
+        eprintln!("chaos: node faults need the cluster: eval \"$(.ci/rabbitmq-cluster env)\" first");
+        return ExitCode::from(2);
+    }
+    println!(
+        "chaos: {} orders at {}/s, {} instance(s) of each service; {} kills, {} cuts, {} node kills, {} node stops, \
+         {} partitions; seed {seed}",
+        args.orders,
+        args.rate,
+        args.instances,
+        args.kills,
+        args.cuts,
+        args.node_kills,
+        args.node_stops,
+        args.partitions
+    );
 
     let options = Options {
         retry_delays: "100ms,500ms,1s".into(),
         max_attempts: 4,
         demo_faults: true,
         log_filter: "warn,messaging::consumer=info".into(),
+        instances: args.instances.max(1),
         ..Options::default()
     };
     let mut shop = Shop::start(options).await;
@@ -130,15 +256,16 @@ async fn main() -> ExitCode {
 
     let started = Instant::now();
     let expected = Duration::from_secs_f64(args.orders as f64 / args.rate);
-    let api = shop.http(Service::Api).to_owned();
+    let api = shop.front();
+    let accepted = Accepted::default();
     let (driven, mut havoc) = tokio::join!(
-        drive(&api, args.orders, args.rate, args.crash_orders, fastrand::u64(..)),
-        wreak(&mut shop, &args, expected)
+        drive(&api, args.orders, args.rate, args.crash_orders, fastrand::u64(..), &accepted),
+        wreak(&mut shop, &args, cluster.as_ref(), started + expected, &accepted)
     );
     let havoc_ended = started.elapsed();
-    for service in Service::ALL {
-        if shop.process(service).check_running() == Ok(false) {
-            shop.restart(service).await;
+    for instance in shop.instances() {
+        if shop.process(instance).check_running() == Ok(false) {
+            shop.restart(instance).await;
         }
     }
     shop.accepted = driven.accepted.clone();
@@ -152,10 +279,9 @@ async fn main() -> ExitCode {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let settled_in = started.elapsed();
-    let duplicates: usize = [Service::Api, Service::Inventory, Service::Billing]
-        .into_iter()
-        .map(|service| shop.process(service).log_count("duplicate skipped by the inbox"))
-        .sum();
+    let consumers = shop.instances().into_iter().filter(|instance| instance.service != Service::Relay);
+    let duplicates: usize =
+        consumers.map(|instance| shop.process(instance).log_count("duplicate skipped by the inbox")).sum();
 
     println!("\n== ledger ==\n{ledger}");
     println!("\n== run ==");
@@ -184,6 +310,21 @@ fn report(driven: &Driven, havoc: &Havoc, duplicates: usize) {
     println!("poison orders        {:>8}  (quarantined after MAX_ATTEMPTS)", driven.poison);
     println!("crashing orders      {:>8}  (quarantined by the crash bound)", driven.crashing);
     println!("demo crash exits     {:>8}  (workers restarted)", havoc.crash_exits);
+    println!("\n== ride-out: until every order accepted before the fault ended settled, in s ==");
+    println!(
+        "{:<26} {:>6}  {:>22}  {:>22}",
+        "fault", "count", "from its start: median p90 max", "from its end: median p90 max"
+    );
+    for (fault, times) in &havoc.ride_outs {
+        let quantiles = |mut times: Vec<Duration>| {
+            times.sort();
+            let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize].as_secs_f64();
+            format!("{:>6.1} {:>6.1} {:>6.1}", at(0.5), at(0.9), at(1.0))
+        };
+        let from_start = quantiles(times.iter().map(|(start, _)| *start).collect());
+        let from_end = quantiles(times.iter().map(|(_, end)| *end).collect());
+        println!("{:<26} {:>6}  {from_start:>30}  {from_end:>29}", fault.name(), times.len());
+    }
 }
 
 /// Why the run failed: nothing if it passed.
@@ -210,12 +351,15 @@ fn failures(ledger: &Ledger, driven: &Driven, havoc: &Havoc) -> Vec<String> {
     if !havoc.self_exits.is_empty() {
         failures.push(format!("services exited by themselves: {:?}", havoc.self_exits));
     }
+    if !havoc.not_ridden_out.is_empty() {
+        failures.push(format!("faults not ridden out: {:?}", havoc.not_ridden_out));
+    }
     failures
 }
 
 /// Offer `orders` at `rate` per second, `crashing` of them naming CRASH-1, each in its own task so
 /// an outage does not lower the offered load; each retries with its Idempotency-Key until answered.
-async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64) -> Driven {
+async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64, accepted: &Accepted) -> Driven {
     let mut rng = fastrand::Rng::with_seed(seed);
     let run = Uuid::new_v4().simple().to_string();
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
@@ -229,7 +373,14 @@ async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64) 
         let (body, kind) = if crash { (crash_order(), Kind::Crashing) } else { random_order(&mut rng) };
         let key = format!("chaos-{run}-{i}");
         let url = format!("{api}/orders");
-        tasks.spawn(async move { (place(&url, &body, &key).await, kind) });
+        let accepted = Arc::clone(accepted);
+        tasks.spawn(async move {
+            let placed = place(&url, &body, &key).await;
+            if let (Placed::Accepted(job_id), _) = placed {
+                accepted.lock().expect("accepted ids").push(job_id);
+            }
+            (placed, kind)
+        });
     }
     while let Some(joined) = tasks.join_next().await {
         let ((outcome, retries), kind) = joined.expect("order task");
@@ -315,37 +466,90 @@ fn random_order(rng: &mut fastrand::Rng) -> (String, Kind) {
     (serde_json::json!({"customerId": "chaos", "lines": lines}).to_string(), kind)
 }
 
-/// Spread `kills` and `cuts` evenly over the expected duration of the load, in random order, on
-/// random services.
-async fn wreak(shop: &mut Shop, args: &Args, expected: Duration) -> Havoc {
+/// Spread the faults over the load (until `end`), in random order: service faults on random
+/// instances, node faults on random nodes (a node kill on the leader of a random work queue).
+/// After each, wait until every order accepted before it ended has settled (its ride-out).
+async fn wreak(shop: &mut Shop, args: &Args, cluster: Option<&Cluster>, end: Instant, accepted: &Accepted) -> Havoc {
     let mut havoc = Havoc::default();
-    let mut faults: Vec<bool> =
-        std::iter::repeat_n(true, args.kills).chain(std::iter::repeat_n(false, args.cuts)).collect();
+    let counts = [
+        (Fault::Kill, args.kills),
+        (Fault::Cut, args.cuts),
+        (Fault::NodeKill, args.node_kills),
+        (Fault::NodeStop, args.node_stops),
+        (Fault::Partition, args.partitions),
+    ];
+    let mut faults: Vec<Fault> = counts.into_iter().flat_map(|(fault, n)| std::iter::repeat_n(fault, n)).collect();
     fastrand::shuffle(&mut faults);
-    let gap = expected.div_f64(faults.len() as f64 + 1.0);
-    for kill in faults {
-        havoc.supervise_for(shop, gap).await;
-        let service = Service::ALL[fastrand::usize(..Service::ALL.len())];
-        if kill {
-            havoc.supervise(shop).await;
-            shop.kill(service).await;
-            *havoc.kills.entry(service.binary()).or_default() += 1;
-            havoc.supervise_for(shop, Duration::from_millis(fastrand::u64(100..1000))).await;
-            shop.process(service).start();
-        } else {
-            let proxy = if fastrand::bool() { shop.database_proxy(service) } else { shop.broker_proxy(service) };
-            if fastrand::u8(0..4) == 0 {
-                proxy.stall();
-                havoc.stalls += 1;
-            } else {
-                proxy.cut();
-                havoc.cuts += 1;
+    let limit = Duration::from_secs(args.ride_out_secs);
+    let instances = shop.instances();
+    for (done, fault) in faults.iter().copied().enumerate() {
+        // Spread what is left evenly over what is left of the load (faults ride out in turn).
+        let gap = end.saturating_duration_since(Instant::now()) / u32::try_from(faults.len() - done + 1).unwrap_or(1);
+        havoc.supervise_for(shop, gap.max(Duration::from_secs(1))).await;
+        let began = Instant::now();
+        match (fault, cluster) {
+            (Fault::Kill, _) => {
+                let instance = instances[fastrand::usize(..instances.len())];
+                havoc.supervise(shop).await;
+                shop.kill(instance).await;
+                *havoc.kills.entry(instance.to_string()).or_default() += 1;
+                havoc.supervise_for(shop, Duration::from_millis(fastrand::u64(100..1000))).await;
+                shop.process(instance).start();
             }
-            let outage = Duration::from_millis(fastrand::u64(1000..3000));
-            tokio::time::sleep(outage).await;
-            proxy.restore();
+            (Fault::Cut, _) => cut(shop, instances[fastrand::usize(..instances.len())], &mut havoc).await,
+            (_, Some(cluster)) => node_fault(shop, cluster, fault, &mut havoc).await,
+            (_, None) => unreachable!("node faults need the cluster (checked at start)"),
         }
+        let upto = accepted.lock().expect("accepted ids").clone();
+        havoc.ride_out(shop, fault, began, &upto, limit).await;
     }
     havoc.supervise(shop).await;
     havoc
+}
+
+/// Cut or stall one instance's connections to Postgres or RabbitMQ for 1 to 3 s.
+async fn cut(shop: &mut Shop, instance: Instance, havoc: &mut Havoc) {
+    let proxy = if fastrand::bool() { shop.database_proxy(instance) } else { shop.broker_proxy(instance) };
+    if fastrand::u8(0..4) == 0 {
+        proxy.stall();
+        havoc.stalls += 1;
+    } else {
+        proxy.cut();
+        havoc.cuts += 1;
+    }
+    let outage = Duration::from_millis(fastrand::u64(1000..3000));
+    tokio::time::sleep(outage).await;
+    proxy.restore();
+}
+
+/// Take a broker node down (kill the leader of a random work queue, stop a random node, or cut
+/// one off), supervise the services meanwhile, then bring the cluster back whole.
+async fn node_fault(shop: &mut Shop, cluster: &Cluster, fault: Fault, havoc: &mut Havoc) {
+    let random_node = || 1 + fastrand::usize(..cluster.len());
+    let (node, down_for) = match fault {
+        Fault::NodeKill => {
+            let queue = WORK_QUEUES[fastrand::usize(..WORK_QUEUES.len())];
+            let node = cluster.leader(shop.env.vhost(), queue).await.unwrap_or_else(random_node);
+            cluster.kill(node).await;
+            (node, fastrand::u64(5..15))
+        }
+        Fault::NodeStop => {
+            let node = random_node();
+            cluster.stop(node).await;
+            (node, fastrand::u64(5..15))
+        }
+        Fault::Partition => {
+            let node = random_node();
+            cluster.partition(node).await;
+            (node, fastrand::u64(25..35))
+        }
+        Fault::Kill | Fault::Cut => unreachable!("a service fault"),
+    };
+    println!("chaos: {} of {} for {down_for} s", fault.name(), cluster.name(node));
+    havoc.supervise_for(shop, Duration::from_secs(down_for)).await;
+    let restore = tokio::spawn({
+        let cluster = cluster.clone();
+        async move { cluster.restore().await }
+    });
+    havoc.supervise_until(shop, restore).await;
 }
