@@ -207,6 +207,7 @@ pub async fn worker_transaction(url: &str, prefetch: usize, batch: usize, count:
                         version: 1,
                         correlation_id: None,
                         retry_count: 0,
+                        ordering: None,
                         body: body.to_string().into_bytes(),
                     }
                 })

@@ -28,6 +28,13 @@ pub const HEADER_ENDPOINT: &str = "endpoint";
 pub const HEADER_PARKED_AT: &str = "parked-at";
 /// Header: how many times an operator sent the message back from parking (`msgctl`).
 pub const HEADER_REDRIVE_COUNT: &str = "redrive-count";
+/// Header: the key whose messages an ordered endpoint applies in order (decision 0017).
+pub const HEADER_ORDERING_KEY: &str = "ordering-key";
+/// Header: the message's place among its key's messages, from 1, given by the outbox at insert.
+pub const HEADER_ORDERING_SEQ: &str = "ordering-seq";
+/// Header: how many times an ordered endpoint has sent the message back to wait for an earlier
+/// message of its key.
+pub const HEADER_DEFERRALS: &str = "deferrals";
 
 /// AMQP `delivery_mode` for persistent messages.
 const PERSISTENT: u8 = 2;
@@ -45,6 +52,13 @@ pub struct Headers {
     /// Schema major version of the body.
     #[serde(default = "default_version")]
     pub version: u32,
+    /// The key whose messages an ordered endpoint applies in order ([`Headers::ordered_by`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_key: Option<String>,
+    /// The message's place among its key's messages: written by the outbox's insert trigger
+    /// (migration `0102_ordering_keys.sql`), never by hand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_seq: Option<i64>,
 }
 
 fn default_version() -> u32 {
@@ -64,7 +78,14 @@ impl Headers {
     /// Headers for a message that is no contract of this code (tests and tools that forge one),
     /// claiming `version`.
     pub fn raw(correlation_id: Option<Uuid>, version: u32) -> Self {
-        Self { correlation_id, traceparent: None, version }
+        Self { correlation_id, traceparent: None, version, ordering_key: None, ordering_seq: None }
+    }
+
+    /// The same headers, for a message of `key`: an endpoint that applies its messages in order
+    /// (`Endpoint::ordered_by_key`) applies the messages of one key in the order their outbox
+    /// rows committed. The outbox numbers them at insert.
+    pub fn ordered_by(self, key: impl Into<String>) -> Self {
+        Self { ordering_key: Some(key.into()), ..self }
     }
 
     /// The AMQP properties of a message with these headers.
@@ -73,6 +94,10 @@ impl Headers {
         table.insert(HEADER_VERSION.into(), AMQPValue::LongLongInt(i64::from(self.version)));
         if let Some(traceparent) = &self.traceparent {
             table.insert(HEADER_TRACEPARENT.into(), AMQPValue::LongString(traceparent.as_str().into()));
+        }
+        if let (Some(key), Some(seq)) = (&self.ordering_key, self.ordering_seq) {
+            table.insert(HEADER_ORDERING_KEY.into(), AMQPValue::LongString(key.as_str().into()));
+            table.insert(HEADER_ORDERING_SEQ.into(), AMQPValue::LongLongInt(seq));
         }
         let properties = BasicProperties::default()
             .with_message_id(ShortString::from(message_id.to_string()))
@@ -127,8 +152,19 @@ pub struct Incoming {
     pub correlation_id: Option<Uuid>,
     /// How many times this message has been retried before this delivery.
     pub retry_count: u32,
+    /// Its key and its place among that key's messages, if it was written with one.
+    pub ordering: Option<Ordering>,
     /// The JSON body.
     pub body: Vec<u8>,
+}
+
+/// A message's key and place among its key's messages (from 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ordering {
+    /// The key.
+    pub key: String,
+    /// Its place, from 1.
+    pub seq: i64,
 }
 
 impl Incoming {
@@ -146,6 +182,7 @@ impl Incoming {
             version,
             correlation_id: correlation_id(properties),
             retry_count: retry_count(delivery),
+            ordering: headers.and_then(ordering),
             body: delivery.data.clone(),
         })
     }
@@ -159,6 +196,12 @@ impl Incoming {
     pub fn json<'a, T: Deserialize<'a>>(&'a self) -> Result<T, Unreadable> {
         serde_json::from_slice(&self.body).map_err(|e| Unreadable::Body(e.to_string()))
     }
+}
+
+/// The ordering key and place a message's headers carry, if both are there.
+pub fn ordering(headers: &FieldTable) -> Option<Ordering> {
+    let key = header_text(headers, HEADER_ORDERING_KEY)?;
+    Some(Ordering { key, seq: header_i64(headers, HEADER_ORDERING_SEQ)? })
 }
 
 /// The `message_id` property as a UUID, if present and well-formed.
@@ -191,8 +234,13 @@ pub fn retry_count(delivery: &Delivery) -> u32 {
 
 /// An integer header, whatever integer width the publisher chose.
 pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
+    u32::try_from(header_i64(table, key)?).ok()
+}
+
+/// An integer header as `i64`, whatever integer width the publisher chose.
+pub fn header_i64(table: &FieldTable, key: &str) -> Option<i64> {
     let value = table.inner().get(key)?;
-    let wide: i64 = match value {
+    Some(match value {
         AMQPValue::ShortShortInt(v) => i64::from(*v),
         AMQPValue::ShortShortUInt(v) => i64::from(*v),
         AMQPValue::ShortInt(v) => i64::from(*v),
@@ -203,8 +251,7 @@ pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
         AMQPValue::Timestamp(v) => i64::try_from(*v).ok()?,
         AMQPValue::LongString(v) => std::str::from_utf8(v.as_bytes()).ok()?.parse().ok()?,
         _ => return None,
-    };
-    u32::try_from(wide).ok()
+    })
 }
 
 /// A copy of `properties` for a message the runtime publishes again (a retry or a parked copy):
@@ -292,6 +339,18 @@ mod tests {
         let table = retried.headers().clone().expect("headers");
         assert_eq!(header_u32(&table, HEADER_RETRY_COUNT), Some(3));
         assert_eq!(header_u32(&table, HEADER_VERSION), Some(2), "existing headers are kept");
+    }
+
+    #[test]
+    fn an_ordered_message_carries_its_key_and_place_once_the_outbox_numbered_it() {
+        let headers = Headers::raw(None, 1).ordered_by("order-7");
+        let unnumbered = headers.properties(Uuid::new_v4(), "t", Utc::now()).headers().clone().expect("headers");
+        assert_eq!(ordering(&unnumbered), None, "no place, no ordering: the outbox's trigger gives it");
+        // As the relay reads it back from the outbox row.
+        let stored: Headers = serde_json::from_str(r#"{"ordering_key":"order-7","ordering_seq":3}"#).expect("json");
+        let table = stored.properties(Uuid::new_v4(), "t", Utc::now()).headers().clone().expect("headers");
+        assert_eq!(ordering(&table), Some(Ordering { key: "order-7".into(), seq: 3 }));
+        assert_eq!(serde_json::to_value(&headers).expect("json")["ordering_key"], "order-7");
     }
 
     #[test]

@@ -27,10 +27,7 @@ pub async fn enqueue<C: Contract>(
     body: &C,
     correlation_id: Option<Uuid>,
 ) -> sqlx::Result<Uuid> {
-    let message = Outgoing::of(body, correlation_id);
-    let message_id = message.message_id;
-    message.bind_to(sqlx::query(INSERT.as_str())).execute(conn).await?;
-    Ok(message_id)
+    Outgoing::of(body, correlation_id).enqueue(conn).await
 }
 
 static INSERT: LazyLock<String> =
@@ -168,6 +165,20 @@ impl<'a, C: Contract> Outgoing<'a, C> {
             payload: Json(body),
             headers: Json(Headers::of::<C>(correlation_id)),
         }
+    }
+
+    /// The same message, of ordering key `key`: an endpoint ordered by key applies the messages
+    /// of one key in the order their rows commit ([`Headers::ordered_by`]).
+    pub fn ordered_by(self, key: impl Into<String>) -> Self {
+        Self { headers: Json(self.headers.0.ordered_by(key)), ..self }
+    }
+
+    /// Insert it in the caller's transaction (what [`enqueue`] does with a message it makes);
+    /// returns its message id.
+    pub async fn enqueue(self, conn: &mut PgConnection) -> sqlx::Result<Uuid> {
+        let message_id = self.message_id;
+        self.bind_to(sqlx::query(INSERT.as_str())).execute(conn).await?;
+        Ok(message_id)
     }
 
     /// Bind its six values, in the outbox columns' order, as the next parameters of `query`.

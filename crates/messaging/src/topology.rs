@@ -109,12 +109,30 @@ pub struct Endpoint {
     pub accepts: Vec<(&'static str, u32)>,
     /// The broker's delivery limit on the work queue (crash safety net).
     pub delivery_limit: u32,
+    /// Apply the messages of one ordering key in their outbox order ([`Endpoint::ordered_by_key`]).
+    pub ordered_by_key: bool,
 }
 
 impl Endpoint {
     /// An endpoint with no bindings yet.
     pub fn new(name: &'static str) -> Self {
-        Self { name, bindings: Vec::new(), accepts: Vec::new(), delivery_limit: DEFAULT_DELIVERY_LIMIT }
+        Self {
+            name,
+            bindings: Vec::new(),
+            accepts: Vec::new(),
+            delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            ordered_by_key: false,
+        }
+    }
+
+    /// Apply the messages that carry one ordering key ([`crate::envelope::Headers::ordered_by`])
+    /// in the order their outbox rows committed, whatever order they arrive in, across retries
+    /// and consumer instances: a message that arrives before an earlier one of its key is applied
+    /// goes back to wait (its first wait tier, spending no attempt) and is tried again. Messages
+    /// of other keys, and messages without a key, flow as before. A parked message gives up its
+    /// place: its key's later messages go on, and a redrive applies it late (decision 0017).
+    pub fn ordered_by_key(self) -> Self {
+        Self { ordered_by_key: true, ..self }
     }
 
     /// Bind the work queue to `routing_key` on `exchange`.

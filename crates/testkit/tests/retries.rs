@@ -67,6 +67,7 @@ fn endpoint(delivery_limit: u32) -> Endpoint {
         bindings: vec![Binding { exchange: "orders", routing_key: ENDPOINT }],
         accepts: vec![(ENDPOINT, 1)],
         delivery_limit,
+        ordered_by_key: false,
     }
 }
 

@@ -5,7 +5,11 @@ use sqlx::PgConnection;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::{Applied, Handler, HandlerError, Runtime, settle::Member};
+use super::{
+    Applied, Handler, HandlerError, Runtime,
+    ordering::{self, Turn},
+    settle::Member,
+};
 use crate::{
     envelope::Incoming,
     inbox,
@@ -29,6 +33,10 @@ impl<H: Handler> Runtime<H> {
                 if !new {
                     outcomes.push(Applied::Duplicate);
                     continue;
+                }
+                if let Some(Turn::Waits { next }) = self.take_turn(&mut tx, &member.message).await? {
+                    // Nothing of the batch commits; one by one, this message goes back to wait.
+                    return Err(HandlerError::Transient(format!("a message waits for place {next} of its key").into()));
                 }
                 let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
                 trace::scope(member.context, handled).await?;
@@ -74,7 +82,7 @@ impl<H: Handler> Runtime<H> {
     async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = db::begin(&self.pool).await?;
         let applied = self.record_and_handle(&mut tx, message).await?;
-        // A duplicate changed nothing: its transaction rolls back.
+        // A duplicate changed nothing, nor did a message that waits: its transaction rolls back.
         if let Applied::Done = applied {
             commit(tx).await?;
         }
@@ -88,8 +96,21 @@ impl<H: Handler> Runtime<H> {
         if !inbox::record(tx, message.message_id, &message.message_type, endpoint).await? {
             return Ok(Applied::Duplicate);
         }
+        if let Some(Turn::Waits { next }) = self.take_turn(tx, message).await? {
+            return Ok(Applied::Waits { next });
+        }
         self.handler.handle(message, tx).await?;
         Ok(Applied::Done)
+    }
+
+    /// On an endpoint ordered by key, the turn of a message that carries a key (`None` otherwise).
+    async fn take_turn(&self, tx: &mut PgConnection, message: &Incoming) -> sqlx::Result<Option<Turn>> {
+        match &message.ordering {
+            Some(ordering) if self.settings.endpoint.ordered_by_key => {
+                ordering::take_turn(tx, self.settings.endpoint.name, ordering).await.map(Some)
+            }
+            _ => Ok(None),
+        }
     }
 }
 

@@ -25,7 +25,9 @@
 //!    nothing (decision 0005). A handler that hangs is abandoned after `handler_timeout`;
 //! 7. what the broker itself dead-letters (its delivery limit, a last resort) arrives in the
 //!    endpoint's intake queue and is parked with the broker's reason and a job event, like any
-//!    other parked message.
+//!    other parked message;
+//! 8. on an endpoint ordered by key, a message that arrives before an earlier one of its key has
+//!    been applied is rolled back and sent to wait again (`ordering`), spending no attempt.
 //!
 //! Its parts: `scheduler` decides what to start next (a pure state machine), `session` does
 //! the broker I/O around it, `settle` turns a delivery into its outcome, `apply` runs the
@@ -35,6 +37,7 @@
 mod acks;
 mod apply;
 mod crashes;
+mod ordering;
 mod park;
 mod scheduler;
 mod session;
@@ -301,6 +304,10 @@ pub async fn run<H: Handler>(
     if let Err(mismatch) = handler.check_routes(&settings.endpoint) {
         panic!("the handler of {name} does not fit its endpoint: {mismatch}");
     }
+    assert!(
+        !settings.endpoint.ordered_by_key || !settings.policy.delays().is_empty(),
+        "{name} is ordered by key, so it needs a wait tier (RETRY_DELAYS) for messages that wait their turn"
+    );
     let link = Link {
         nodes: settings.amqp_url.clone(),
         name: readiness_flag(&settings.endpoint),
@@ -345,6 +352,11 @@ struct Runtime<H> {
 enum Applied {
     Done,
     Duplicate,
+    /// Rolled back, nothing applied: its endpoint is ordered by key, and the key's next place is
+    /// `next`, before this message's.
+    Waits {
+        next: i64,
+    },
 }
 
 impl Applied {
@@ -353,6 +365,7 @@ impl Applied {
         match self {
             Self::Done => Handling::Succeeded,
             Self::Duplicate => Handling::Duplicate,
+            Self::Waits { .. } => Handling::Deferred,
         }
     }
 }

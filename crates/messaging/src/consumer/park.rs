@@ -63,6 +63,11 @@ impl<H: Handler> Runtime<H> {
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
         let properties = &delivery.delivery().properties;
+        if endpoint.ordered_by_key
+            && let Some(ordering) = properties.headers().as_ref().and_then(envelope::ordering)
+        {
+            super::ordering::give_up_place(&self.pool, endpoint.name, &ordering).await;
+        }
         let parked_properties = envelope::with_headers(
             properties,
             &[

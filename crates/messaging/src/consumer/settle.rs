@@ -180,6 +180,7 @@ impl<H: Handler> Runtime<H> {
                 tracing::info!("session ended during a database outage; the broker will redeliver");
                 return Ok(());
             }
+            Some(Ok(Applied::Waits { next })) => self.defer(delivery, publisher, message, next).await?,
             Some(Ok(applied)) => {
                 delivery.ack().await?;
                 self.acked(applied);
@@ -232,6 +233,8 @@ impl<H: Handler> Runtime<H> {
     /// Count a delivery acked after its transaction: applied, or skipped by the inbox.
     fn acked(&self, applied: Applied) {
         match applied {
+            // Not acked here: sent back to wait (`defer`), which counts it.
+            Applied::Waits { .. } => {}
             Applied::Done => self.count(Handled::Succeeded),
             Applied::Duplicate => {
                 self.count(Handled::Duplicate);

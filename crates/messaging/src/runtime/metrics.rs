@@ -220,11 +220,13 @@ pub enum Handled {
     Retried,
     /// Sent to parking.
     Parked,
+    /// Sent back to wait for an earlier message of its ordering key, no attempt spent.
+    Deferred,
 }
 
 impl Handled {
     /// Every outcome, in the order of its discriminant.
-    const ALL: [Self; 4] = [Self::Succeeded, Self::Duplicate, Self::Retried, Self::Parked];
+    const ALL: [Self; 5] = [Self::Succeeded, Self::Duplicate, Self::Retried, Self::Parked, Self::Deferred];
 
     /// Its `outcome` label.
     pub fn as_str(self) -> &'static str {
@@ -233,6 +235,7 @@ impl Handled {
             Self::Duplicate => "duplicate",
             Self::Retried => "retried",
             Self::Parked => "parked",
+            Self::Deferred => "deferred",
         }
     }
 }
@@ -248,11 +251,13 @@ pub enum Handling {
     Failed,
     /// The database could not be reached.
     Unavailable,
+    /// Rolled back: an earlier message of its ordering key is not applied yet.
+    Deferred,
 }
 
 impl Handling {
     /// Every outcome, in the order of its discriminant.
-    const ALL: [Self; 4] = [Self::Succeeded, Self::Duplicate, Self::Failed, Self::Unavailable];
+    const ALL: [Self; 5] = [Self::Succeeded, Self::Duplicate, Self::Failed, Self::Unavailable, Self::Deferred];
 
     /// Its `outcome` label.
     pub fn as_str(self) -> &'static str {
@@ -261,6 +266,7 @@ impl Handling {
             Self::Duplicate => "duplicate",
             Self::Failed => "failed",
             Self::Unavailable => "unavailable",
+            Self::Deferred => "deferred",
         }
     }
 }
@@ -270,8 +276,8 @@ impl Handling {
 /// start, at 0.
 #[derive(Debug, Clone)]
 pub struct EndpointMetrics {
-    handled: [Counter; 4],
-    handling: [Histogram; 4],
+    handled: [Counter; 5],
+    handling: [Histogram; 5],
     duplicates: Counter,
     /// Committed, fell back.
     batches: [Counter; 2],

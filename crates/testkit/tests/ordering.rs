@@ -1,0 +1,229 @@
+//! Ordering per key (decision 0017): an endpoint ordered by key applies each key's messages in the
+//! order their outbox rows committed, through the relay and two consumer instances (one batching,
+//! one not), while some messages fail twice before they succeed (as FLAKY-1 does): a message that
+//! arrives before its key's earlier one is applied waits, and other keys keep flowing.
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use clap::Parser;
+use messaging::{
+    consumer::{self, Batching, ConsumerSettings, Handler, HandlerError},
+    contracts::Contract,
+    envelope::Incoming,
+    outbox::Outgoing,
+    runtime::{backoff::Backoff, health::Health, shutdown},
+    topology::{self, Endpoint, RetryPolicy},
+};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use testkit::{TestEnv, eventually, shop::Options};
+
+/// One step of a key's sequence.
+#[derive(Debug, Serialize, Deserialize)]
+struct Step {
+    key: String,
+    /// Its place in the key's sequence as the test wrote it, from 1.
+    round: i64,
+    /// Fails its first two attempts.
+    flaky: bool,
+    /// Fails every attempt, for good.
+    #[serde(default)]
+    poison: bool,
+}
+
+impl Contract for Step {
+    const TYPE: &'static str = "test.step";
+    const EXCHANGE: &'static str = "orders";
+}
+
+const KEYS: usize = 20;
+const ROUNDS: i64 = 10;
+
+/// Applies a step by appending it to `applied`, after failing a flaky step's first two attempts.
+struct Apply;
+
+impl Handler for Apply {
+    async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let step: Step = message.json()?;
+        if step.poison {
+            return Err(HandlerError::Permanent("poison".into()));
+        }
+        if step.flaky && message.attempt() < 3 {
+            return Err(HandlerError::Transient("flaky".into()));
+        }
+        let place = message.ordering.as_ref().map(|ordering| ordering.seq);
+        sqlx::query("insert into applied (key, round, place) values ($1, $2, $3)")
+            .bind(&step.key)
+            .bind(step.round)
+            .bind(place)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+}
+
+fn settings(env: &TestEnv, endpoint: &Endpoint, policy: &RetryPolicy, batch: Batching) -> ConsumerSettings {
+    ConsumerSettings {
+        endpoint: endpoint.clone(),
+        policy: policy.clone(),
+        prefetch: 16,
+        batch,
+        amqp_url: env.amqp_url().parse().expect("the test broker's URL"),
+        reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
+        max_crashes: 3,
+        handler_timeout: Duration::from_secs(10),
+        inbox_retention: Duration::from_secs(86_400),
+    }
+}
+
+/// A database with an `applied` table and the ordered endpoint's queues; the endpoint and its
+/// retry policy.
+async fn prepare(env: &TestEnv) -> (PgPool, Endpoint, RetryPolicy) {
+    let pool: PgPool = env.messaging_pool("ordered").await;
+    sqlx::query(
+        "create table applied (n bigserial primary key, key text not null, round bigint not null, place bigint)",
+    )
+    .execute(&pool)
+    .await
+    .expect("applied");
+    let endpoint = Endpoint::new("test.ordered").consume::<Step>().ordered_by_key();
+    let policy = RetryPolicy::new(vec![Duration::from_millis(50), Duration::from_millis(200)], 5);
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    topology::declare_endpoint(&channel, &endpoint, &policy).await.expect("declare");
+    let _ = connection.close(200, "bye".into()).await;
+    (pool, endpoint, policy)
+}
+
+/// Write `step` to the outbox, in a transaction of its own, under its key.
+async fn enqueue(pool: &PgPool, step: &Step) {
+    let mut tx = pool.begin().await.expect("begin");
+    Outgoing::of(step, None).ordered_by(&step.key).enqueue(&mut tx).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+}
+
+/// The relay, in this process, on the test's database.
+fn start_relay(env: &TestEnv, listener: tokio::net::TcpListener, trigger: &shutdown::ShutdownTrigger) -> Relay {
+    let mut args = vec!["relay".to_owned()];
+    args.extend(Options::relay_flags(&env.database_url("ordered"), &env.amqp_url()));
+    tokio::spawn(relay::run(relay::Config::parse_from(args), listener, trigger.subscribe()))
+}
+
+type Relay = tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>;
+
+/// Rounds applied so far, by key, in the order they were applied.
+async fn applied(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
+    let rows: Vec<(String, i64, Option<i64>)> =
+        sqlx::query_as("select key, round, place from applied order by n").fetch_all(pool).await.expect("applied");
+    let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (key, round, place) in rows {
+        assert_eq!(place, Some(round), "{key}: the outbox numbers a key's rows in commit order");
+        by_key.entry(key).or_default().push(round);
+    }
+    by_key
+}
+
+/// `messages_handled_total` of the ordered endpoint for `outcome`, from the consumers' metrics.
+fn handled(health: &Health, outcome: &str) -> u64 {
+    let metrics = health.metrics.render();
+    let series = format!("messages_handled_total{{endpoint=\"test.ordered\",outcome=\"{outcome}\"}} ");
+    let line = metrics.lines().find(|line| line.starts_with(&series)).unwrap_or_else(|| panic!("{series}"));
+    line[series.len()..].parse().expect("a count")
+}
+
+#[tokio::test]
+async fn each_key_is_applied_in_its_outbox_order_through_two_consumers_and_retries() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    let (trigger, stop) = shutdown::channel();
+    let mut tasks = Vec::new();
+    let health = Health::default();
+    let batching = Batching { max_size: 8, max_wait: Duration::from_millis(20) };
+    for batch in [batching, Batching::OFF] {
+        let settings = settings(&env, &endpoint, &policy, batch);
+        let consumer = consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop.clone());
+        tasks.push(tokio::spawn(consumer));
+    }
+
+    // Interleaved: round 1 of every key, then round 2, ...; each row in its own transaction. About
+    // one step in five is flaky, so its key's later steps arrive while it waits for its retry.
+    let mut rng = fastrand::Rng::with_seed(23);
+    let mut flaky = 0;
+    for round in 1..=ROUNDS {
+        for key in 0..KEYS {
+            let step = Step { key: format!("k{key}"), round, flaky: rng.u8(0..5) == 0, poison: false };
+            flaky += usize::from(step.flaky);
+            enqueue(&pool, &step).await;
+        }
+    }
+    assert!(flaky > 10, "{flaky} flaky steps: enough to make keys wait");
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay = start_relay(&env, listener, &trigger);
+
+    let total = KEYS as i64 * ROUNDS;
+    eventually("every step to be applied", Duration::from_secs(120), || async {
+        let applied: i64 = sqlx::query_scalar("select count(*) from applied").fetch_one(&pool).await.ok()?;
+        (applied == total).then_some(())
+    })
+    .await;
+
+    // Each key's steps, in the order they were applied: 1, 2, ... ROUNDS, each once, each at the
+    // place the outbox gave it.
+    let by_key = applied(&pool).await;
+    assert_eq!(by_key.len(), KEYS);
+    let in_order: Vec<i64> = (1..=ROUNDS).collect();
+    for (key, rounds) in &by_key {
+        assert_eq!(rounds, &in_order, "{key} applied out of its order");
+    }
+    let positions: Vec<i64> =
+        sqlx::query_scalar("select next from inbox_key_positions where endpoint = 'test.ordered'")
+            .fetch_all(&pool)
+            .await
+            .expect("positions");
+    assert_eq!(positions, vec![ROUNDS + 1; KEYS], "every key moved past its last step");
+
+    // Later steps did wait for the flaky ones (otherwise this test proved nothing), and nothing
+    // was parked.
+    assert!(handled(&health, "deferred") > 0, "no step waited for an earlier one of its key");
+    assert_eq!(handled(&health, "retried"), 2 * flaky as u64, "each flaky step failed twice");
+    assert_eq!(handled(&health, "parked"), 0);
+    assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(0), "nothing parked");
+
+    trigger.trigger();
+    for task in tasks {
+        task.await.expect("consumer");
+    }
+    relay.await.expect("relay task").expect("relay");
+}
+
+/// A parked message gives up its place: its key's later messages are applied, and the key moves
+/// past it.
+#[tokio::test]
+async fn a_parked_message_lets_its_key_go_on() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    let (trigger, stop) = shutdown::channel();
+    let health = Health::default();
+    let settings = settings(&env, &endpoint, &policy, Batching::OFF);
+    let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
+    for round in 1..=4 {
+        let step = Step { key: "k".into(), round, flaky: false, poison: round == 2 };
+        enqueue(&pool, &step).await;
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay = start_relay(&env, listener, &trigger);
+    eventually("the steps after the poison one to be applied", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![1, 3, 4])).then_some(())
+    })
+    .await;
+    assert_eq!(handled(&health, "parked"), 1);
+    let next: i64 = sqlx::query_scalar("select next from inbox_key_positions where key = 'k'")
+        .fetch_one(&pool)
+        .await
+        .expect("position");
+    assert_eq!(next, 5);
+    trigger.trigger();
+    consumer.await.expect("consumer");
+    relay.await.expect("relay task").expect("relay");
+}
