@@ -1,16 +1,18 @@
 //! The end-to-end section: every service together, against the same run's baseline (one message
 //! per transaction), on hot SKUs and a wide catalog; latency at half the sustained rate, commit ->
-//! publish, and each service's peak memory.
+//! publish, and each service's peak memory; then two instances of every service (the APIs behind
+//! one balancer) on hot SKUs.
 
 use std::time::Duration;
 
 use sqlx::PgPool;
+use testkit::{process::Process, proxy::Balancer};
 
 use super::{Bench, Stages, WIDE_CATALOG};
 use crate::{
     limits::Catalog,
     report::Report,
-    stages::{self, percentiles, start, stop},
+    stages::{self, percentiles, start_as, stop},
 };
 
 /// What the end-to-end section measured that the targets check.
@@ -77,7 +79,8 @@ impl Bench {
         // The same-run baseline: every consumer as before batching, one message per transaction,
         // 16 at once (BATCH_SIZE=1 and the PREFETCH that was measured best for it).
         let before_batching = [("BATCH_SIZE", "1"), ("PREFETCH", "16")];
-        let (api_addr, processes) = self.start_shop(&before_batching.map(|(n, v)| (n.to_owned(), v.to_owned()))).await;
+        let (api_addr, processes, _) =
+            self.start_shop(&before_batching.map(|(n, v)| (n.to_owned(), v.to_owned())), 1).await;
         let (unbatched, cpu_unbatched, note) =
             self.sustained("BATCH_SIZE=1, PREFETCH=16", &api_addr, Catalog::Hot, &processes).await;
         self.report.figure("e2e", "sustained, one message per transaction (baseline)", unbatched, "/s", &note);
@@ -87,7 +90,7 @@ impl Bench {
         }
 
         // The shipped defaults (or what --service-var sets), four hot SKUs, then a wide catalog.
-        let (api_addr, processes) = self.start_shop(&self.args.service_vars.clone()).await;
+        let (api_addr, processes, _) = self.start_shop(&self.args.service_vars.clone(), 1).await;
         let (hot, cpu_hot, note) = self.sustained("defaults, 4 hot SKUs", &api_addr, Catalog::Hot, &processes).await;
         self.report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);
         let cpu_per_order = cpu_hot.report(&mut self.report, "defaults, hot");
@@ -133,22 +136,58 @@ impl Bench {
         for process in processes {
             stop(process).await;
         }
+
+        // Two instances of every service, as a team scales out: the APIs behind one balancer, two
+        // relays on the same outboxes, two consumers on each queue. On this machine both copies
+        // share the same two cores with Postgres, RabbitMQ and the bench.
+        let (api_addr, processes, balancer) = self.start_shop(&self.args.service_vars.clone(), 2).await;
+        let (two, cpu_two, note) = self.sustained("two of each, 4 hot SKUs", &api_addr, Catalog::Hot, &processes).await;
+        let note = format!("{note}; the APIs behind the bench's own TCP balancer");
+        self.report.figure("e2e", "sustained, two instances of each service", two, "/s", &note);
+        cpu_two.report(&mut self.report, "two of each, hot");
+        let note =
+            format!("machine {:.0} % busy with one, {:.0} % with two", cpu_hot.busy * 100.0, cpu_two.busy * 100.0);
+        self.report.figure("e2e", "two instances / one", two / hot, "x", &note);
+        drop(balancer);
+        for process in processes {
+            stop(process).await;
+        }
         EndToEnd { hot, p99, commit_to_publish, peak_rss }
     }
 
-    /// The four services, with `extra` variables; the API's address.
-    async fn start_shop(&self, extra: &[(String, String)]) -> (String, [testkit::process::Process; 4]) {
+    /// `instances` of each of the four services, with `extra` variables; where orders go (the API,
+    /// or the balancer in front of the APIs when there are several) and the balancer.
+    async fn start_shop(
+        &self,
+        extra: &[(String, String)],
+        instances: usize,
+    ) -> (String, Vec<Process>, Option<Balancer>) {
         let billing_url = self.env.database_url("billing");
         let all = format!("{},{},{billing_url}", self.orders_url, self.inventory_url);
         let log_dir = &self.log_dir;
-        let (api, api_addr) =
-            start("orders-api", &env_with(&self.service_vars(&self.orders_url), extra), log_dir).await;
-        let (inventory_worker, _) =
-            start("inventory-worker", &env_with(&self.service_vars(&self.inventory_url), extra), log_dir).await;
-        let (billing_worker, _) =
-            start("billing-worker", &env_with(&self.service_vars(&billing_url), extra), log_dir).await;
-        let (relay, _) = start("relay", &env_with(&self.service_vars(&all), extra), log_dir).await;
-        (api_addr, [api, inventory_worker, billing_worker, relay])
+        let services = [
+            ("orders-api", self.orders_url.clone()),
+            ("inventory-worker", self.inventory_url.clone()),
+            ("billing-worker", billing_url),
+            ("relay", all),
+        ];
+        let mut processes = Vec::new();
+        let mut apis = Vec::new();
+        for (binary, url) in &services {
+            for index in 0..instances {
+                let name = if index == 0 { (*binary).to_owned() } else { format!("{binary}-{}", index + 1) };
+                let (process, addr) = start_as(&name, binary, &env_with(&self.service_vars(url), extra), log_dir).await;
+                if *binary == "orders-api" {
+                    apis.push(addr);
+                }
+                processes.push(process);
+            }
+        }
+        if instances == 1 {
+            return (apis.remove(0), processes, None);
+        }
+        let balancer = Balancer::start(apis).await.expect("the APIs' balancer");
+        (balancer.addr().to_string(), processes, Some(balancer))
     }
 
     /// Sustained maximum: offer as fast as the API answers, until every order has succeeded; with
@@ -158,7 +197,7 @@ impl Bench {
         label: &str,
         api_addr: &str,
         catalog: Catalog,
-        processes: &[testkit::process::Process; 4],
+        processes: &[Process],
     ) -> (f64, PhaseCost, String) {
         let (orders, c) = (&self.orders, self.args.concurrency);
         let databases: Vec<String> =

@@ -28,11 +28,16 @@ use crate::{
 
 /// A service process on a free port; `vars` on top of `RUST_LOG=info`.
 pub async fn start(name: &str, vars: &[(&str, String)], log_dir: &Path) -> (Process, String) {
+    start_as(name, name, vars, log_dir).await
+}
+
+/// [`start`] binary `binary` under the name `name` (its log's), for a second instance of a service.
+pub async fn start_as(name: &str, binary: &str, vars: &[(&str, String)], log_dir: &Path) -> (Process, String) {
     let port = process::free_port();
     let mut env: Vec<(String, String)> =
         vec![("HTTP_ADDR".into(), format!("127.0.0.1:{port}")), ("RUST_LOG".into(), "info".into())];
     env.extend(vars.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
-    let process = Process::spawn(name, process::binary(name), env, log_dir);
+    let process = Process::spawn(name, process::binary(binary), env, log_dir);
     let base = format!("127.0.0.1:{port}");
     let note = format!("({name}; see {})", process.log_path().display());
     testkit::wait_ready(&format!("http://{base}"), Duration::from_secs(60), &note).await;
