@@ -225,3 +225,25 @@ async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadlin
     shop.accepted.push(job_id.parse().expect("job id"));
     shop.assert_books_balance().await;
 }
+
+/// A stock row locked by another transaction for longer than `DB_LOCK_TIMEOUT` (as a second
+/// inventory worker, or one whose connection stalls mid-transaction, holds it): the worker's
+/// statement fails with `lock_not_available` (55P03), which is worth another try, so the order
+/// is retried and succeeds once the lock is gone. Before the fix it was parked at once, and its
+/// order quarantined (three of 20,000 in the cluster soak, with two inventory workers).
+#[tokio::test]
+async fn a_lock_held_past_the_lock_timeout_is_retried_not_parked() {
+    // Attempts to spare while the test sees the first retry and lets go of the row.
+    let consumer_env = vec![("DB_LOCK_TIMEOUT", "200ms".to_owned())];
+    let options = Options { consumer_env, max_attempts: 30, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let mut holder = shop.inventory.begin().await.expect("begin");
+    sqlx::query("select * from stock where sku = 'SKU-1' for update").execute(&mut *holder).await.expect("lock");
+    let job = shop.place(&[("SKU-1", 1)]).await;
+    // The worker's first attempt waits 200 ms for the row, fails, and goes to wait for its retry.
+    shop.wait_for_state(job, "retry_wait").await;
+    holder.rollback().await.expect("release the lock");
+    let job = shop.wait_for_state(job, "succeeded").await;
+    assert!(job["attempt"].as_u64() >= Some(2), "{job}");
+    shop.assert_books_balance().await;
+}

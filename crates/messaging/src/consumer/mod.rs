@@ -171,26 +171,32 @@ impl From<&str> for Reason {
 }
 
 impl From<sqlx::Error> for HandlerError {
-    /// An unreachable database is `Unavailable`; transaction conflicts, resource limits and a
-    /// garbled connection are transient; anything the database rejects on its merits (a
-    /// constraint, a type) would fail the same way again, so it is permanent.
+    /// An unreachable database is `Unavailable`; transaction conflicts, a lock waited for too
+    /// long, resource limits and a garbled connection are transient; anything the database
+    /// rejects on its merits (a constraint, a type) would fail the same way again, so it is
+    /// permanent.
     fn from(error: sqlx::Error) -> Self {
         if crate::runtime::db::is_unreachable(&error) {
             return Self::Unavailable(Reason::caused_by(error));
         }
         let transient = match &error {
-            sqlx::Error::Database(e) => {
-                // 40 rollback (serialization, deadlock), 53 resources, 57 operator (e.g. a
-                // cancelled statement; the shutdown codes are `Unavailable`).
-                let class = e.code().map(|code| code.chars().take(2).collect::<String>());
-                matches!(class.as_deref(), Some("40" | "53" | "57"))
-            }
+            sqlx::Error::Database(e) => e.code().is_some_and(|code| transient_sqlstate(&code)),
             sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
             _ => false,
         };
         let reason = Reason::caused_by(error);
         if transient { Self::Transient(reason) } else { Self::Permanent(reason) }
     }
+}
+
+/// Whether a statement that failed with `code` may succeed if tried again: class 40 (rollback:
+/// serialization failure, deadlock), 53 (insufficient resources), 57 (operator intervention, e.g. a
+/// cancelled statement; the shutdown codes are `Unavailable`), and 55P03, `lock_not_available`:
+/// `lock_timeout` (`DB_LOCK_TIMEOUT`) expired behind another transaction's lock. Two consumers of
+/// one queue wait on each other's rows; parking the second after one wait was a bug the cluster
+/// soak found (three orders quarantined in 20,000).
+fn transient_sqlstate(code: &str) -> bool {
+    matches!(code.get(..2), Some("40" | "53" | "57")) || code == "55P03"
 }
 
 impl From<Unreadable> for HandlerError {
@@ -381,5 +387,16 @@ mod tests {
         assert!(matches!(HandlerError::from(sqlx::Error::PoolTimedOut), HandlerError::Unavailable(_)));
         assert!(matches!(HandlerError::from(sqlx::Error::Protocol("garbled".into())), HandlerError::Transient(_)));
         assert!(matches!(HandlerError::from(sqlx::Error::RowNotFound), HandlerError::Permanent(_)));
+    }
+
+    #[test]
+    fn a_lock_waited_for_too_long_is_worth_another_try_and_a_constraint_is_not() {
+        use super::transient_sqlstate;
+        for code in ["40001", "40P01", "53300", "57014", "55P03"] {
+            assert!(transient_sqlstate(code), "{code}");
+        }
+        for code in ["23505", "22P02", "55000", "55006", "42P01"] {
+            assert!(!transient_sqlstate(code), "{code}");
+        }
     }
 }
