@@ -148,7 +148,7 @@ impl Balancer {
         let addr = listener.local_addr()?;
         let accept = tokio::spawn(async move {
             let upstreams = Arc::new(upstreams);
-            let next = Arc::new(AtomicUsize::new(0));
+            let mut turn = 0_usize;
             // Balanced connections are never cut or stalled: their mode stays `Pass`.
             let (_pass, mode) = watch::channel(Mode::Pass);
             let mut connections = JoinSet::new();
@@ -156,7 +156,8 @@ impl Balancer {
                 tokio::select! {
                     accepted = listener.accept() => {
                         let Ok((client, _)) = accepted else { continue };
-                        let first = next.fetch_add(1, Ordering::Relaxed);
+                        let first = turn;
+                        turn = turn.wrapping_add(1);
                         let (upstreams, mode) = (Arc::clone(&upstreams), mode.clone());
                         connections.spawn(async move {
                             for i in 0..upstreams.len() {
