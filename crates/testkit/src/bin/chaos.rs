@@ -119,7 +119,6 @@ type Accepted = Arc<Mutex<Vec<Uuid>>>;
 /// What the client saw.
 #[derive(Debug, Default)]
 struct Driven {
-    accepted: Vec<Uuid>,
     /// Accepted orders naming POISON-1 (and not CRASH-1).
     poison: usize,
     /// Accepted orders naming CRASH-1. With the poison ones, the only ones that may end
@@ -268,7 +267,7 @@ async fn main() -> ExitCode {
             shop.restart(instance).await;
         }
     }
-    shop.accepted = driven.accepted.clone();
+    shop.accepted = accepted.lock().expect("accepted ids").clone();
     let settle_deadline = Instant::now() + Duration::from_secs(args.settle_secs);
     let ledger = loop {
         havoc.supervise(&mut shop).await;
@@ -386,8 +385,7 @@ async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64, 
         let ((outcome, retries), kind) = joined.expect("order task");
         driven.retries += retries;
         match outcome {
-            Placed::Accepted(job_id) => {
-                driven.accepted.push(job_id);
+            Placed::Accepted(_) => {
                 driven.poison += usize::from(kind == Kind::Poison);
                 driven.crashing += usize::from(kind == Kind::Crashing);
             }
