@@ -6,7 +6,11 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
-use testkit::{process::Process, proxy::Balancer};
+use testkit::{
+    process::Process,
+    proxy::Balancer,
+    shop::{Instance, Service},
+};
 
 use super::{Bench, Stages, WIDE_CATALOG};
 use crate::{
@@ -166,18 +170,19 @@ impl Bench {
         let all = format!("{},{},{billing_url}", self.orders_url, self.inventory_url);
         let log_dir = &self.log_dir;
         let services = [
-            ("orders-api", self.orders_url.clone()),
-            ("inventory-worker", self.inventory_url.clone()),
-            ("billing-worker", billing_url),
-            ("relay", all),
+            (Service::Api, self.orders_url.clone()),
+            (Service::Inventory, self.inventory_url.clone()),
+            (Service::Billing, billing_url),
+            (Service::Relay, all),
         ];
         let mut processes = Vec::new();
         let mut apis = Vec::new();
-        for (binary, url) in &services {
+        for (service, url) in &services {
             for index in 0..instances {
-                let name = if index == 0 { (*binary).to_owned() } else { format!("{binary}-{}", index + 1) };
-                let (process, addr) = start_as(&name, binary, &env_with(&self.service_vars(url), extra), log_dir).await;
-                if *binary == "orders-api" {
+                let name = Instance { service: *service, index }.to_string();
+                let vars = self.service_vars(url);
+                let (process, addr) = start_as(&name, service.binary(), &env_with(&vars, extra), log_dir).await;
+                if *service == Service::Api {
                     apis.push(addr);
                 }
                 processes.push(process);
