@@ -9,6 +9,7 @@
 
 mod end_to_end;
 mod limits;
+mod peers;
 mod report;
 mod stages;
 
@@ -48,6 +49,14 @@ struct Args {
     /// Skip the scale section (the slowest).
     #[arg(long)]
     skip_scale: bool,
+    /// Skip the peers (crates/bench/peers: installed on first use, a Python environment and a
+    /// release build outside the clone).
+    #[arg(long)]
+    skip_peers: bool,
+    /// The longest a peer's drain is timed: a peer slower than `messages` in this time is timed
+    /// on what it published meanwhile.
+    #[arg(long, default_value_t = 60)]
+    peer_secs: u64,
     /// A variable for the four services of the end-to-end phases other than the baseline (e.g.
     /// `BATCH_SIZE=32` or `RELAY_LINGER=0`), to try settings against the shipped defaults;
     /// repeatable.
@@ -107,6 +116,8 @@ struct Limits {
 /// What the stages section measured.
 struct Stages {
     relay_rate: f64,
+    /// The relay drain's CPU seconds per message (relay, Postgres, RabbitMQ).
+    relay_cpu_per_message: f64,
     worker_rate: f64,
     /// The inventory drain's CPU seconds per message (worker, Postgres, RabbitMQ).
     drain_cpu_per_message: f64,
@@ -129,11 +140,12 @@ async fn main() {
     let mut bench = Bench::new(args).await;
     let limits = bench.limits().await;
     let stages = bench.stages().await;
+    let peers = if bench.args.skip_peers { Vec::new() } else { bench.peers(&stages).await };
     if !skip_scale {
         bench.scale().await;
     }
     let end_to_end = bench.end_to_end(&stages).await;
-    bench.targets(&limits, &stages, &end_to_end);
+    bench.targets(&limits, &stages, &end_to_end, &peers);
 
     bench.report.print();
     let json = bench.report.json();
@@ -209,6 +221,8 @@ impl Bench {
         let note = format!("order + lines as JSON, outbox row; concurrency {c}");
         report.figure("limit", "(a') smallest order transaction commits", smallest, "/s", &note);
         let rows = limits::outbox_rows(&self.orders, n).await;
+        // The same rows fill each peer's table.
+        peers::write_rows(&rows, &self.peer_rows());
         // The broker's rate swings most from run to run on this shared machine: the median of three.
         let mut b_runs = Vec::new();
         let window = stages::Usage::start(&[std::process::id()]);
@@ -263,7 +277,8 @@ impl Bench {
         stop(relay).await;
         let relay_rate = rate_from_timestamps(&self.orders, "outbox", "published_at", "true").await;
         self.report.figure("stage", "relay drain (pre-filled outbox)", relay_rate, "/s", &format!("{n} rows"));
-        report_usage(&mut self.report, "stage", "relay, Postgres, RabbitMQ", &relay_used, n);
+        let relay_cpu_per_message =
+            report_usage(&mut self.report, "stage", "relay, Postgres, RabbitMQ", &relay_used, n);
 
         // Inventory worker: drain the N order.placed the relay just queued.
         let worker_vars = self.service_vars(&self.inventory_url);
@@ -297,7 +312,58 @@ impl Bench {
         self.report.figure("stage", "API accept (POST -> 202)", accept_rate, "/s", &note);
         stop(api).await;
         stages::retire_unpublished(&self.orders).await;
-        Stages { relay_rate, worker_rate, drain_cpu_per_message, naive, accept_rate }
+        Stages { relay_rate, relay_cpu_per_message, worker_rate, drain_cpu_per_message, naive, accept_rate }
+    }
+
+    /// Where [`Bench::limits`] writes the rows the peers fill their tables from.
+    fn peer_rows(&self) -> std::path::PathBuf {
+        self.log_dir.join("peer-rows.jsonl")
+    }
+
+    /// Each peer at its defaults and tuned, on its own database filled from the same rows as our
+    /// relay's drain, into a quorum queue of its own: its drain rate and CPU per message, and our
+    /// relay's ratio to each. Returns (peer and setting, drain rate) for the targets.
+    async fn peers(&mut self, stages: &Stages) -> Vec<(String, &'static str, f64)> {
+        println!("\n== peers: published outbox relays on the same rows ==");
+        let peers = match peers::install() {
+            Ok(peers) => peers,
+            Err(error) => {
+                println!("  peers not measured: {error}");
+                return Vec::new();
+            }
+        };
+        let limit = Duration::from_secs(self.args.peer_secs);
+        let mut rates = Vec::new();
+        for peer in &peers {
+            for setting in peers::SETTINGS {
+                let database = format!("peer_{}_{setting}", peer.name.replace('-', "_"));
+                self.env.pool(&database).await.close().await;
+                let database_url = self.env.database_url(&database);
+                peer.fill(&database_url, &self.peer_rows()).await;
+                let queue = format!("peer.{}.{setting}", peer.name);
+                let log = self.log_dir.join(format!("{}-{setting}.log", peer.name));
+                let (amqp_url, n) = (self.env.amqp_url(), self.args.messages);
+                let drain = peer.drain(&database_url, &amqp_url, &self.channel, &queue, setting, n, limit, log).await;
+                let label = format!("{}, {setting}: drain", peer.label());
+                let note = if drain.complete {
+                    format!("{n} rows")
+                } else {
+                    format!("{} of {n} rows in {:.0} s", drain.published, drain.seconds)
+                };
+                self.report.figure("peers", &label, drain.rate, "/s", &note);
+                let who = format!("{}, Postgres, RabbitMQ", peer.name);
+                let per_message = report_usage(&mut self.report, "peers", &who, &drain.used, drain.published as usize);
+                self.report.figure("peers", "  our relay's drain / this", stages.relay_rate / drain.rate, "x", "");
+                let cpu = per_message / stages.relay_cpu_per_message;
+                self.report.figure("peers", "  this CPU per message / our relay's", cpu, "x", "");
+                self.channel
+                    .queue_delete(queue.as_str().into(), Default::default())
+                    .await
+                    .expect("delete the peer's queue");
+                rates.push((peer.name.clone(), setting, drain.rate));
+            }
+        }
+        rates
     }
 
     /// The relay with an empty outbox, with published history, and with a backlog.
@@ -341,8 +407,15 @@ impl Bench {
     }
 
     /// The targets, against this run's own figures.
-    fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd) {
+    fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd, peers: &[(String, &str, f64)]) {
         let report = &mut self.report;
+        for (peer, setting, rate) in peers {
+            let (bound, name) = match *setting {
+                "defaults" => (5.0, format!("relay drain / {peer} at its defaults >= 5")),
+                _ => (2.0, format!("relay drain / {peer} tuned >= 2")),
+            };
+            report.at_least(name, stages.relay_rate / rate, bound);
+        }
         let slowest = stages.slowest();
         let (c2p50, c2p99) = end_to_end.commit_to_publish;
         report.at_least("end to end / slowest stage alone >= 0.5", end_to_end.hot / slowest, 0.5);

@@ -13,7 +13,7 @@ struct Figure {
 
 /// One target: a figure against its bound.
 struct Target {
-    name: &'static str,
+    name: String,
     actual: f64,
     bound: f64,
     at_least: bool,
@@ -40,13 +40,13 @@ impl Report {
     }
 
     /// `actual >= bound`.
-    pub fn at_least(&mut self, name: &'static str, actual: f64, bound: f64) {
-        self.targets.push(Target { name, actual, bound, at_least: true });
+    pub fn at_least(&mut self, name: impl Into<String>, actual: f64, bound: f64) {
+        self.targets.push(Target { name: name.into(), actual, bound, at_least: true });
     }
 
     /// `actual < bound`.
-    pub fn below(&mut self, name: &'static str, actual: f64, bound: f64) {
-        self.targets.push(Target { name, actual, bound, at_least: false });
+    pub fn below(&mut self, name: impl Into<String>, actual: f64, bound: f64) {
+        self.targets.push(Target { name: name.into(), actual, bound, at_least: false });
     }
 
     /// The whole table, then the targets.
