@@ -343,7 +343,16 @@ impl Bench {
                 let queue = format!("peer.{}.{setting}", peer.name);
                 let log = self.log_dir.join(format!("{}-{setting}.log", peer.name));
                 let (amqp_url, n) = (self.env.amqp_url(), self.args.messages);
-                let drain = peer.drain(&database_url, &amqp_url, &self.channel, &queue, setting, n, limit, log).await;
+                let run = peers::Run {
+                    database_url: &database_url,
+                    amqp_url: &amqp_url,
+                    queue: &queue,
+                    setting,
+                    rows: n,
+                    limit,
+                    log,
+                };
+                let drain = peer.drain(&self.channel, run).await;
                 let label = format!("{}, {setting}: drain", peer.label());
                 let note = if drain.complete {
                     format!("{n} rows")

@@ -32,6 +32,25 @@ pub struct Peer {
     command: Vec<String>,
 }
 
+/// One drain: into `queue` (declared here, a quorum queue) with `setting`, until `rows`
+/// messages are in it or `limit` has passed since the first; the peer's output goes to `log`.
+pub struct Run<'a> {
+    /// The peer's database, filled by [`Peer::fill`].
+    pub database_url: &'a str,
+    /// The broker, with the vhost.
+    pub amqp_url: &'a str,
+    /// The queue it publishes to.
+    pub queue: &'a str,
+    /// One of [`SETTINGS`].
+    pub setting: &'a str,
+    /// The rows in its table.
+    pub rows: usize,
+    /// The longest it is timed.
+    pub limit: Duration,
+    /// Its output.
+    pub log: PathBuf,
+}
+
 /// What a peer's drain came to.
 pub struct Drain {
     /// Messages per second between the first and the last one timed.
@@ -109,21 +128,9 @@ impl Peer {
         assert!(output.status.success(), "{} fill: {}", self.name, String::from_utf8_lossy(&output.stderr));
     }
 
-    /// Relay the filled table into `queue` (declared here, a quorum queue) with `setting` until
-    /// `rows` messages are in it or `limit` has passed since the first; the peer's output goes to
-    /// `log`.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn drain(
-        &self,
-        database_url: &str,
-        amqp_url: &str,
-        channel: &Channel,
-        queue: &str,
-        setting: &str,
-        rows: usize,
-        limit: Duration,
-        log: PathBuf,
-    ) -> Drain {
+    /// Relay the filled table as `run` says, timed by its queue's depth.
+    pub async fn drain(&self, channel: &Channel, run: Run<'_>) -> Drain {
+        let Run { database_url, amqp_url, queue, setting, rows, limit, log } = run;
         let mut arguments = FieldTable::default();
         arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
         channel
