@@ -1,7 +1,7 @@
 //! The end-to-end section: every service together, against the same run's baseline (one message
-//! per transaction), on hot SKUs and a wide catalog; latency at half the sustained rate, commit ->
-//! publish, and each service's peak memory; then two instances of every service (the APIs behind
-//! one balancer) on hot SKUs.
+//! per transaction), on hot SKUs and a wide catalog; latency at 25, 50 and 90 % of the sustained
+//! rate, commit -> publish, and each service's peak memory; then two instances of every service
+//! (the APIs behind one balancer) on hot SKUs.
 
 use std::time::Duration;
 
@@ -19,11 +19,14 @@ use crate::{
     stages::{self, percentiles, start_as, stop},
 };
 
+/// The shares of the sustained rate latency is measured at.
+pub(super) const LOADS: [f64; 3] = [0.25, 0.5, 0.9];
+
 /// What the end-to-end section measured that the targets check.
 pub(super) struct EndToEnd {
     pub(super) hot: f64,
-    /// POST -> succeeded p99 at half the sustained rate, ms.
-    pub(super) p99: f64,
+    /// POST -> succeeded p99 at each share of the sustained rate in [`LOADS`], ms.
+    pub(super) p99: Vec<(f64, f64)>,
     /// Commit -> publish p50 and p99, ms.
     pub(super) commit_to_publish: (f64, f64),
     /// The largest service's peak RSS, MiB.
@@ -68,7 +71,7 @@ fn env_with<'a>(vars: &'a [(&'a str, String)], extra: &'a [(String, String)]) ->
 
 impl Bench {
     /// Every service together: the same-run baseline, the defaults on hot SKUs and on a wide
-    /// catalog, latency at half the sustained rate, commit -> publish, memory.
+    /// catalog, latency at 25, 50 and 90 % of the sustained rate, commit -> publish, memory.
     pub(super) async fn end_to_end(&mut self, stages: &Stages) -> EndToEnd {
         println!("\n== end to end: every service ==");
         let wide = Catalog::Wide(WIDE_CATALOG);
@@ -123,7 +126,10 @@ impl Bench {
         );
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
-        let p99 = self.latency_at(hot / 2.0, &api_addr, &billing).await;
+        let mut p99 = Vec::new();
+        for load in LOADS {
+            p99.push((load, self.latency_at(load, hot, &api_addr, &billing).await));
+        }
         let commit_to_publish = self.commit_to_publish().await;
         let mut peak_rss = 0.0_f64;
         for process in &processes {
@@ -240,19 +246,20 @@ impl Bench {
         (rate, cost, format!("{} orders, concurrency {c}, {label}", self.args.orders))
     }
 
-    /// POST -> succeeded at `offered` orders per second, and where the time goes; the p99, ms.
-    async fn latency_at(&mut self, offered: f64, api_addr: &str, billing: &PgPool) -> f64 {
+    /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes; the p99, ms.
+    async fn latency_at(&mut self, load: f64, sustained: f64, api_addr: &str, billing: &PgPool) -> f64 {
+        let offered = load * sustained;
         let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
         let sent_ids: Vec<uuid::Uuid> = sent.iter().map(|(id, _)| *id).collect();
         stages::wait_succeeded(&self.orders, &sent_ids).await;
         let mut steps = stages::latency_steps(&self.orders, &self.inventory, billing, &sent).await;
         let (_, latencies) = steps.pop().expect("the last step is succeeded");
         let (p50, p95, p99) = percentiles(&latencies);
-        let note = format!("offered {offered:.0}/s");
+        let (at, note) = (format!("at {:.0} %", load * 100.0), format!("offered {offered:.0}/s"));
         let report = &mut self.report;
-        report.figure("e2e", "POST -> succeeded p50", p50, "ms", &note);
-        report.figure("e2e", "POST -> succeeded p95", p95, "ms", &note);
-        report.figure("e2e", "POST -> succeeded p99", p99, "ms", &note);
+        report.figure("e2e", &format!("POST -> succeeded p50 {at}"), p50, "ms", &note);
+        report.figure("e2e", &format!("POST -> succeeded p95 {at}"), p95, "ms", &note);
+        report.figure("e2e", &format!("POST -> succeeded p99 {at}"), p99, "ms", &note);
         // Where that time goes: p50 and p99 from the send to each step before it.
         for (step, latencies) in steps {
             let (p50, _, p99) = percentiles(&latencies);

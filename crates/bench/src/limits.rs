@@ -25,6 +25,8 @@ use orders_api::{
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
+use crate::stages::{Usage, Used};
+
 /// Which SKUs the orders of a load draw from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Catalog {
@@ -162,6 +164,35 @@ pub async fn publish(connection: &Connection, rows: &[outbox::OutboxRow], window
     let rate = rows.len() as f64 / started.elapsed().as_secs_f64();
     publisher.close().await;
     rate
+}
+
+/// The relay's database work on `rows` (unpublished, and left so), each part alone, in batches of
+/// `batch` as the relay takes them: the claim (`claim_unpublished` in a transaction, rolled back)
+/// and the mark (`mark_published` and its commit, undone afterwards, untimed). What each used:
+/// the bench's process, Postgres and RabbitMQ, as the relay's own figure counts them.
+pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox::OutboxRow], batch: usize) -> (Used, Used) {
+    let window = Usage::start(&[std::process::id()]);
+    for chunk in rows.chunks(batch) {
+        let mut tx = pool.begin().await.expect("begin");
+        let claimed = outbox::claim_unpublished(&mut tx, chunk.len() as i64).await.expect("claim");
+        assert_eq!(claimed.len(), chunk.len(), "the outbox holds the rows to claim");
+        tx.rollback().await.expect("rollback");
+    }
+    let claim = window.finish();
+    let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+    let window = Usage::start(&[std::process::id()]);
+    for chunk in ids.chunks(batch) {
+        let mut tx = pool.begin().await.expect("begin");
+        outbox::mark_published(&mut tx, chunk).await.expect("mark");
+        tx.commit().await.expect("commit");
+    }
+    let mark = window.finish();
+    sqlx::query("update outbox set published_at = null where id = any($1)")
+        .bind(&ids)
+        .execute(pool)
+        .await
+        .expect("unmark");
+    (claim, mark)
 }
 
 /// (c) Consume and ack `count` messages from `queue` with `prefetch`; messages per second.
