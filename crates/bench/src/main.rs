@@ -86,9 +86,6 @@ fn name_value(s: &str) -> Result<(String, String), String> {
 /// SKUs of the wide catalog.
 const WIDE_CATALOG: usize = 1_000;
 
-/// The relay's default `RELAY_BATCH_SIZE`: the batches its floor is measured in.
-const RELAY_BATCH: usize = 2048;
-
 /// One run's servers, databases and settings, shared by its sections.
 struct Bench {
     args: Args,
@@ -249,11 +246,15 @@ impl Bench {
         report.figure("limit", "(b) publish with pipelined confirms", b, "/s", &note);
         let publish_cpu = report_usage(report, "limit", "the bench, Postgres, RabbitMQ", &b_used, 3 * n);
         // The rest of the relay's floor: its claim and its mark of a row, each alone, in its batches.
-        let (claim, mark) = limits::claim_and_mark(&self.orders, &rows, RELAY_BATCH).await;
+        // In the batches of the relay the stages start (its RELAY_BATCH_SIZE, as this environment
+        // sets it or by default).
+        let relay = relay::Config::try_parse_from(["relay"]).expect("the relay's defaults").relay;
+        let batch = usize::try_from(relay.batch_size).expect("a positive batch size");
+        let (claim, mark) = limits::claim_and_mark(&self.orders, &rows, batch).await;
         let (claim_cpu, mark_cpu) = (claim.cpu_seconds / n as f64, mark.cpu_seconds / n as f64);
-        let note = format!("{RELAY_BATCH} rows a transaction, rolled back");
+        let note = format!("{batch} rows a transaction, rolled back");
         report.figure("limit", "(b') the relay's claim of a row, CPU", claim_cpu * 1e6, "us/row", &note);
-        let note = format!("{RELAY_BATCH} rows a statement, committed");
+        let note = format!("{batch} rows a statement, committed");
         report.figure("limit", "(b'') the relay's mark of a row, CPU", mark_cpu * 1e6, "us/row", &note);
         let relay_floor = publish_cpu + claim_cpu + mark_cpu;
         report.figure("limit", "the relay's floor: (b) + (b') + (b''), CPU", relay_floor * 1e6, "us/row", "");

@@ -16,10 +16,11 @@ use std::{
 
 use lapin::{Channel, options::QueueDeclareOptions, types::FieldTable};
 use messaging::outbox::OutboxRow;
+use testkit::process;
 
 use crate::stages::{Usage, Used};
 
-/// The settings each peer runs with: as constructed without arguments, and tuned.
+/// The settings each peer runs with: none of its tuning parameters given, and tuned.
 pub const SETTINGS: [&str; 2] = ["defaults", "tuned"];
 
 /// One peer's harness, as `crates/bench/peers/install` names it.
@@ -124,7 +125,8 @@ impl Peer {
     /// Create the peer's table in `database_url` and fill it from `rows_file`.
     pub async fn fill(&self, database_url: &str, rows_file: &Path) {
         let rows_file = rows_file.to_str().expect("a UTF-8 path");
-        let output = self.command(&["fill", database_url, rows_file]).output().await.expect("run the peer's fill");
+        let fill = self.command(&["fill", database_url, rows_file]);
+        let output = process::run_to_exit(fill, Duration::from_secs(600)).await;
         assert!(output.status.success(), "{} fill: {}", self.name, String::from_utf8_lossy(&output.stderr));
     }
 
@@ -173,18 +175,8 @@ impl Peer {
             last = depth().await;
         }
         let (used, seconds) = (window.finish(), timed_from.elapsed().as_secs_f64());
-        stop(&mut relay).await;
+        process::terminate(&mut relay, Duration::from_secs(10)).await;
         let published = last - first;
         Drain { rate: published as f64 / seconds, published, seconds, complete: last >= rows as u64, used }
-    }
-}
-
-/// SIGTERM, as an orchestrator stops it, then SIGKILL if it lingers.
-async fn stop(relay: &mut tokio::process::Child) {
-    if let Some(pid) = relay.id() {
-        let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
-    }
-    if tokio::time::timeout(Duration::from_secs(10), relay.wait()).await.is_err() {
-        let _ = relay.kill().await;
     }
 }

@@ -71,6 +71,21 @@ pub async fn run_to_exit(mut command: Command, limit: Duration) -> std::process:
     }
 }
 
+/// Send `child` SIGTERM, as an orchestrator stops a process, and wait up to `timeout` for it to
+/// exit; `None` if it had exited already or did not in time (it is then killed).
+pub async fn terminate(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let pid = child.id()?;
+    let sent = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
+    assert!(matches!(sent, Ok(status) if status.success()), "kill -TERM {pid}: {sent:?}");
+    match tokio::time::timeout(timeout, child.wait()).await {
+        Ok(status) => status.ok(),
+        Err(_) => {
+            let _ = child.kill().await;
+            None
+        }
+    }
+}
+
 /// One running (or stopped) service process. Its stdout and stderr go to `<log_dir>/<name>.log`,
 /// appended across restarts, and the failpoints it reaches to `<log_dir>/<name>.failpoints`
 /// (`FAILPOINTS_REPORT`). Dropping it kills the process.
@@ -151,17 +166,7 @@ impl Process {
     /// Send SIGTERM and wait up to `timeout` for it to exit; `None` if it did not (it is then
     /// killed).
     pub async fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        let pid = child.id()?;
-        let sent = Command::new("kill").args(["-TERM", &pid.to_string()]).status().await;
-        assert!(matches!(sent, Ok(status) if status.success()), "kill -TERM {pid}: {sent:?}");
-        match tokio::time::timeout(timeout, child.wait()).await {
-            Ok(status) => status.ok(),
-            Err(_) => {
-                let _ = child.kill().await;
-                None
-            }
-        }
+        terminate(&mut self.child.take()?, timeout).await
     }
 
     /// Whether it is running; an exit it made by itself is returned as `Err`.
