@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, sync::LazyLock};
 
 use messaging::prelude::*;
 use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
-use sqlx::{Acquire, PgConnection};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 /// This service's own migrations (`migrations/inventory`), applied after messaging's.
@@ -75,12 +75,10 @@ static INSERT_RESERVATION: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
     )
 });
 
-/// Reserve all lines or none, inside a savepoint so a refusal undoes everything it wrote while
-/// the caller's inbox row stays.
-///
-/// Every order touches a few hot stock rows, so their locks are taken last: the reservation and
-/// the `inventory.reserved` outbox row are written first (a refusal rolls them back with the
-/// savepoint), and a row lock is held only for the remaining updates and the commit.
+/// Reserve all lines or none, in three round trips: lock the order's stock rows and read them,
+/// write the reservation with its `inventory.reserved`, take the stock. A refusal is decided on
+/// the locked rows before anything is written, so it needs no savepoint to undo, and the caller's
+/// inbox row stays.
 async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid>) -> Result<Reservation, sqlx::Error> {
     // Lines of the same SKU are merged, and rows are locked in SKU order, so two orders that share
     // SKUs always lock them in the same order and cannot deadlock.
@@ -88,7 +86,30 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
     for line in &order.lines {
         *wanted.entry(line.sku.as_str()).or_default() += line.quantity;
     }
-    let mut savepoint = tx.begin().await?;
+    let skus: Vec<&str> = wanted.keys().copied().collect();
+    let available: BTreeMap<String, i32> =
+        sqlx::query_as("select sku, available from stock where sku = any($1) order by sku for update")
+            .bind(&skus)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect();
+    let short = wanted.iter().find_map(|(sku, quantity)| match available.get(*sku) {
+        None => Some(format!("unknown SKU {sku}")),
+        Some(available) if available < quantity => {
+            Some(format!("insufficient stock for {sku}: {quantity} requested, {available} available"))
+        }
+        Some(_) => None,
+    });
+    if let Some(reason) = short {
+        // An order reserved before under another message id may have taken the last of the stock
+        // itself: it is not refused now.
+        let reserved: bool = sqlx::query_scalar("select exists (select 1 from reservations where order_id = $1)")
+            .bind(order.order_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        return Ok(if reserved { Reservation::AlreadyMade } else { Reservation::Refused(reason) });
+    }
     let reservation_id = Uuid::now_v7();
     let lines: Vec<OrderLine> =
         wanted.iter().map(|(sku, quantity)| OrderLine { sku: (*sku).to_owned(), quantity: *quantity }).collect();
@@ -106,37 +127,21 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
             },
             announced,
         )
-        .execute(&mut *savepoint)
+        .execute(&mut *tx)
         .await?;
     if written.rows_affected() == 0 {
-        savepoint.rollback().await?;
         return Ok(Reservation::AlreadyMade);
     }
-    for (sku, quantity) in &wanted {
-        let taken = sqlx::query(
-            "update stock set available = available - $2, reserved = reserved + $2
-              where sku = $1 and available >= $2",
-        )
-        .bind(sku)
-        .bind(quantity)
-        .execute(&mut *savepoint)
-        .await?
-        .rows_affected();
-        if taken == 0 {
-            let available: Option<i32> = sqlx::query_scalar("select available from stock where sku = $1")
-                .bind(sku)
-                .fetch_optional(&mut *savepoint)
-                .await?;
-            // Undoes the reservation, the outbox row and the lines already taken, and releases
-            // their row locks.
-            savepoint.rollback().await?;
-            let reason = match available {
-                None => format!("unknown SKU {sku}"),
-                Some(available) => format!("insufficient stock for {sku}: {quantity} requested, {available} available"),
-            };
-            return Ok(Reservation::Refused(reason));
-        }
-    }
-    savepoint.commit().await?;
+    // Every row is locked and holds enough: each line is taken, in one statement.
+    let quantities: Vec<i32> = wanted.values().copied().collect();
+    sqlx::query(
+        "update stock set available = available - taken.quantity, reserved = reserved + taken.quantity
+           from unnest($1::text[], $2::int[]) as taken (sku, quantity)
+          where stock.sku = taken.sku",
+    )
+    .bind(&skus)
+    .bind(&quantities)
+    .execute(&mut *tx)
+    .await?;
     Ok(Reservation::Made)
 }

@@ -170,3 +170,36 @@ async fn one_order_under_two_message_ids_is_reserved_invoiced_and_announced_once
     assert_eq!(count(&shop.billing, &announced).await, 1, "invoice.created once");
     shop.stop().await;
 }
+
+/// An order that takes the last of a SKU's stock, under two message ids: the second copy finds
+/// the stock short, but the order is reserved already, so it is neither refused nor announced.
+#[tokio::test]
+async fn an_order_that_took_the_last_stock_is_not_refused_under_its_second_message_id() {
+    let shop = common::start().await;
+    sqlx::query("update stock set available = 2, reserved = 0 where sku = 'SKU-5'")
+        .execute(&shop.inventory)
+        .await
+        .expect("two left");
+    let placed = OrderPlaced {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        customer_id: "c-last".into(),
+        lines: vec![OrderLine { sku: "SKU-5".into(), quantity: 2 }],
+    };
+    shop.env.publish(&placed, placed.job_id, 1).await;
+    eventually("the first copy to be applied", WAIT, || async {
+        (count(&shop.inventory, "select count(*) from inbox").await == 1).then_some(())
+    })
+    .await;
+    shop.env.publish(&placed, placed.job_id, 1).await;
+    eventually("the second copy to be applied", WAIT, || async {
+        (count(&shop.inventory, "select count(*) from inbox").await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(stock(&shop, "SKU-5").await, (0, 2), "reserved once");
+    assert_eq!(count(&shop.inventory, "select count(*) from reservations").await, 1);
+    let announced = |kind: &str| format!("select count(*) from outbox where message_type = '{kind}'");
+    assert_eq!(count(&shop.inventory, &announced("inventory.reserved")).await, 1, "announced once");
+    assert_eq!(count(&shop.inventory, &announced("inventory.rejected")).await, 0, "never refused");
+    shop.stop().await;
+}
