@@ -12,11 +12,11 @@ use testkit::{
     shop::{Instance, Service},
 };
 
-use super::{Bench, Stages, WIDE_CATALOG};
+use super::{Bench, WIDE_CATALOG};
 use crate::{
     limits::Catalog,
     report::Report,
-    stages::{self, percentiles, start_as, stop},
+    stages::{self, Cpu, Usage, percentiles, start_as, stop},
 };
 
 /// The shares of the sustained rate latency is measured at.
@@ -24,7 +24,10 @@ pub(super) const LOADS: [f64; 3] = [0.25, 0.5, 0.9];
 
 /// What the end-to-end section measured that the targets check.
 pub(super) struct EndToEnd {
-    pub(super) hot: f64,
+    /// CPU seconds per order at the shipped defaults on hot SKUs, and at the baseline (one message
+    /// per transaction).
+    pub(super) cpu: Cpu,
+    pub(super) cpu_unbatched: Cpu,
     /// POST -> succeeded p99 at each share of the sustained rate in [`LOADS`], ms.
     pub(super) p99: Vec<(f64, f64)>,
     /// Commit -> publish p50 and p99, ms.
@@ -35,8 +38,10 @@ pub(super) struct EndToEnd {
 
 /// What an end-to-end phase cost.
 struct PhaseCost {
-    /// CPU milliseconds per order, by service process, then Postgres and RabbitMQ.
-    cpu_per_order: Vec<(String, f64)>,
+    /// CPU seconds per order of each service process.
+    services: Vec<(String, f64)>,
+    /// CPU seconds per order: the services together, Postgres, RabbitMQ.
+    cpu: Cpu,
     /// Transactions committed in the three databases, per order.
     commits: f64,
     /// The machine's busy share over the phase (0 to 1).
@@ -44,18 +49,18 @@ struct PhaseCost {
 }
 
 impl PhaseCost {
-    /// Print it under `label`; returns the whole CPU per order, in seconds.
-    fn report(&self, report: &mut Report, label: &str) -> f64 {
-        for (name, milliseconds) in &self.cpu_per_order {
-            report.figure("cpu", &format!("{label}: {name}"), milliseconds * 1000.0, "us/ord", "CPU time per order");
+    /// Print it under `label`.
+    fn report(&self, report: &mut Report, label: &str) {
+        let servers =
+            [("postgres (all)".to_owned(), self.cpu.postgres), ("rabbitmq (all)".to_owned(), self.cpu.rabbitmq)];
+        for (name, seconds) in self.services.iter().chain(&servers) {
+            report.figure("cpu", &format!("{label}: {name}"), seconds * 1e6, "us/ord", "CPU time per order");
         }
         let note = "transactions committed in the three databases, per order";
         report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
         let note = "share of the machine's CPU time in use over the phase";
         report.figure("cpu", &format!("{label}: machine busy"), self.busy * 100.0, "%", note);
-        let total: f64 = self.cpu_per_order.iter().map(|(_, milliseconds)| milliseconds).sum();
-        report.figure("cpu", &format!("{label}: all of the above"), total * 1000.0, "us/ord", "");
-        total / 1000.0
+        report.figure("cpu", &format!("{label}: all of the above"), self.cpu.total() * 1e6, "us/ord", "");
     }
 }
 
@@ -72,7 +77,7 @@ fn env_with<'a>(vars: &'a [(&'a str, String)], extra: &'a [(String, String)]) ->
 impl Bench {
     /// Every service together: the same-run baseline, the defaults on hot SKUs and on a wide
     /// catalog, latency at 25, 50 and 90 % of the sustained rate, commit -> publish, memory.
-    pub(super) async fn end_to_end(&mut self, stages: &Stages) -> EndToEnd {
+    pub(super) async fn end_to_end(&mut self) -> EndToEnd {
         println!("\n== end to end: every service ==");
         let wide = Catalog::Wide(WIDE_CATALOG);
         sqlx::query(
@@ -82,7 +87,6 @@ impl Bench {
         .execute(&self.inventory)
         .await
         .expect("wide catalog");
-        let slowest = stages.slowest();
         // The same-run baseline: every consumer as before batching, one message per transaction,
         // 16 at once (BATCH_SIZE=1 and the PREFETCH that was measured best for it).
         let before_batching = [("BATCH_SIZE", "1"), ("PREFETCH", "16")];
@@ -100,7 +104,7 @@ impl Bench {
         let (api_addr, processes, _) = self.start_shop(&self.args.service_vars.clone(), 1).await;
         let (hot, cpu_hot, note) = self.sustained("defaults, 4 hot SKUs", &api_addr, Catalog::Hot, &processes).await;
         self.report.figure("e2e", "sustained throughput (POST -> succeeded)", hot, "/s", &note);
-        let cpu_per_order = cpu_hot.report(&mut self.report, "defaults, hot");
+        cpu_hot.report(&mut self.report, "defaults, hot");
         // The wide catalog's prices (its stock was created above), in the database billing created.
         let billing = self.env.pool("billing").await;
         sqlx::query(
@@ -114,21 +118,11 @@ impl Bench {
         let report = &mut self.report;
         report.figure("e2e", &format!("sustained throughput, {WIDE_CATALOG} SKUs"), wide_rate, "/s", &note);
         cpu_wide.report(report, "defaults, wide");
-        report.figure("e2e", "sustained / slowest stage alone", hot / slowest, "x", &format!("slowest {slowest:.0}/s"));
-        // If both used the whole machine, that ratio would be the inventory drain's CPU per message
-        // over an order's: the inventory's share of what an order costs.
-        report.figure(
-            "e2e",
-            "  the same if both used the whole machine",
-            stages.drain_cpu_per_message / cpu_per_order,
-            "x",
-            "inventory drain's CPU per message / an order's CPU (hot)",
-        );
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
         let mut p99 = Vec::new();
         for load in LOADS {
-            p99.push((load, self.latency_at(load, hot, &api_addr, &billing).await));
+            p99.push((load, self.latency_at(load, hot, &api_addr, &billing, &processes).await));
         }
         let commit_to_publish = self.commit_to_publish().await;
         let mut peak_rss = 0.0_f64;
@@ -162,7 +156,7 @@ impl Bench {
         for process in processes {
             stop(process).await;
         }
-        EndToEnd { hot, p99, commit_to_publish, peak_rss }
+        EndToEnd { cpu: cpu_hot.cpu, cpu_unbatched: cpu_unbatched.cpu, p99, commit_to_publish, peak_rss }
     }
 
     /// `instances` of each of the four services, with `extra` variables; where orders go (the API,
@@ -214,21 +208,13 @@ impl Bench {
         let databases: Vec<String> =
             ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect();
         let pids: Vec<(String, u32)> = processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect();
-        let cpu = |pids: &[(String, u32)]| {
-            let mut seconds: Vec<(String, f64)> =
-                pids.iter().map(|(name, pid)| (name.clone(), stages::cpu_seconds(*pid))).collect();
-            seconds.push(("postgres (all)".into(), stages::cpu_seconds_of("postgres")));
-            seconds.push(("rabbitmq (all)".into(), stages::cpu_seconds_of("beam.smp")));
-            seconds
-        };
-        let before = cpu(&pids);
+        let each = || pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect::<Vec<_>>();
         let commits_before = stages::commits(orders, &databases).await;
         // After `commits`, which waits for the statistics to settle.
-        let machine = stages::Busy::start();
+        let (before, window) = (each(), Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>()));
         let (_, jobs) = stages::post_orders(api_addr, c, self.args.orders, catalog).await;
         stages::wait_succeeded(orders, &jobs).await;
-        let busy = machine.finish();
-        let after = cpu(&pids);
+        let (used, after) = (window.finish(), each());
         let commits = stages::commits(orders, &databases).await - commits_before;
         let (rate,): (f64,) = sqlx::query_as(
             "select count(*) / extract(epoch from max(updated_at) - min(created_at))::float8 from jobs where id = any($1)",
@@ -237,21 +223,35 @@ impl Bench {
         .fetch_one(orders)
         .await
         .expect("sustained");
-        let cpu_per_order = before
-            .iter()
-            .zip(after)
-            .map(|((name, was), (_, is))| (name.clone(), (is - was) * 1000.0 / jobs.len() as f64))
-            .collect();
-        let cost = PhaseCost { cpu_per_order, commits: commits as f64 / jobs.len() as f64, busy };
+        let n = jobs.len() as f64;
+        let services =
+            pids.iter().zip(before.iter().zip(after)).map(|((name, _), (was, is))| (name.clone(), (is - was) / n));
+        let cost = PhaseCost {
+            services: services.collect(),
+            cpu: used.cpu.per(n),
+            commits: commits as f64 / n,
+            busy: used.busy,
+        };
         (rate, cost, format!("{} orders, concurrency {c}, {label}", self.args.orders))
     }
 
     /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes; the p99, ms.
-    async fn latency_at(&mut self, load: f64, sustained: f64, api_addr: &str, billing: &PgPool) -> f64 {
+    /// Also what an order cost meanwhile, and how busy the machine was: batches are smaller when
+    /// orders arrive paced than in a backlog, so an order may cost more than in the sustained phase.
+    async fn latency_at(
+        &mut self,
+        load: f64,
+        sustained: f64,
+        api_addr: &str,
+        billing: &PgPool,
+        processes: &[Process],
+    ) -> f64 {
         let offered = load * sustained;
+        let window = Usage::start(&processes.iter().filter_map(Process::pid).collect::<Vec<_>>());
         let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
         let sent_ids: Vec<uuid::Uuid> = sent.iter().map(|(id, _)| *id).collect();
         stages::wait_succeeded(&self.orders, &sent_ids).await;
+        let used = window.finish();
         let mut steps = stages::latency_steps(&self.orders, &self.inventory, billing, &sent).await;
         let (_, latencies) = steps.pop().expect("the last step is succeeded");
         let (p50, p95, p99) = percentiles(&latencies);
@@ -260,6 +260,9 @@ impl Bench {
         report.figure("e2e", &format!("POST -> succeeded p50 {at}"), p50, "ms", &note);
         report.figure("e2e", &format!("POST -> succeeded p95 {at}"), p95, "ms", &note);
         report.figure("e2e", &format!("POST -> succeeded p99 {at}"), p99, "ms", &note);
+        let cpu = used.cpu.per(sent.len() as f64).total();
+        let note = format!("services, Postgres, RabbitMQ; machine {:.0} % busy", used.busy * 100.0);
+        report.figure("e2e", &format!("  CPU per order {at}"), cpu * 1e6, "us/ord", &note);
         // Where that time goes: p50 and p99 from the send to each step before it.
         for (step, latencies) in steps {
             let (p50, _, p99) = percentiles(&latencies);

@@ -16,12 +16,13 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions},
     types::FieldTable,
 };
-use messaging::{consumer::Handler, envelope::Incoming, inbox, outbox, publisher::Publisher};
+use messaging::{consumer::Handler, contracts::Contract, envelope::Incoming, inbox, outbox, publisher::Publisher};
 use orders_api::{
     api::{OrderLineRequest, PlaceOrder},
     order::{Accepted, ValidOrder},
     writer::{NewOrder, insert_orders},
 };
+use shop::{InventoryReserved, InvoiceCreated};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
@@ -171,7 +172,7 @@ pub async fn publish(connection: &Connection, rows: &[outbox::OutboxRow], window
 /// and the mark (`mark_published` and its commit, undone afterwards, untimed). What each used:
 /// the bench's process, Postgres and RabbitMQ, as the relay's own figure counts them.
 pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox::OutboxRow], batch: usize) -> (Used, Used) {
-    let window = Usage::start(&[std::process::id()]);
+    let window = Usage::of_bench();
     for chunk in rows.chunks(batch) {
         let mut tx = pool.begin().await.expect("begin");
         let claimed = outbox::claim_unpublished(&mut tx, chunk.len() as i64).await.expect("claim");
@@ -180,7 +181,7 @@ pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox::OutboxRow], batch: us
     }
     let claim = window.finish();
     let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
-    let window = Usage::start(&[std::process::id()]);
+    let window = Usage::of_bench();
     for chunk in ids.chunks(batch) {
         let mut tx = pool.begin().await.expect("begin");
         outbox::mark_published(&mut tx, chunk).await.expect("mark");
@@ -213,52 +214,116 @@ pub async fn consume(connection: &Connection, queue: &str, count: usize, prefetc
     rate
 }
 
-/// (d) The inventory worker's work (inbox row, stock, reservation, outbox row: the worker's own
-/// handler) by a plain loop, in the worker's shape: `batch` messages per transaction, one
-/// transaction at a time, or (`batch` 1) one message per transaction, `prefetch` at once; on
-/// fresh orders. Messages per second.
-pub async fn worker_transaction(url: &str, prefetch: usize, batch: usize, count: usize) -> f64 {
+/// As a consumer receives a message of contract `C`: its type, version and job.
+fn incoming<C: Contract>(message: &C) -> Incoming {
+    Incoming {
+        message_id: Uuid::now_v7(),
+        message_type: C::TYPE.into(),
+        version: C::VERSION,
+        correlation_id: message.job(),
+        retry_count: 0,
+        ordering: None,
+        body: serde_json::to_vec(message).expect("a contract serializes"),
+    }
+}
+
+/// `order.placed` of `count` fresh orders of the hot catalog: what inventory receives.
+pub fn orders_placed(count: usize) -> Vec<Incoming> {
+    (0..count)
+        .map(|i| incoming(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() })))
+        .collect()
+}
+
+/// `inventory.reserved` of `count` fresh orders of the hot catalog: what billing receives.
+pub fn inventory_reserved(count: usize) -> Vec<Incoming> {
+    (0..count)
+        .map(|i| {
+            let placed = valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
+            incoming(&InventoryReserved {
+                order_id: placed.order_id,
+                job_id: placed.job_id,
+                reservation_id: Uuid::now_v7(),
+                lines: placed.lines,
+            })
+        })
+        .collect()
+}
+
+/// What the status consumer receives for `count` orders that succeed: each order's
+/// `inventory.reserved`, then each order's `invoice.created`. The orders and their jobs are
+/// accepted first, in `pool` (the orders service's tables), as the API accepts them.
+pub async fn order_outcomes(pool: &PgPool, count: usize) -> Vec<Incoming> {
+    let orders: Vec<NewOrder> = (0..count)
+        .map(|i| NewOrder::new(Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() }, &valid_order(i), None))
+        .collect();
+    let mut conn = pool.acquire().await.expect("connection");
+    for chunk in orders.chunks(500) {
+        insert_orders(&mut conn, &chunk.iter().collect::<Vec<_>>()).await.expect("accept the orders");
+    }
+    let reserved = orders.iter().map(|order| {
+        let placed = &order.placed;
+        incoming(&InventoryReserved {
+            order_id: placed.order_id,
+            job_id: placed.job_id,
+            reservation_id: Uuid::now_v7(),
+            lines: placed.lines.clone(),
+        })
+    });
+    let invoiced = orders.iter().map(|order| {
+        let placed = &order.placed;
+        let total_cents = 100 * placed.lines.iter().map(|line| i64::from(line.quantity)).sum::<i64>();
+        incoming(&InvoiceCreated {
+            order_id: placed.order_id,
+            job_id: placed.job_id,
+            invoice_id: Uuid::now_v7(),
+            total_cents,
+        })
+    });
+    reserved.chain(invoiced).collect()
+}
+
+/// (d), (e), (f) A consumer's work on `messages`, by a plain loop: the inbox rows and the
+/// service's own `handler` in one transaction, exactly as the consumer runtime applies them, in
+/// the consumer's shape: `batch` messages per transaction, one transaction at a time, or
+/// (`batch` 1) one message per transaction, `prefetch` at once. `pool` has the service's tables
+/// and at least that many connections. Messages per second, and what it used: the bench's process
+/// (building the messages is not timed), Postgres and RabbitMQ.
+pub async fn consumer_transactions<H: Handler>(
+    pool: &PgPool,
+    endpoint: &'static str,
+    handler: H,
+    messages: Vec<Incoming>,
+    prefetch: usize,
+    batch: usize,
+) -> (f64, Used) {
     let concurrency = if batch > 1 { 1 } else { prefetch };
-    let pool = pool(url, concurrency as u32 + 1).await;
-    let handler = Arc::new(inventory_worker::handler(shop::demo::DemoFaults::default()));
-    let transactions = count.div_ceil(batch);
-    let rate = run_concurrently(concurrency, transactions, move |t| {
-        let (pool, handler) = (pool.clone(), Arc::clone(&handler));
+    let count = messages.len();
+    let mut messages = messages.into_iter();
+    let transactions: Arc<Vec<Vec<Incoming>>> =
+        Arc::new((0..count.div_ceil(batch)).map(|_| messages.by_ref().take(batch).collect()).collect());
+    let (pool, handler, total) = (pool.clone(), Arc::new(handler), transactions.len());
+    let window = Usage::of_bench();
+    let rate = run_concurrently(concurrency, total, move |t| {
+        let (pool, handler, transactions) = (pool.clone(), Arc::clone(&handler), Arc::clone(&transactions));
         async move {
-            let messages: Vec<Incoming> = (t * batch..(t + 1) * batch)
-                .map(|i| {
-                    let order = sample_order(i, Catalog::Hot);
-                    let body = serde_json::json!({
-                        "orderId": Uuid::now_v7(), "jobId": Uuid::now_v7(), "customerId": order.customer_id,
-                        "lines": order.lines.iter().map(|l| serde_json::json!({"sku": l.sku, "quantity": l.quantity})).collect::<Vec<_>>(),
-                    });
-                    Incoming {
-                        message_id: Uuid::now_v7(),
-                        message_type: "order.placed".into(),
-                        version: 1,
-                        correlation_id: None,
-                        retry_count: 0,
-                        ordering: None,
-                        body: body.to_string().into_bytes(),
-                    }
-                })
-                .collect();
+            let messages = &transactions[t];
             // As the consumer runtime does: one message alone, or a batch's inbox rows in one
             // statement.
             let mut tx = pool.begin().await.expect("begin");
             let ids: Vec<(Uuid, &str)> = messages.iter().map(|m| (m.message_id, m.message_type.as_str())).collect();
-            let recorded = if batch > 1 {
-                inbox::record_all(&mut tx, &ids, "inventory.order-placed").await.expect("inbox")
+            let recorded = if messages.len() > 1 {
+                inbox::record_all(&mut tx, &ids, endpoint).await.expect("inbox")
             } else {
-                vec![inbox::record(&mut tx, ids[0].0, ids[0].1, "inventory.order-placed").await.expect("inbox")]
+                vec![inbox::record(&mut tx, ids[0].0, ids[0].1, endpoint).await.expect("inbox")]
             };
             assert!(recorded.iter().all(|new| *new), "fresh message ids");
-            for message in &messages {
-                handler.handle(message, &mut tx).await.expect("reserve");
+            for message in messages {
+                handler.handle(message, &mut tx).await.expect("the handler applies a fresh message");
             }
             tx.commit().await.expect("commit");
         }
     })
     .await;
-    rate * batch as f64
+    let used = window.finish();
+    (rate * count as f64 / total as f64, used)
 }

@@ -21,8 +21,9 @@ use lapin::options::QueuePurgeOptions;
 use limits::Catalog;
 use messaging::topology;
 use report::Report;
+use shop::demo::DemoFaults;
 use sqlx::PgPool;
-use stages::{rate_from_timestamps, start, stop, wait_count};
+use stages::{Cpu, Usage, Used, rate_from_timestamps, start, stop, wait_count};
 use testkit::TestEnv;
 
 /// What to measure.
@@ -72,10 +73,10 @@ const WAIT: Duration = Duration::from_secs(600);
 /// Print what a limit or a stage cost the whole machine per message (its own process, Postgres
 /// and RabbitMQ) and how busy the machine was meanwhile: near 100 %, the rate is what the CPU
 /// allows; well below, it is bound by waiting. Returns the CPU seconds per message.
-fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &stages::Used, messages: usize) -> f64 {
-    let per_message = used.cpu_seconds / messages as f64;
+fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &stages::Used, messages: usize) -> Cpu {
+    let per_message = used.cpu.per(messages as f64);
     let busy = format!("machine {:.0} % busy", used.busy * 100.0);
-    report.figure(section, &format!("  its CPU per message: {who}"), per_message * 1e6, "us/msg", &busy);
+    report.figure(section, &format!("  its CPU per message: {who}"), per_message.total() * 1e6, "us/msg", &busy);
     per_message
 }
 
@@ -110,28 +111,33 @@ struct Limits {
     a: f64,
     smallest: f64,
     d: f64,
-    /// The relay's floor: CPU seconds per row of a pipelined publish (b), a row's claim and its
-    /// mark, each measured alone.
-    relay_floor: f64,
+    /// The relay's floor: CPU per row of a pipelined publish (b), a row's claim and its mark, each
+    /// measured alone.
+    relay_floor: Cpu,
+    /// The order's floor.
+    order_floor: Floor,
+}
+
+/// The smallest work an order needs, each part measured alone by the limits: CPU seconds per
+/// order, by part.
+struct Floor {
+    parts: Vec<(&'static str, Cpu)>,
+}
+
+impl Floor {
+    fn total(&self) -> Cpu {
+        self.parts.iter().fold(Cpu::default(), |sum, (_, part)| sum + *part)
+    }
 }
 
 /// What the stages section measured.
 struct Stages {
     relay_rate: f64,
     /// The relay drain's CPU seconds per message (relay, Postgres, RabbitMQ).
-    relay_cpu_per_message: f64,
+    relay_cpu_per_message: Cpu,
     worker_rate: f64,
-    /// The inventory drain's CPU seconds per message (worker, Postgres, RabbitMQ).
-    drain_cpu_per_message: f64,
     naive: f64,
     accept_rate: f64,
-}
-
-impl Stages {
-    /// The rate of the slowest stage alone: the API's accept, the relay's drain or the worker's.
-    fn slowest(&self) -> f64 {
-        self.accept_rate.min(self.relay_rate).min(self.worker_rate)
-    }
 }
 
 #[tokio::main]
@@ -146,7 +152,8 @@ async fn main() {
     if !skip_scale {
         bench.scale().await;
     }
-    let end_to_end = bench.end_to_end(&stages).await;
+    let end_to_end = bench.end_to_end().await;
+    bench.floors(&limits, &stages, &end_to_end);
     bench.targets(&limits, &stages, &end_to_end, &peers);
 
     bench.report.print();
@@ -211,28 +218,33 @@ impl Bench {
         vec![("DATABASE_URL", url.to_owned()), ("AMQP_URL", self.env.amqp_url())]
     }
 
-    /// The servers with our exact work, no service code.
+    /// The servers with our exact work, no service code; and from them the relay's floor and the
+    /// order's.
     async fn limits(&mut self) -> Limits {
         let (n, c, report) = (self.args.messages, self.args.concurrency, &mut self.report);
+        let who = "the bench, Postgres, RabbitMQ";
         println!("\n== limits: the servers with our exact work, no service code ==");
         let a = limits::order_transaction(&self.orders_url, c, n).await;
         report.figure("limit", "(a) order transaction commits", a, "/s", &format!("concurrency {c}"));
         let smallest_pool = self.env.messaging_pool("smallest").await;
+        let window = Usage::of_bench();
         let smallest = limits::smallest_order_transaction(&smallest_pool, c, n).await;
+        let smallest_used = window.finish();
         smallest_pool.close().await;
         let note = format!("order + lines as JSON, outbox row; concurrency {c}");
         report.figure("limit", "(a') smallest order transaction commits", smallest, "/s", &note);
+        let order_cpu = report_usage(report, "limit", who, &smallest_used, n);
         let rows = limits::outbox_rows(&self.orders, n).await;
         // The same rows fill each peer's table.
         peers::write_rows(&rows, &self.peer_rows());
         // The broker's rate swings most from run to run on this shared machine: the median of three.
         // Its CPU is the three runs' alone: the purges between them are not a publish's work.
-        let (mut b_runs, mut b_used) = (Vec::new(), stages::Used { cpu_seconds: 0.0, busy: 0.0 });
+        let (mut b_runs, mut b_used) = (Vec::new(), Used::default());
         for _ in 0..3 {
-            let window = stages::Usage::start(&[std::process::id()]);
+            let window = Usage::of_bench();
             b_runs.push(limits::publish(&self.amqp, &rows, 256).await);
             let used = window.finish();
-            b_used.cpu_seconds += used.cpu_seconds;
+            b_used.cpu = b_used.cpu + used.cpu;
             b_used.busy += used.busy / 3.0;
             if b_runs.len() < 3 {
                 self.purge().await;
@@ -244,34 +256,82 @@ impl Bench {
         let note = format!("window 256, quorum queue; median of {runs}");
         let report = &mut self.report;
         report.figure("limit", "(b) publish with pipelined confirms", b, "/s", &note);
-        let publish_cpu = report_usage(report, "limit", "the bench, Postgres, RabbitMQ", &b_used, 3 * n);
-        // The rest of the relay's floor: its claim and its mark of a row, each alone, in its batches.
-        // In the batches of the relay the stages start (its RELAY_BATCH_SIZE, as this environment
-        // sets it or by default).
+        let publish_cpu = report_usage(report, "limit", who, &b_used, 3 * n);
+        // The rest of the relay's floor: its claim and its mark of a row, each alone, in the
+        // batches of the relay the stages start (its RELAY_BATCH_SIZE, as this environment sets it
+        // or by default).
         let relay = relay::Config::try_parse_from(["relay"]).expect("the relay's defaults").relay;
         let batch = usize::try_from(relay.batch_size).expect("a positive batch size");
         let (claim, mark) = limits::claim_and_mark(&self.orders, &rows, batch).await;
-        let (claim_cpu, mark_cpu) = (claim.cpu_seconds / n as f64, mark.cpu_seconds / n as f64);
+        let (claim_cpu, mark_cpu) = (claim.cpu.per(n as f64), mark.cpu.per(n as f64));
         let note = format!("{batch} rows a transaction, rolled back");
-        report.figure("limit", "(b') the relay's claim of a row, CPU", claim_cpu * 1e6, "us/row", &note);
+        report.figure("limit", "(b') the relay's claim of a row, CPU", claim_cpu.total() * 1e6, "us/row", &note);
         let note = format!("{batch} rows a statement, committed");
-        report.figure("limit", "(b'') the relay's mark of a row, CPU", mark_cpu * 1e6, "us/row", &note);
+        report.figure("limit", "(b'') the relay's mark of a row, CPU", mark_cpu.total() * 1e6, "us/row", &note);
         let relay_floor = publish_cpu + claim_cpu + mark_cpu;
-        report.figure("limit", "the relay's floor: (b) + (b') + (b''), CPU", relay_floor * 1e6, "us/row", "");
+        let label = "the relay's floor: (b) + (b') + (b''), CPU";
+        report.figure("limit", label, relay_floor.total() * 1e6, "us/row", "");
+        let window = Usage::of_bench();
         let c_rate = limits::consume(&self.amqp, self.worker.name, n, self.prefetch).await;
+        let c_used = window.finish();
         report.figure("limit", "(c) consume + ack", c_rate, "/s", &format!("prefetch {}", self.prefetch));
-        // The worker's own shape: batches of BATCH_SIZE one at a time, or (BATCH_SIZE=1) single
-        // messages PREFETCH at once.
-        let window = stages::Usage::start(&[std::process::id()]);
-        let d = limits::worker_transaction(&self.inventory_url, usize::from(self.prefetch), self.batch, n).await;
-        let d_used = window.finish();
-        let shape = self.shape();
-        let report = &mut self.report;
-        report.figure("limit", "(d) inventory transactions, messages", d, "/s", &shape);
-        report_usage(report, "limit", "the bench, Postgres, RabbitMQ", &d_used, n);
+        let consume_cpu = report_usage(report, "limit", who, &c_used, n);
+        let (d, inventory_cpu, billing_cpu, status_cpu) = self.consumer_limits().await;
+        let order_floor = Floor {
+            parts: vec![
+                ("(a') the smallest order transaction", order_cpu),
+                ("3 x the relay's floor: the three messages relayed", relay_floor * 3.0),
+                ("4 x (c): inventory, billing, status consumer twice", consume_cpu * 4.0),
+                ("(d) inventory's transactions, per message", inventory_cpu),
+                ("(e) billing's transactions, per message", billing_cpu),
+                ("2 x (f): status consumer's, per message", status_cpu * 2.0),
+            ],
+        };
+        Limits { a, smallest, d, relay_floor, order_floor }
+    }
+
+    /// (d), (e), (f): each consumer's transactions on fresh messages, in the consumers' shape
+    /// (BATCH_SIZE and PREFETCH as this environment sets them or by default), each service's own
+    /// handler on a database of its own tables: (d)'s rate, and each one's CPU per message.
+    async fn consumer_limits(&mut self) -> (f64, Cpu, Cpu, Cpu) {
+        let (n, prefetch, batch) = (self.args.messages, usize::from(self.prefetch), self.batch);
+        let (shape, who) = (self.shape(), "the bench, Postgres, RabbitMQ");
+        let size = prefetch as u32 + 1;
+        let inventory = limits::pool(&self.inventory_url, size).await;
+        let handler = inventory_worker::handler(DemoFaults::default());
+        let messages = limits::orders_placed(n);
+        let (d, used) =
+            limits::consumer_transactions(&inventory, self.worker.name, handler, messages, prefetch, batch).await;
         // (d)'s rows are not part of any later stage.
-        sqlx::query("truncate inbox, outbox").execute(&self.inventory).await.expect("retire (d) rows");
-        Limits { a, smallest, d, relay_floor }
+        sqlx::query("truncate inbox, outbox").execute(&inventory).await.expect("retire (d) rows");
+        inventory.close().await;
+        self.report.figure("limit", "(d) inventory transactions, messages", d, "/s", &shape);
+        let inventory_cpu = report_usage(&mut self.report, "limit", who, &used, n);
+
+        self.env.migrated_pool("limit_billing", &billing_worker::MIGRATOR).await.close().await;
+        let billing = limits::pool(&self.env.database_url("limit_billing"), size).await;
+        let (endpoint, handler) =
+            (billing_worker::worker().endpoint.name, billing_worker::handler(DemoFaults::default()));
+        let messages = limits::inventory_reserved(n);
+        let (e, used) = limits::consumer_transactions(&billing, endpoint, handler, messages, prefetch, batch).await;
+        billing.close().await;
+        self.report.figure("limit", "(e) billing transactions, messages", e, "/s", &shape);
+        let billing_cpu = report_usage(&mut self.report, "limit", who, &used, n);
+
+        // The status consumer moves jobs and orders the API accepted: half as many orders, each
+        // reserved and then invoiced.
+        self.env.migrated_pool("limit_orders", &orders_api::MIGRATOR).await.close().await;
+        let orders = limits::pool(&self.env.database_url("limit_orders"), size).await;
+        let messages = limits::order_outcomes(&orders, n / 2).await;
+        let count = messages.len();
+        let (endpoint, handler) =
+            (orders_api::status::endpoint().name, orders_api::status::handler(Default::default()));
+        let (f, used) = limits::consumer_transactions(&orders, endpoint, handler, messages, prefetch, batch).await;
+        orders.close().await;
+        let note = format!("{shape}; inventory.reserved, then invoice.created, of {} orders", n / 2);
+        self.report.figure("limit", "(f) status consumer transactions, messages", f, "/s", &note);
+        let status_cpu = report_usage(&mut self.report, "limit", who, &used, count);
+        (d, inventory_cpu, billing_cpu, status_cpu)
     }
 
     /// How the worker takes its messages: in batches, or concurrently.
@@ -311,8 +371,7 @@ impl Bench {
         self.report.figure("stage", "inventory-worker drain (pre-queued order.placed)", worker_rate, "/s", &note);
         // The drain applies one batch at a time, so it may be bound by its round trips rather than
         // by CPU: its machine's busy share tells.
-        let drain_cpu_per_message =
-            report_usage(&mut self.report, "stage", "worker, Postgres, RabbitMQ", &drain_used, n);
+        report_usage(&mut self.report, "stage", "worker, Postgres, RabbitMQ", &drain_used, n);
         stages::retire_unpublished(&self.inventory).await;
 
         // Baseline: the naive relay on the same pre-filled outbox.
@@ -331,7 +390,7 @@ impl Bench {
         self.report.figure("stage", "API accept (POST -> 202)", accept_rate, "/s", &note);
         stop(api).await;
         stages::retire_unpublished(&self.orders).await;
-        Stages { relay_rate, relay_cpu_per_message, worker_rate, drain_cpu_per_message, naive, accept_rate }
+        Stages { relay_rate, relay_cpu_per_message, worker_rate, naive, accept_rate }
     }
 
     /// Where [`Bench::limits`] writes the rows the peers fill their tables from.
@@ -382,7 +441,7 @@ impl Bench {
                 let who = format!("{}, Postgres, RabbitMQ", peer.name);
                 let per_message = report_usage(&mut self.report, "peers", &who, &drain.used, drain.published as usize);
                 self.report.figure("peers", "  our relay's drain / this", stages.relay_rate / drain.rate, "x", "");
-                let cpu = per_message / stages.relay_cpu_per_message;
+                let cpu = per_message.total() / stages.relay_cpu_per_message.total();
                 self.report.figure("peers", "  this CPU per message / our relay's", cpu, "x", "");
                 self.channel
                     .queue_delete(queue.as_str().into(), Default::default())
@@ -434,6 +493,56 @@ impl Bench {
         rate
     }
 
+    /// What an order and a relayed row cost against their floors, as a whole and side by side: the
+    /// services' (or the relay's) own CPU against the floor's client code, and each server's.
+    fn floors(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd) {
+        println!("\n== floors: the cost of an order and of a relayed row ==");
+        let report = &mut self.report;
+        let split = |cpu: &Cpu| {
+            format!(
+                "own {:.0}, postgres {:.0}, rabbitmq {:.0} us",
+                cpu.own * 1e6,
+                cpu.postgres * 1e6,
+                cpu.rabbitmq * 1e6
+            )
+        };
+        for (part, cpu) in &limits.order_floor.parts {
+            report.figure("floor", part, cpu.total() * 1e6, "us/ord", &split(cpu));
+        }
+        let floor = limits.order_floor.total();
+        report.figure("floor", "the order's floor: all of the above", floor.total() * 1e6, "us/ord", &split(&floor));
+        let (ours, baseline) = (end_to_end.cpu, end_to_end.cpu_unbatched);
+        report.figure("floor", "an order end to end (defaults, hot)", ours.total() * 1e6, "us/ord", &split(&ours));
+        let label = "an order end to end, one message per transaction";
+        report.figure("floor", label, baseline.total() * 1e6, "us/ord", &split(&baseline));
+        let sides = |report: &mut Report, what: &str, cost: &Cpu, floor: &Cpu| {
+            report.figure("floor", &format!("  {what}: own code / the floor's client"), cost.own / floor.own, "x", "");
+            report.figure(
+                "floor",
+                &format!("  {what}: postgres / the floor's"),
+                cost.postgres / floor.postgres,
+                "x",
+                "",
+            );
+            report.figure(
+                "floor",
+                &format!("  {what}: rabbitmq / the floor's"),
+                cost.rabbitmq / floor.rabbitmq,
+                "x",
+                "",
+            );
+        };
+        report.figure("floor", "end to end / the floor", ours.total() / floor.total(), "x", "CPU per order");
+        sides(report, "end to end", &ours, &floor);
+        report.figure("floor", "one message per transaction / the floor", baseline.total() / floor.total(), "x", "");
+        report.figure("floor", "end to end / one message per transaction", ours.total() / baseline.total(), "x", "");
+        let (relay, relay_floor) = (stages.relay_cpu_per_message, limits.relay_floor);
+        report.figure("floor", "a row the relay drains", relay.total() * 1e6, "us/row", &split(&relay));
+        report.figure("floor", "the relay's floor", relay_floor.total() * 1e6, "us/row", &split(&relay_floor));
+        report.figure("floor", "relay / its floor", relay.total() / relay_floor.total(), "x", "CPU per row");
+        sides(report, "relay", &relay, &relay_floor);
+    }
+
     /// The targets, against this run's own figures.
     fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd, peers: &[(String, &str, f64)]) {
         let report = &mut self.report;
@@ -444,12 +553,12 @@ impl Bench {
             };
             report.at_least(name, stages.relay_rate / rate, bound);
         }
-        let slowest = stages.slowest();
         let (c2p50, c2p99) = end_to_end.commit_to_publish;
-        report.at_least("end to end / slowest stage alone >= 0.5", end_to_end.hot / slowest, 0.5);
+        let order_cost = end_to_end.cpu.total() / limits.order_floor.total().total();
+        report.below("end-to-end CPU per order / its floor < 1.25", order_cost, 1.25);
         report.at_least("API accept / smallest order transaction >= 0.7", stages.accept_rate / limits.smallest, 0.7);
         report.at_least("API accept / (a) >= 0.7", stages.accept_rate / limits.a, 0.7);
-        let relay_cost = stages.relay_cpu_per_message / limits.relay_floor;
+        let relay_cost = stages.relay_cpu_per_message.total() / limits.relay_floor.total();
         report.below("relay CPU per row / its floor (b + b' + b'') < 1.25", relay_cost, 1.25);
         report.at_least("relay drain / naive relay >= 10", stages.relay_rate / stages.naive, 10.0);
         report.at_least("inventory drain / (d) >= 0.7", stages.worker_rate / limits.d, 0.7);

@@ -407,18 +407,77 @@ pub fn cpu_seconds_of(comm: &str) -> f64 {
         .sum()
 }
 
+/// CPU seconds, split as an order's cost is compared: the measured work's own processes (the
+/// services, or the bench's client code for a limit), and the servers.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Cpu {
+    /// The processes of the work itself.
+    pub own: f64,
+    /// Every `postgres` process.
+    pub postgres: f64,
+    /// Every `beam.smp` process.
+    pub rabbitmq: f64,
+}
+
+impl Cpu {
+    /// Used so far by `pids` and the servers.
+    fn so_far(pids: &[u32]) -> Self {
+        Self {
+            own: pids.iter().map(|pid| cpu_seconds(*pid)).sum(),
+            postgres: cpu_seconds_of("postgres"),
+            rabbitmq: cpu_seconds_of("beam.smp"),
+        }
+    }
+
+    /// All three together.
+    pub fn total(&self) -> f64 {
+        self.own + self.postgres + self.rabbitmq
+    }
+
+    /// Each part divided by `n` (per message, per order).
+    pub fn per(&self, n: f64) -> Self {
+        *self * (1.0 / n)
+    }
+}
+
+impl std::ops::Add for Cpu {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self {
+            own: self.own + other.own,
+            postgres: self.postgres + other.postgres,
+            rabbitmq: self.rabbitmq + other.rabbitmq,
+        }
+    }
+}
+
+impl std::ops::Sub for Cpu {
+    type Output = Self;
+    fn sub(self, other: Self) -> Self {
+        self + other * -1.0
+    }
+}
+
+impl std::ops::Mul<f64> for Cpu {
+    type Output = Self;
+    fn mul(self, factor: f64) -> Self {
+        Self { own: self.own * factor, postgres: self.postgres * factor, rabbitmq: self.rabbitmq * factor }
+    }
+}
+
 /// The CPU a stage uses over a window: its own processes', and the servers' (every `postgres` and
 /// `beam.smp` process), in seconds; and how busy the whole machine was.
 pub struct Usage {
     pids: Vec<u32>,
-    cpu: f64,
+    cpu: Cpu,
     machine: Busy,
 }
 
 /// What a [`Usage`] window came to.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Used {
-    /// CPU seconds of the processes and the servers together.
-    pub cpu_seconds: f64,
+    /// CPU seconds of the processes and of the servers.
+    pub cpu: Cpu,
     /// See [`Busy::finish`].
     pub busy: f64,
 }
@@ -427,16 +486,17 @@ impl Usage {
     /// Open a window over `pids` and the servers.
     pub fn start(pids: &[u32]) -> Self {
         let pids = pids.to_vec();
-        Self { cpu: Self::cpu(&pids), pids, machine: Busy::start() }
+        Self { cpu: Cpu::so_far(&pids), pids, machine: Busy::start() }
     }
 
-    fn cpu(pids: &[u32]) -> f64 {
-        pids.iter().map(|pid| cpu_seconds(*pid)).sum::<f64>() + cpu_seconds_of("postgres") + cpu_seconds_of("beam.smp")
+    /// Open a window over the bench's own process (the client of a limit) and the servers.
+    pub fn of_bench() -> Self {
+        Self::start(&[std::process::id()])
     }
 
     /// Close the window.
     pub fn finish(&self) -> Used {
-        Used { cpu_seconds: Self::cpu(&self.pids) - self.cpu, busy: self.machine.finish() }
+        Used { cpu: Cpu::so_far(&self.pids) - self.cpu, busy: self.machine.finish() }
     }
 }
 
