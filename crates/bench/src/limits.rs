@@ -22,7 +22,7 @@ use orders_api::{
     order::{Accepted, ValidOrder},
     writer::{NewOrder, insert_orders},
 };
-use shop::{InventoryReserved, InvoiceCreated};
+use shop::{InventoryReserved, InvoiceCreated, OrderPlaced};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
@@ -234,18 +234,20 @@ pub fn orders_placed(count: usize) -> Vec<Incoming> {
         .collect()
 }
 
+/// The `inventory.reserved` inventory announces for `placed`.
+fn reserved(placed: &OrderPlaced) -> Incoming {
+    incoming(&InventoryReserved {
+        order_id: placed.order_id,
+        job_id: placed.job_id,
+        reservation_id: Uuid::now_v7(),
+        lines: placed.lines.clone(),
+    })
+}
+
 /// `inventory.reserved` of `count` fresh orders of the hot catalog: what billing receives.
 pub fn inventory_reserved(count: usize) -> Vec<Incoming> {
     (0..count)
-        .map(|i| {
-            let placed = valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
-            incoming(&InventoryReserved {
-                order_id: placed.order_id,
-                job_id: placed.job_id,
-                reservation_id: Uuid::now_v7(),
-                lines: placed.lines,
-            })
-        })
+        .map(|i| reserved(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() })))
         .collect()
 }
 
@@ -260,15 +262,7 @@ pub async fn order_outcomes(pool: &PgPool, count: usize) -> Vec<Incoming> {
     for chunk in orders.chunks(500) {
         insert_orders(&mut conn, &chunk.iter().collect::<Vec<_>>()).await.expect("accept the orders");
     }
-    let reserved = orders.iter().map(|order| {
-        let placed = &order.placed;
-        incoming(&InventoryReserved {
-            order_id: placed.order_id,
-            job_id: placed.job_id,
-            reservation_id: Uuid::now_v7(),
-            lines: placed.lines.clone(),
-        })
-    });
+    let reserved = orders.iter().map(|order| reserved(&order.placed));
     let invoiced = orders.iter().map(|order| {
         let placed = &order.placed;
         let total_cents = 100 * placed.lines.iter().map(|line| i64::from(line.quantity)).sum::<i64>();

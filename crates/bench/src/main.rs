@@ -498,14 +498,7 @@ impl Bench {
     fn floors(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd) {
         println!("\n== floors: the cost of an order and of a relayed row ==");
         let report = &mut self.report;
-        let split = |cpu: &Cpu| {
-            format!(
-                "own {:.0}, postgres {:.0}, rabbitmq {:.0} us",
-                cpu.own * 1e6,
-                cpu.postgres * 1e6,
-                cpu.rabbitmq * 1e6
-            )
-        };
+        let split = |cpu: &Cpu| cpu.split("own");
         for (part, cpu) in &limits.order_floor.parts {
             report.figure("floor", part, cpu.total() * 1e6, "us/ord", &split(cpu));
         }
@@ -516,21 +509,14 @@ impl Bench {
         let label = "an order end to end, one message per transaction";
         report.figure("floor", label, baseline.total() * 1e6, "us/ord", &split(&baseline));
         let sides = |report: &mut Report, what: &str, cost: &Cpu, floor: &Cpu| {
-            report.figure("floor", &format!("  {what}: own code / the floor's client"), cost.own / floor.own, "x", "");
-            report.figure(
-                "floor",
-                &format!("  {what}: postgres / the floor's"),
-                cost.postgres / floor.postgres,
-                "x",
-                "",
-            );
-            report.figure(
-                "floor",
-                &format!("  {what}: rabbitmq / the floor's"),
-                cost.rabbitmq / floor.rabbitmq,
-                "x",
-                "",
-            );
+            let parts = [
+                ("own code / the floor's client", cost.own / floor.own),
+                ("postgres / the floor's", cost.postgres / floor.postgres),
+                ("rabbitmq / the floor's", cost.rabbitmq / floor.rabbitmq),
+            ];
+            for (part, ratio) in parts {
+                report.figure("floor", &format!("  {what}: {part}"), ratio, "x", "");
+            }
         };
         report.figure("floor", "end to end / the floor", ours.total() / floor.total(), "x", "CPU per order");
         sides(report, "end to end", &ours, &floor);

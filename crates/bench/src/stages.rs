@@ -438,6 +438,16 @@ impl Cpu {
     pub fn per(&self, n: f64) -> Self {
         *self * (1.0 / n)
     }
+
+    /// The three parts in microseconds, the first called `own` (e.g. "services").
+    pub fn split(&self, own: &str) -> String {
+        format!(
+            "{own} {:.0}, postgres {:.0}, rabbitmq {:.0} us",
+            self.own * 1e6,
+            self.postgres * 1e6,
+            self.rabbitmq * 1e6
+        )
+    }
 }
 
 impl std::ops::Add for Cpu {
