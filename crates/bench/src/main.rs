@@ -294,44 +294,61 @@ impl Bench {
     /// (BATCH_SIZE and PREFETCH as this environment sets them or by default), each service's own
     /// handler on a database of its own tables: (d)'s rate, and each one's CPU per message.
     async fn consumer_limits(&mut self) -> (f64, Cpu, Cpu, Cpu) {
-        let (n, prefetch, batch) = (self.args.messages, usize::from(self.prefetch), self.batch);
-        let (shape, who) = (self.shape(), "the bench, Postgres, RabbitMQ");
-        let size = prefetch as u32 + 1;
+        let (n, size) = (self.args.messages, u32::from(self.prefetch) + 1);
+        let shape = self.shape();
         let inventory = limits::pool(&self.inventory_url, size).await;
         let handler = inventory_worker::handler(DemoFaults::default());
-        let messages = limits::orders_placed(n);
-        let (d, used) =
-            limits::consumer_transactions(&inventory, self.worker.name, handler, messages, prefetch, batch).await;
+        let label = "(d) inventory transactions, messages";
+        let (d, inventory_cpu) =
+            self.consumer_limit(label, &shape, &inventory, self.worker.name, handler, limits::orders_placed(n)).await;
         // (d)'s rows are not part of any later stage.
         sqlx::query("truncate inbox, outbox").execute(&inventory).await.expect("retire (d) rows");
         inventory.close().await;
-        self.report.figure("limit", "(d) inventory transactions, messages", d, "/s", &shape);
-        let inventory_cpu = report_usage(&mut self.report, "limit", who, &used, n);
 
-        self.env.migrated_pool("limit_billing", &billing_worker::MIGRATOR).await.close().await;
-        let billing = limits::pool(&self.env.database_url("limit_billing"), size).await;
+        let billing = self.limit_pool("limit_billing", &billing_worker::MIGRATOR, size).await;
         let (endpoint, handler) =
             (billing_worker::worker().endpoint.name, billing_worker::handler(DemoFaults::default()));
+        let label = "(e) billing transactions, messages";
         let messages = limits::inventory_reserved(n);
-        let (e, used) = limits::consumer_transactions(&billing, endpoint, handler, messages, prefetch, batch).await;
+        let (_, billing_cpu) = self.consumer_limit(label, &shape, &billing, endpoint, handler, messages).await;
         billing.close().await;
-        self.report.figure("limit", "(e) billing transactions, messages", e, "/s", &shape);
-        let billing_cpu = report_usage(&mut self.report, "limit", who, &used, n);
 
         // The status consumer moves jobs and orders the API accepted: half as many orders, each
         // reserved and then invoiced.
-        self.env.migrated_pool("limit_orders", &orders_api::MIGRATOR).await.close().await;
-        let orders = limits::pool(&self.env.database_url("limit_orders"), size).await;
+        let orders = self.limit_pool("limit_orders", &orders_api::MIGRATOR, size).await;
         let messages = limits::order_outcomes(&orders, n / 2).await;
-        let count = messages.len();
         let (endpoint, handler) =
             (orders_api::status::endpoint().name, orders_api::status::handler(Default::default()));
-        let (f, used) = limits::consumer_transactions(&orders, endpoint, handler, messages, prefetch, batch).await;
+        let (label, note) = (
+            "(f) status consumer transactions, messages",
+            format!("{shape}; inventory.reserved, then invoice.created, of {} orders", n / 2),
+        );
+        let (_, status_cpu) = self.consumer_limit(label, &note, &orders, endpoint, handler, messages).await;
         orders.close().await;
-        let note = format!("{shape}; inventory.reserved, then invoice.created, of {} orders", n / 2);
-        self.report.figure("limit", "(f) status consumer transactions, messages", f, "/s", &note);
-        let status_cpu = report_usage(&mut self.report, "limit", who, &used, count);
         (d, inventory_cpu, billing_cpu, status_cpu)
+    }
+
+    /// A pool of `size` connections on this run's database `name`, migrated with `migrator`.
+    async fn limit_pool(&self, name: &str, migrator: &sqlx::migrate::Migrator, size: u32) -> PgPool {
+        self.env.migrated_pool(name, migrator).await.close().await;
+        limits::pool(&self.env.database_url(name), size).await
+    }
+
+    /// One consumer's limit: [`limits::consumer_transactions`] on `messages`, reported as `label`;
+    /// its rate and CPU per message.
+    async fn consumer_limit<H: messaging::consumer::Handler>(
+        &mut self,
+        label: &str,
+        note: &str,
+        pool: &PgPool,
+        endpoint: &'static str,
+        handler: H,
+        messages: Vec<messaging::envelope::Incoming>,
+    ) -> (f64, Cpu) {
+        let (count, prefetch) = (messages.len(), usize::from(self.prefetch));
+        let (rate, used) = limits::consumer_transactions(pool, endpoint, handler, messages, prefetch, self.batch).await;
+        self.report.figure("limit", label, rate, "/s", note);
+        (rate, report_usage(&mut self.report, "limit", "the bench, Postgres, RabbitMQ", &used, count))
     }
 
     /// How the worker takes its messages: in batches, or concurrently.

@@ -9,6 +9,16 @@ use testkit::eventually;
 use testkit::shop::{Service, WAIT};
 use uuid::Uuid;
 
+/// A fresh order of `quantity` of one SKU, as the API would announce it.
+fn one_line_order(customer_id: &str, sku: &str, quantity: i32) -> OrderPlaced {
+    OrderPlaced {
+        order_id: Uuid::now_v7(),
+        job_id: Uuid::now_v7(),
+        customer_id: customer_id.into(),
+        lines: vec![OrderLine { sku: sku.into(), quantity }],
+    }
+}
+
 async fn stock(shop: &Shop, sku: &str) -> (i32, i32) {
     sqlx::query_as("select available, reserved from stock where sku = $1")
         .bind(sku)
@@ -80,12 +90,7 @@ async fn order_beyond_stock_or_of_unknown_sku_is_rejected_and_moves_nothing() {
 async fn duplicate_order_placed_reserves_once_and_invoices_once() {
     let shop = common::start().await;
     let (before, _) = stock(&shop, "SKU-2").await;
-    let placed = OrderPlaced {
-        order_id: Uuid::now_v7(),
-        job_id: Uuid::now_v7(),
-        customer_id: "c-dup".into(),
-        lines: vec![OrderLine { sku: "SKU-2".into(), quantity: 4 }],
-    };
+    let placed = one_line_order("c-dup", "SKU-2", 4);
     shop.env.publish(&placed, placed.job_id, 2).await;
 
     let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
@@ -132,12 +137,7 @@ async fn duplicate_inventory_reserved_invoices_once() {
 async fn one_order_under_two_message_ids_is_reserved_invoiced_and_announced_once() {
     let shop = common::start().await;
     let (before, _) = stock(&shop, "SKU-3").await;
-    let placed = OrderPlaced {
-        order_id: Uuid::now_v7(),
-        job_id: Uuid::now_v7(),
-        customer_id: "c-twice".into(),
-        lines: vec![OrderLine { sku: "SKU-3".into(), quantity: 1 }],
-    };
+    let placed = one_line_order("c-twice", "SKU-3", 1);
     let reserved = InventoryReserved {
         order_id: Uuid::now_v7(),
         job_id: Uuid::now_v7(),
@@ -180,12 +180,7 @@ async fn an_order_that_took_the_last_stock_is_not_refused_under_its_second_messa
         .execute(&shop.inventory)
         .await
         .expect("two left");
-    let placed = OrderPlaced {
-        order_id: Uuid::now_v7(),
-        job_id: Uuid::now_v7(),
-        customer_id: "c-last".into(),
-        lines: vec![OrderLine { sku: "SKU-5".into(), quantity: 2 }],
-    };
+    let placed = one_line_order("c-last", "SKU-5", 2);
     shop.env.publish(&placed, placed.job_id, 1).await;
     eventually("the first copy to be applied", WAIT, || async {
         (count(&shop.inventory, "select count(*) from inbox").await == 1).then_some(())
