@@ -64,6 +64,33 @@ impl PhaseCost {
     }
 }
 
+/// What a phase has cost so far: opened by [`Bench::meter`].
+struct Meter {
+    /// Each service process, by name.
+    pids: Vec<(String, u32)>,
+    /// Each one's CPU seconds at the start.
+    each: Vec<f64>,
+    window: Usage,
+    /// Commits in the three databases at the start.
+    commits: i64,
+}
+
+impl Meter {
+    /// What the phase cost per order, over `orders` orders.
+    async fn finish(self, bench: &Bench, orders: usize) -> PhaseCost {
+        let used = self.window.finish();
+        let n = orders as f64;
+        let services = self
+            .pids
+            .iter()
+            .zip(&self.each)
+            .map(|((name, pid), was)| (name.clone(), (stages::cpu_seconds(*pid) - was) / n))
+            .collect();
+        let commits = stages::commits(&bench.orders, &bench.databases()).await - self.commits;
+        PhaseCost { services, cpu: used.cpu.per(n), commits: commits as f64 / n, busy: used.busy }
+    }
+}
+
 /// The database name at the end of a Postgres URL.
 fn db_name(url: &str) -> String {
     url.rsplit('/').next().unwrap_or_default().to_owned()
@@ -205,17 +232,10 @@ impl Bench {
         processes: &[Process],
     ) -> (f64, PhaseCost, String) {
         let (orders, c) = (&self.orders, self.args.concurrency);
-        let databases: Vec<String> =
-            ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect();
-        let pids: Vec<(String, u32)> = processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect();
-        let each = || pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect::<Vec<_>>();
-        let commits_before = stages::commits(orders, &databases).await;
-        // After `commits`, which waits for the statistics to settle.
-        let (before, window) = (each(), Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>()));
+        let meter = self.meter(processes).await;
         let (_, jobs) = stages::post_orders(api_addr, c, self.args.orders, catalog).await;
         stages::wait_succeeded(orders, &jobs).await;
-        let (used, after) = (window.finish(), each());
-        let commits = stages::commits(orders, &databases).await - commits_before;
+        let cost = meter.finish(self, jobs.len()).await;
         let (rate,): (f64,) = sqlx::query_as(
             "select count(*) / extract(epoch from max(updated_at) - min(created_at))::float8 from jobs where id = any($1)",
         )
@@ -223,16 +243,22 @@ impl Bench {
         .fetch_one(orders)
         .await
         .expect("sustained");
-        let n = jobs.len() as f64;
-        let services =
-            pids.iter().zip(before.iter().zip(after)).map(|((name, _), (was, is))| (name.clone(), (is - was) / n));
-        let cost = PhaseCost {
-            services: services.collect(),
-            cpu: used.cpu.per(n),
-            commits: commits as f64 / n,
-            busy: used.busy,
-        };
         (rate, cost, format!("{} orders, concurrency {c}, {label}", self.args.orders))
+    }
+
+    /// Start measuring what a phase costs `processes` and the servers.
+    async fn meter(&self, processes: &[Process]) -> Meter {
+        let pids: Vec<(String, u32)> = processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect();
+        let commits = stages::commits(&self.orders, &self.databases()).await;
+        // After `commits`, which waits for the statistics to settle.
+        let each = pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect();
+        let window = Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>());
+        Meter { pids, each, window, commits }
+    }
+
+    /// The names of the three services' databases.
+    fn databases(&self) -> Vec<String> {
+        ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect()
     }
 
     /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes; the p99, ms.
@@ -247,11 +273,11 @@ impl Bench {
         processes: &[Process],
     ) -> f64 {
         let offered = load * sustained;
-        let window = Usage::start(&processes.iter().filter_map(Process::pid).collect::<Vec<_>>());
+        let meter = self.meter(processes).await;
         let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
         let sent_ids: Vec<uuid::Uuid> = sent.iter().map(|(id, _)| *id).collect();
         stages::wait_succeeded(&self.orders, &sent_ids).await;
-        let used = window.finish();
+        let cost = meter.finish(self, sent.len()).await;
         let mut steps = stages::latency_steps(&self.orders, &self.inventory, billing, &sent).await;
         let (_, latencies) = steps.pop().expect("the last step is succeeded");
         let (p50, p95, p99) = percentiles(&latencies);
@@ -260,9 +286,9 @@ impl Bench {
         report.figure("e2e", &format!("POST -> succeeded p50 {at}"), p50, "ms", &note);
         report.figure("e2e", &format!("POST -> succeeded p95 {at}"), p95, "ms", &note);
         report.figure("e2e", &format!("POST -> succeeded p99 {at}"), p99, "ms", &note);
-        let cpu = used.cpu.per(sent.len() as f64);
-        let note = format!("{}; machine {:.0} % busy", cpu.split("services"), used.busy * 100.0);
-        report.figure("e2e", &format!("  CPU per order {at}"), cpu.total() * 1e6, "us/ord", &note);
+        let note = format!("{}; machine {:.0} % busy", cost.cpu.split("services"), cost.busy * 100.0);
+        report.figure("e2e", &format!("  CPU per order {at}"), cost.cpu.total() * 1e6, "us/ord", &note);
+        cost.report(report, &at);
         // Where that time goes: p50 and p99 from the send to each step before it.
         for (step, latencies) in steps {
             let (p50, _, p99) = percentiles(&latencies);

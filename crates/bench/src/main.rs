@@ -50,6 +50,10 @@ struct Args {
     /// Skip the scale section (the slowest).
     #[arg(long)]
     skip_scale: bool,
+    /// Run only the end-to-end section, without the targets (they need the limits and stages):
+    /// to try a service setting with `--service-var` in minutes.
+    #[arg(long)]
+    end_to_end_only: bool,
     /// Skip the peers (crates/bench/peers: installed on first use, a Python environment and a
     /// release build outside the clone).
     #[arg(long)]
@@ -146,6 +150,11 @@ async fn main() {
     let json_path = args.json.clone();
     let skip_scale = args.skip_scale;
     let mut bench = Bench::new(args).await;
+    if bench.args.end_to_end_only {
+        bench.end_to_end().await;
+        bench.finish(json_path);
+        return;
+    }
     let limits = bench.limits().await;
     let stages = bench.stages().await;
     let peers = if bench.args.skip_peers { Vec::new() } else { bench.peers(&stages).await };
@@ -155,17 +164,21 @@ async fn main() {
     let end_to_end = bench.end_to_end().await;
     bench.floors(&limits, &stages, &end_to_end);
     bench.targets(&limits, &stages, &end_to_end, &peers);
-
-    bench.report.print();
-    let json = bench.report.json();
-    println!("\n{json}");
-    if let Some(path) = json_path {
-        std::fs::write(path, serde_json::to_string_pretty(&json).expect("json")).expect("write json");
-    }
-    let _ = std::fs::remove_dir_all(&bench.log_dir);
+    bench.finish(json_path);
 }
 
 impl Bench {
+    /// Print the report, write its JSON to `json_path` if given, and remove the services' logs.
+    fn finish(&self, json_path: Option<std::path::PathBuf>) {
+        self.report.print();
+        let json = self.report.json();
+        println!("\n{json}");
+        if let Some(path) = json_path {
+            std::fs::write(path, serde_json::to_string_pretty(&json).expect("json")).expect("write json");
+        }
+        let _ = std::fs::remove_dir_all(&self.log_dir);
+    }
+
     /// Private databases (orders and inventory migrated, the hot SKUs restocked) and the worker's
     /// queue on a private vhost.
     async fn new(args: Args) -> Self {
