@@ -108,6 +108,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         // Fail fast into a 503 while the database is down, rather than hanging the client.
         acquire_timeout: std::time::Duration::from_secs(2),
         timeouts: config.schema.timeouts,
+        // A stalled database found at the acquire, within those 2 s, not at the query deadline.
+        check_each_acquire: true,
     };
     let Some(pool) = db::open(config.schema.database(&config.database_url), &MIGRATOR, settings, &shutdown).await?
     else {
