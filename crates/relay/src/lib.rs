@@ -32,7 +32,7 @@ use messaging::{
 };
 use sqlx::{
     PgPool,
-    postgres::{PgConnectOptions, PgListener, PgPoolOptions},
+    postgres::{PgConnectOptions, PgListener},
 };
 use tracing::Instrument;
 
@@ -131,9 +131,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             .map_err(|error| StartupError(format!("the database at {url}: {error}")))?;
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(5))
+        let pool = db::pool_options(4, Duration::from_secs(5), false)
             .connect_lazy_with(db::bounded(options, &config.db_timeouts));
         let outbox = OutboxDb { label, pool, url: url.clone() };
         outbox.check().await?;
@@ -310,39 +308,60 @@ impl Relay {
         // Two batches overlap: while one batch's confirms come back and its rows are marked, the
         // next batch is claimed and put on the wire. The next claim skips the rows the previous
         // batch still holds locked, and goes out after them on the same channel: id order holds.
+        // The first error ends the session at once; a batch not yet settled is rolled back, and
+        // its rows are published again by the next session.
         let mut in_flight: Option<SentBatch> = None;
         loop {
             let next = match in_flight.take() {
-                Some(batch) => {
-                    let (settled, next) = tokio::join!(self.settle(batch), self.send_batch(&publisher, &mut declared));
-                    settled?;
-                    next?
+                // A full batch may have left due rows behind: the next is claimed at once.
+                Some(batch) if batch.is_full(self.settings.batch_size) => {
+                    tokio::try_join!(self.settle(batch), self.send_batch(&publisher, &mut declared))?.1
                 }
-                None => self.send_batch(&publisher, &mut declared).await?,
+                // A batch that took every due row: a claim now would find nothing, and cost a
+                // transaction per batch when orders arrive paced. The next claim waits for a NOTIFY.
+                Some(batch) => {
+                    let wait = self.send_when_due(&mut listener, &publisher, &mut declared);
+                    tokio::try_join!(self.settle(batch), wait)?.1
+                }
+                None => self.send_when_due(&mut listener, &publisher, &mut declared).await?,
             };
-            if let Some(batch) = next {
-                if shutdown.is_triggered() {
-                    // Flush: what is on the wire is confirmed and marked before we stop.
+            match next {
+                // Flush: what is on the wire is confirmed and marked before we stop.
+                Some(batch) if shutdown.is_triggered() => {
                     self.settle(batch).await?;
                     break;
                 }
-                in_flight = Some(batch);
-                continue;
-            }
-            // Nothing due and nothing in flight.
-            tokio::select! {
-                () = shutdown.triggered() => break,
-                notification = listener.recv() => {
-                    notification?;
-                    if !self.settings.linger.is_zero() && !shutdown.sleep(self.settings.linger).await {
-                        break;
-                    }
-                }
-                () = tokio::time::sleep(self.settings.poll_interval) => {}
+                Some(batch) => in_flight = Some(batch),
+                None if shutdown.is_triggered() => break,
+                None => {}
             }
         }
         publisher.close().await;
         Ok(())
+    }
+
+    /// Wait until rows may be due (a NOTIFY, or the fallback poll), linger, then claim and send
+    /// them as [`Self::send_batch`] does. `None` on shutdown, or if nothing was due.
+    async fn send_when_due(
+        &self,
+        listener: &mut PgListener,
+        publisher: &Publisher,
+        declared: &mut HashSet<String>,
+    ) -> Result<Option<SentBatch>, SessionError> {
+        tokio::select! {
+            () = self.shutdown.triggered() => return Ok(None),
+            notification = listener.recv() => {
+                notification?;
+                if !self.settings.linger.is_zero() && !self.shutdown.sleep(self.settings.linger).await {
+                    return Ok(None);
+                }
+            }
+            () = tokio::time::sleep(self.settings.poll_interval) => {}
+        }
+        // Each NOTIFY read so far announced a row committed before this claim begins, which the
+        // claim therefore sees: none of them needs another claim.
+        while listener.next_buffered().is_some() {}
+        self.send_batch(publisher, declared).await
     }
 
     /// Claim a batch of due rows and publish them all without waiting for confirms, declaring
@@ -446,6 +465,13 @@ struct SentBatch {
     tx: sqlx::Transaction<'static, sqlx::Postgres>,
     rows: Vec<outbox::OutboxRow>,
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
+}
+
+impl SentBatch {
+    /// Whether the claim took as many rows as it could: then more may be due behind them.
+    fn is_full(&self, batch_size: i64) -> bool {
+        self.rows.len() as i64 >= batch_size
+    }
 }
 
 /// Delete published rows past retention, in small batches, at start-up and hourly.

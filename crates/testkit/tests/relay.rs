@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::{collections::HashSet, time::Duration};
 
 use clap::Parser;
 use common::count;
@@ -66,9 +66,25 @@ async fn start_relay(
     env: &TestEnv,
     trigger: &ShutdownTrigger,
 ) -> (tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>, String) {
+    start_relay_with(env, trigger, &[]).await
+}
+
+/// [`start_relay`] with `settings` (flag, value) in place of the test kit's.
+async fn start_relay_with(
+    env: &TestEnv,
+    trigger: &ShutdownTrigger,
+    settings: &[(&str, &str)],
+) -> (tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let config = relay::Config::parse_from(relay_args(&env.database_url("orders"), &env.amqp_url()));
+    let mut args = relay_args(&env.database_url("orders"), &env.amqp_url());
+    for (flag, value) in settings {
+        match args.iter().position(|arg| arg == flag) {
+            Some(at) => args[at + 1] = (*value).to_owned(),
+            None => args.extend([(*flag).to_owned(), (*value).to_owned()]),
+        }
+    }
+    let config = relay::Config::parse_from(args);
     let task = tokio::spawn(relay::run(config, listener, trigger.subscribe()));
     testkit::wait_ready(&base, WAIT, "").await;
     (task, base)
@@ -124,6 +140,35 @@ async fn two_relays_together_publish_each_row_once() {
     trigger.trigger();
     first.await.expect("relay task").expect("relay ran");
     second.await.expect("relay task").expect("relay ran");
+}
+
+#[tokio::test]
+async fn rows_committed_while_the_relay_runs_are_each_published_on_a_notify_not_the_poll() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    bind_probe(&env).await;
+    let (trigger, _) = shutdown::channel();
+    // No poll within the test: a row whose NOTIFY the relay dropped without claiming the row would
+    // stay unpublished. Batches of 8, so that a burst fills some and the next claim comes at once.
+    let settings = [("--poll-interval", "1h"), ("--batch-size", "8")];
+    let (relay, _) = start_relay_with(&env, &trigger, &settings).await;
+
+    // A row, then a second one 0 to 7 ms behind it (landing during the first one's linger, its
+    // claim or its settling), then nothing until both are published: a second row whose NOTIFY was
+    // taken for the first one's claim would wait for the poll. Every fifth round the second is a
+    // burst of 20, so that full batches are followed by a claim at once.
+    let mut expected = Vec::new();
+    for round in 0..40_u64 {
+        expected.extend(fill_outbox(&pool, 1, 1).await);
+        tokio::time::sleep(Duration::from_millis(round % 8)).await;
+        let rows = if round % 5 == 4 { 20 } else { 1 };
+        expected.extend(fill_outbox(&pool, rows, rows).await);
+        wait_all_published(&pool).await;
+    }
+    let delivered = message_ids(&env.drain(PROBE).await);
+    assert_eq!(delivered, expected, "every row delivered once, in id order");
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
 }
 
 #[tokio::test]
