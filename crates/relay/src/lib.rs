@@ -310,9 +310,19 @@ impl Relay {
         // batch still holds locked, and goes out after them on the same channel: id order holds.
         // The first error ends the session at once; a batch not yet settled is rolled back, and
         // its rows are published again by the next session.
-        let mut in_flight: Option<SentBatch> = None;
+        // The first claim goes at once: rows an earlier session left, or committed before LISTEN.
+        let mut next = self.send_batch(&publisher, &mut declared).await?;
         loop {
-            let next = match in_flight.take() {
+            let batch = match next {
+                // Flush: what is on the wire is confirmed and marked before we stop.
+                Some(batch) if shutdown.is_triggered() => {
+                    self.settle(batch).await?;
+                    break;
+                }
+                None if shutdown.is_triggered() => break,
+                batch => batch,
+            };
+            next = match batch {
                 // A full batch may have left due rows behind: the next is claimed at once.
                 Some(batch) if batch.is_full(self.settings.batch_size) => {
                     tokio::try_join!(self.settle(batch), self.send_batch(&publisher, &mut declared))?.1
@@ -325,16 +335,6 @@ impl Relay {
                 }
                 None => self.send_when_due(&mut listener, &publisher, &mut declared).await?,
             };
-            match next {
-                // Flush: what is on the wire is confirmed and marked before we stop.
-                Some(batch) if shutdown.is_triggered() => {
-                    self.settle(batch).await?;
-                    break;
-                }
-                Some(batch) => in_flight = Some(batch),
-                None if shutdown.is_triggered() => break,
-                None => {}
-            }
         }
         publisher.close().await;
         Ok(())

@@ -147,17 +147,19 @@ async fn rows_committed_while_the_relay_runs_are_each_published_on_a_notify_not_
     let env = TestEnv::new().await;
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     bind_probe(&env).await;
+    // Rows committed before the relay starts: its first claim must not wait for a NOTIFY.
+    let mut expected = fill_outbox(&pool, 3, 3).await;
     let (trigger, _) = shutdown::channel();
     // No poll within the test: a row whose NOTIFY the relay dropped without claiming the row would
     // stay unpublished. Batches of 8, so that a burst fills some and the next claim comes at once.
     let settings = [("--poll-interval", "1h"), ("--batch-size", "8")];
     let (relay, _) = start_relay_with(&env, &trigger, &settings).await;
+    wait_all_published(&pool).await;
 
     // A row, then a second one 0 to 7 ms behind it (landing during the first one's linger, its
     // claim or its settling), then nothing until both are published: a second row whose NOTIFY was
     // taken for the first one's claim would wait for the poll. Every fifth round the second is a
     // burst of 20, so that full batches are followed by a claim at once.
-    let mut expected = Vec::new();
     for round in 0..40_u64 {
         expected.extend(fill_outbox(&pool, 1, 1).await);
         tokio::time::sleep(Duration::from_millis(round % 8)).await;
