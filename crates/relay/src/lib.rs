@@ -308,8 +308,9 @@ impl Relay {
         // Two batches overlap: while one batch's confirms come back and its rows are marked, the
         // next batch is claimed and put on the wire. The next claim skips the rows the previous
         // batch still holds locked, and goes out after them on the same channel: id order holds.
-        // The first error ends the session at once; a batch not yet settled is rolled back, and
-        // its rows are published again by the next session.
+        // The first error of either half ends the session at once; a batch not yet settled is
+        // rolled back, and its rows are published again by the next session.
+        //
         // The first claim goes at once: rows an earlier session left, or committed before LISTEN.
         let mut next = self.send_batch(&publisher, &mut declared).await?;
         loop {
