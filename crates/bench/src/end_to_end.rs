@@ -44,6 +44,9 @@ struct PhaseCost {
     cpu: Cpu,
     /// Transactions committed in the three databases, per order.
     commits: f64,
+    /// Wake-ups per order ([`stages::wake_ups`]) of each service process, then of every Postgres
+    /// and every RabbitMQ process together.
+    wake_ups: Vec<(String, f64)>,
     /// The machine's busy share over the phase (0 to 1).
     busy: f64,
 }
@@ -55,6 +58,10 @@ impl PhaseCost {
             [("postgres (all)".to_owned(), self.cpu.postgres), ("rabbitmq (all)".to_owned(), self.cpu.rabbitmq)];
         for (name, seconds) in self.services.iter().chain(&servers) {
             report.figure("cpu", &format!("{label}: {name}"), seconds * 1e6, "us/ord", "CPU time per order");
+        }
+        for (name, wake_ups) in &self.wake_ups {
+            let note = "times its threads slept and were woken, per order";
+            report.figure("wake-ups", &format!("{label}: {name}"), *wake_ups, "/ord", note);
         }
         let note = "transactions committed in the three databases, per order";
         report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
@@ -70,6 +77,8 @@ struct Meter {
     pids: Vec<(String, u32)>,
     /// Each one's CPU seconds at the start.
     each: Vec<f64>,
+    /// Wake-ups at the start: each process's, then Postgres's and RabbitMQ's.
+    wake_ups: Vec<u64>,
     window: Usage,
     /// Commits in the three databases at the start.
     commits: i64,
@@ -86,9 +95,21 @@ impl Meter {
             .zip(&self.each)
             .map(|((name, pid), was)| (name.clone(), (stages::cpu_seconds(*pid) - was) / n))
             .collect();
+        let wake_ups = wake_ups(&self.pids)
+            .into_iter()
+            .zip(&self.wake_ups)
+            .map(|((name, now), was)| (name, now.saturating_sub(*was) as f64 / n))
+            .collect();
         let commits = stages::commits(&bench.orders, &bench.databases()).await - self.commits;
-        PhaseCost { services, cpu: used.cpu.per(n), commits: commits as f64 / n, busy: used.busy }
+        PhaseCost { services, cpu: used.cpu.per(n), commits: commits as f64 / n, wake_ups, busy: used.busy }
     }
+}
+
+/// Wake-ups so far of each of `pids`, then of every Postgres and every RabbitMQ process.
+fn wake_ups(pids: &[(String, u32)]) -> Vec<(String, u64)> {
+    let servers = [("postgres (all)", "postgres"), ("rabbitmq (all)", "beam.smp")];
+    let services = pids.iter().map(|(name, pid)| (name.clone(), stages::wake_ups(*pid)));
+    services.chain(servers.map(|(name, comm)| (name.to_owned(), stages::wake_ups_of(comm)))).collect()
 }
 
 /// The database name at the end of a Postgres URL.
@@ -252,8 +273,9 @@ impl Bench {
         let commits = stages::commits(&self.orders, &self.databases()).await;
         // After `commits`, which waits for the statistics to settle.
         let each = pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect();
+        let wake_ups = wake_ups(&pids).into_iter().map(|(_, count)| count).collect();
         let window = Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>());
-        Meter { pids, each, window, commits }
+        Meter { pids, each, wake_ups, window, commits }
     }
 
     /// The names of the three services' databases.

@@ -399,12 +399,35 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 /// CPU seconds used so far by every process whose command is `comm` (e.g. `postgres`,
 /// `beam.smp`): the servers' share, which their other clients on this machine add to.
 pub fn cpu_seconds_of(comm: &str) -> f64 {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return 0.0 };
-    entries
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|name| name.trim() == comm))
-        .map(cpu_seconds)
+    pids_of(comm).map(cpu_seconds).sum()
+}
+
+/// Times a process's threads have gone to sleep and been woken so far (the sum over
+/// `/proc/<pid>/task/*/status` of `voluntary_ctxt_switches`): each is a wake-up, which on a VM
+/// costs system time of its own. Threads that have exited are not counted.
+pub fn wake_ups(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("status")).ok())
+        .filter_map(|status| {
+            let line = status.lines().find(|line| line.starts_with("voluntary_ctxt_switches:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
         .sum()
+}
+
+/// [`wake_ups`] of every process whose command is `comm`.
+pub fn wake_ups_of(comm: &str) -> u64 {
+    pids_of(comm).map(wake_ups).sum()
+}
+
+/// Every process whose command is `comm`.
+fn pids_of(comm: &str) -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(move |pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|name| name.trim() == comm))
 }
 
 /// CPU seconds, split as an order's cost is compared: the measured work's own processes (the
