@@ -52,6 +52,11 @@ struct PhaseCost {
 }
 
 impl PhaseCost {
+    /// (wake-ups, CPU seconds) per order, every process together.
+    fn point(&self) -> (f64, f64) {
+        (self.wake_ups.iter().map(|(_, count)| count).sum(), self.cpu.total())
+    }
+
     /// Print it under `label`.
     fn report(&self, report: &mut Report, label: &str) {
         let servers =
@@ -112,6 +117,23 @@ fn wake_ups(pids: &[(String, u32)]) -> Vec<(String, u64)> {
     services.chain(servers.map(|(name, comm)| (name.to_owned(), stages::wake_ups_of(comm)))).collect()
 }
 
+/// The least-squares line through each phase's (wake-ups, CPU) per order: on a VM where a sleeping
+/// thread pays to be woken, an order's CPU follows its wake-ups more than its work, so the slope
+/// is what one wake-up costs the machine and the intercept what an order would cost without any.
+fn report_wake_up_fit(report: &mut Report, phases: &[(f64, f64)]) {
+    let n = phases.len() as f64;
+    let (mean_x, mean_y) = (phases.iter().map(|p| p.0).sum::<f64>() / n, phases.iter().map(|p| p.1).sum::<f64>() / n);
+    let spread: f64 = phases.iter().map(|(x, _)| (x - mean_x).powi(2)).sum();
+    let slope = phases.iter().map(|(x, y)| (x - mean_x) * (y - mean_y)).sum::<f64>() / spread;
+    let intercept = mean_y - slope * mean_x;
+    let residual: f64 = phases.iter().map(|(x, y)| (y - intercept - slope * x).powi(2)).sum();
+    let total: f64 = phases.iter().map(|(_, y)| (y - mean_y).powi(2)).sum();
+    let note = format!("the fit of CPU per order to wake-ups per order over the {n} phases above");
+    report.figure("wake-ups", "CPU per wake-up", slope * 1e6, "us", &note);
+    report.figure("wake-ups", "CPU per order at no wake-ups", intercept * 1e6, "us/ord", "the same fit's intercept");
+    report.figure("wake-ups", "share of CPU per order the fit explains", (1.0 - residual / total) * 100.0, "%", "R²");
+}
+
 /// The database name at the end of a Postgres URL.
 fn db_name(url: &str) -> String {
     url.rsplit('/').next().unwrap_or_default().to_owned()
@@ -144,6 +166,8 @@ impl Bench {
             self.sustained("BATCH_SIZE=1, PREFETCH=16", &api_addr, Catalog::Hot, &processes).await;
         self.report.figure("e2e", "sustained, one message per transaction (baseline)", unbatched, "/s", &note);
         cpu_unbatched.report(&mut self.report, "BATCH_SIZE=1");
+        // Each phase's (wake-ups, CPU) per order, for the fit at the end.
+        let mut phases = vec![cpu_unbatched.point()];
         for process in processes {
             stop(process).await;
         }
@@ -166,11 +190,14 @@ impl Bench {
         let report = &mut self.report;
         report.figure("e2e", &format!("sustained throughput, {WIDE_CATALOG} SKUs"), wide_rate, "/s", &note);
         cpu_wide.report(report, "defaults, wide");
+        phases.extend([cpu_hot.point(), cpu_wide.point()]);
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
         let mut p99 = Vec::new();
         for load in LOADS {
-            p99.push((load, self.latency_at(load, hot, &api_addr, &billing, &processes).await));
+            let (at, cost) = self.latency_at(load, hot, &api_addr, &billing, &processes).await;
+            p99.push((load, at));
+            phases.push(cost.point());
         }
         let commit_to_publish = self.commit_to_publish().await;
         let mut peak_rss = 0.0_f64;
@@ -200,6 +227,8 @@ impl Bench {
         let note =
             format!("machine {:.0} % busy with one, {:.0} % with two", cpu_hot.busy * 100.0, cpu_two.busy * 100.0);
         self.report.figure("e2e", "two instances / one", two / hot, "x", &note);
+        phases.push(cpu_two.point());
+        report_wake_up_fit(&mut self.report, &phases);
         drop(balancer);
         for process in processes {
             stop(process).await;
@@ -283,9 +312,10 @@ impl Bench {
         ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect()
     }
 
-    /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes; the p99, ms.
-    /// Also what an order cost meanwhile, and how busy the machine was: batches are smaller when
-    /// orders arrive paced than in a backlog, so an order may cost more than in the sustained phase.
+    /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes: the p99, ms, and
+    /// what an order cost meanwhile, which is also reported with how busy the machine was. Batches
+    /// are smaller when orders arrive paced than in a backlog, so an order may cost more than in
+    /// the sustained phase.
     async fn latency_at(
         &mut self,
         load: f64,
@@ -293,7 +323,7 @@ impl Bench {
         api_addr: &str,
         billing: &PgPool,
         processes: &[Process],
-    ) -> f64 {
+    ) -> (f64, PhaseCost) {
         let offered = load * sustained;
         let meter = self.meter(processes).await;
         let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
@@ -317,7 +347,7 @@ impl Bench {
             report.figure("e2e", &format!("  to {step}, p50"), p50, "ms", "");
             report.figure("e2e", &format!("  to {step}, p99"), p99, "ms", "");
         }
-        p99
+        (p99, cost)
     }
 
     /// Commit -> publish with the relay idle on NOTIFY: p50 and p99, ms.
