@@ -117,9 +117,10 @@ fn wake_ups(pids: &[(String, u32)]) -> Vec<(String, u64)> {
     services.chain(servers.map(|(name, comm)| (name.to_owned(), stages::wake_ups_of(comm)))).collect()
 }
 
-/// The least-squares line through each phase's (wake-ups, CPU) per order: on a VM where a sleeping
-/// thread pays to be woken, an order's CPU follows its wake-ups more than its work, so the slope
-/// is what one wake-up costs the machine and the intercept what an order would cost without any.
+/// The least-squares line through each phase's (wake-ups, CPU) per order, and the share of the
+/// phases' spread in CPU it explains. Where a sleeping thread pays to be woken (a VM), an order's
+/// CPU may follow its wake-ups more than its work: the slope is then what one wake-up costs the
+/// machine, and the intercept what an order would cost without any.
 fn report_wake_up_fit(report: &mut Report, phases: &[(f64, f64)]) {
     let n = phases.len() as f64;
     let (mean_x, mean_y) = (phases.iter().map(|p| p.0).sum::<f64>() / n, phases.iter().map(|p| p.1).sum::<f64>() / n);
