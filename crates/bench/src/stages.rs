@@ -410,8 +410,7 @@ pub fn wake_ups(pid: u32) -> u64 {
     tasks
         .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("status")).ok())
         .filter_map(|status| {
-            let line = status.lines().find(|line| line.starts_with("voluntary_ctxt_switches:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+            status.lines().find_map(|line| line.strip_prefix("voluntary_ctxt_switches:")?.trim().parse::<u64>().ok())
         })
         .sum()
 }
