@@ -47,6 +47,10 @@ struct PhaseCost {
     /// Wake-ups per order ([`stages::wake_ups`]) of each service process, then of every Postgres
     /// and every RabbitMQ process together.
     wake_ups: Vec<(String, f64)>,
+    /// Of each service process's wake-ups per order, those of lapin's I/O threads
+    /// ([`stages::LAPIN_IO_THREAD`]), which an AMQP client doing its I/O on tokio's workers would
+    /// not have.
+    io_wake_ups: Vec<f64>,
     /// The machine's busy share over the phase (0 to 1).
     busy: f64,
 }
@@ -64,9 +68,14 @@ impl PhaseCost {
         for (name, seconds) in self.services.iter().chain(&servers) {
             report.figure("cpu", &format!("{label}: {name}"), seconds * 1e6, "us/ord", "CPU time per order");
         }
+        let mut io = self.io_wake_ups.iter();
         for (name, wake_ups) in &self.wake_ups {
             let note = "times its threads slept and were woken, per order";
             report.figure("wake-ups", &format!("{label}: {name}"), *wake_ups, "/ord", note);
+            if let Some(io) = io.next() {
+                let note = "of which lapin's I/O threads";
+                report.figure("wake-ups", &format!("{label}: {name}, lapin I/O"), *io, "/ord", note);
+            }
         }
         let note = "transactions committed in the three databases, per order";
         report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
@@ -84,6 +93,8 @@ struct Meter {
     each: Vec<f64>,
     /// Wake-ups at the start: each process's, then Postgres's and RabbitMQ's.
     wake_ups: Vec<u64>,
+    /// Each process's lapin I/O threads' wake-ups at the start.
+    io_wake_ups: Vec<u64>,
     window: Usage,
     /// Commits in the three databases at the start.
     commits: i64,
@@ -105,8 +116,20 @@ impl Meter {
             .zip(&self.wake_ups)
             .map(|((name, now), was)| (name, now.saturating_sub(*was) as f64 / n))
             .collect();
+        let io_wake_ups = io_wake_ups(&self.pids)
+            .into_iter()
+            .zip(&self.io_wake_ups)
+            .map(|(now, was)| now.saturating_sub(*was) as f64 / n)
+            .collect();
         let commits = stages::commits(&bench.orders, &bench.databases()).await - self.commits;
-        PhaseCost { services, cpu: used.cpu.per(n), commits: commits as f64 / n, wake_ups, busy: used.busy }
+        PhaseCost {
+            services,
+            cpu: used.cpu.per(n),
+            commits: commits as f64 / n,
+            wake_ups,
+            io_wake_ups,
+            busy: used.busy,
+        }
     }
 }
 
@@ -115,6 +138,11 @@ fn wake_ups(pids: &[(String, u32)]) -> Vec<(String, u64)> {
     let servers = [("postgres (all)", "postgres"), ("rabbitmq (all)", "beam.smp")];
     let services = pids.iter().map(|(name, pid)| (name.clone(), stages::wake_ups(*pid)));
     services.chain(servers.map(|(name, comm)| (name.to_owned(), stages::wake_ups_of(comm)))).collect()
+}
+
+/// Wake-ups so far of each of `pids`' lapin I/O threads.
+fn io_wake_ups(pids: &[(String, u32)]) -> Vec<u64> {
+    pids.iter().map(|(_, pid)| stages::thread_wake_ups(*pid, |thread| thread == stages::LAPIN_IO_THREAD)).collect()
 }
 
 /// The least-squares line through each phase's (wake-ups, CPU) per order, and the share of the
@@ -304,8 +332,9 @@ impl Bench {
         // After `commits`, which waits for the statistics to settle.
         let each = pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect();
         let wake_ups = wake_ups(&pids).into_iter().map(|(_, count)| count).collect();
+        let io_wake_ups = io_wake_ups(&pids);
         let window = Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>());
-        Meter { pids, each, wake_ups, window, commits }
+        Meter { pids, each, wake_ups, io_wake_ups, window, commits }
     }
 
     /// The names of the three services' databases.

@@ -406,9 +406,21 @@ pub fn cpu_seconds_of(comm: &str) -> f64 {
 /// `/proc/<pid>/task/*/status` of `voluntary_ctxt_switches`): each is a wake-up, which on a VM
 /// costs system time of its own. Threads that have exited are not counted.
 pub fn wake_ups(pid: u32) -> u64 {
+    thread_wake_ups(pid, |_| true)
+}
+
+/// The name lapin gives the thread that reads and writes each of its connections (one per
+/// connection): every frame a service sends or receives crosses between it and tokio's workers.
+pub const LAPIN_IO_THREAD: &str = "lapin-io-loop";
+
+/// [`wake_ups`] of those of a process's threads whose name (`/proc/<pid>/task/<tid>/comm`, at most
+/// 15 bytes) `thread` accepts.
+pub fn thread_wake_ups(pid: u32, thread: impl Fn(&str) -> bool) -> u64 {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
     tasks
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("status")).ok())
+        .filter_map(|task| Some(task.ok()?.path()))
+        .filter(|task| std::fs::read_to_string(task.join("comm")).is_ok_and(|name| thread(name.trim())))
+        .filter_map(|task| std::fs::read_to_string(task.join("status")).ok())
         .filter_map(|status| {
             status.lines().find_map(|line| line.strip_prefix("voluntary_ctxt_switches:")?.trim().parse::<u64>().ok())
         })
