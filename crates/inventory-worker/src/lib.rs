@@ -2,7 +2,10 @@
 //! of the order or none, then announces `inventory.reserved` or `inventory.rejected` through its
 //! outbox, all in the runtime's one transaction.
 
-use std::{collections::BTreeMap, sync::LazyLock};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::LazyLock,
+};
 
 use messaging::prelude::*;
 use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
@@ -26,9 +29,9 @@ pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
     }
 }
 
-/// The endpoint's handler: `order.placed` to [`ReserveStock`].
+/// The endpoint's handler: `order.placed` to [`ReserveStock`], a batch's stock rows locked first.
 pub fn handler(faults: DemoFaults) -> Routes<ReserveStock> {
-    Routes::new(ReserveStock { faults }).on::<OrderPlaced>()
+    Routes::new(ReserveStock { faults }).on::<OrderPlaced>().lock_batches::<OrderPlaced>()
 }
 
 /// The `order.placed` handler.
@@ -60,6 +63,22 @@ impl Handle<OrderPlaced> for ReserveStock {
                 outbox::enqueue(tx, &rejected, job_id).await?;
             }
         }
+        Ok(())
+    }
+}
+
+/// Stock rows are locked in SKU order, one order at a time, and orders share SKUs: two batches
+/// handled together (two instances of this worker) would deadlock when one holds a SKU that the
+/// other's next order needs and the other holds one of its own. So a batch's every SKU is locked
+/// first, in SKU order, in one statement; each order's own lock then finds its rows held already.
+impl LockBatch<OrderPlaced> for ReserveStock {
+    async fn lock_batch(&self, orders: &[OrderPlaced], tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let skus: BTreeSet<&str> = orders.iter().flat_map(|order| &order.lines).map(|line| line.sku.as_str()).collect();
+        let skus: Vec<&str> = skus.into_iter().collect();
+        sqlx::query("select 1 from stock where sku = any($1) order by sku for update")
+            .bind(&skus)
+            .execute(&mut *tx)
+            .await?;
         Ok(())
     }
 }

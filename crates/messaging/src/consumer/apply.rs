@@ -28,6 +28,9 @@ impl<H: Handler> Runtime<H> {
                 .map(|member| (member.message.message_id, member.message.message_type.as_str()))
                 .collect();
             let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
+            let unseen: Vec<&Incoming> =
+                members.iter().zip(&new).filter(|(_, new)| **new).map(|(member, _)| &member.message).collect();
+            self.handler.lock_batch(&unseen, &mut tx).await?;
             let mut outcomes = Vec::with_capacity(members.len());
             for (member, new) in members.iter().zip(new) {
                 if !new {

@@ -44,7 +44,7 @@ mod session;
 mod settle;
 mod typed;
 
-pub use typed::{Context, Handle, Routes};
+pub use typed::{Context, Handle, LockBatch, Routes};
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -215,6 +215,22 @@ pub trait Handler: Send + Sync + 'static {
         message: &Incoming,
         tx: &mut PgConnection,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Before the messages of a batch (decision 0008) are handled one by one in its transaction:
+    /// take at once, in one consistent order, the row locks their handlers will take one message
+    /// at a time. Two batches in flight together (two instances of a consumer) then wait on each
+    /// other instead of each holding a row the other needs, a deadlock that would cost both a
+    /// second's wait (`deadlock_timeout`) and one of them a retry. `messages` are the batch's
+    /// members the inbox had not seen. The default takes nothing: right for a handler whose
+    /// messages lock rows no other message of the queue locks.
+    fn lock_batch(
+        &self,
+        messages: &[&Incoming],
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        let _ = (messages, tx);
+        async { Ok(()) }
+    }
 
     /// Whether it handles exactly the types `endpoint` accepts, when it can tell ([`Routes`]
     /// can): checked once before consuming, since a mismatch is a bug in the service.

@@ -43,8 +43,25 @@ pub trait Handle<C>: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
+/// Take the row locks a batch of contract `C` will need before any of it is handled
+/// ([`Handler::lock_batch`]): a handler whose messages lock rows that other messages of the queue
+/// also lock (stock shared by orders) locks them all here, in one statement, in one order.
+pub trait LockBatch<C>: Send + Sync + 'static {
+    /// Lock what `messages`, the batch's unseen members of contract `C`, will update.
+    fn lock_batch(
+        &self,
+        messages: &[C],
+        tx: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
 /// One contract's route: decode the body as that contract, and call its [`Handle`].
 type Route<H> = for<'a> fn(&'a H, &'a Incoming, &'a mut PgConnection) -> BoxFuture<'a, Result<(), HandlerError>>;
+
+/// One contract's batch lock: decode the batch's members of that contract, and call its
+/// [`LockBatch`].
+type BatchLock<H> =
+    for<'a> fn(&'a H, &'a [&'a Incoming], &'a mut PgConnection) -> BoxFuture<'a, Result<(), HandlerError>>;
 
 /// A handler made of typed ones: one [`Handle<C>`] implementation per contract, registered with
 /// [`Routes::on`]. It is the [`Handler`] a consumer runs.
@@ -69,6 +86,7 @@ type Route<H> = for<'a> fn(&'a H, &'a Incoming, &'a mut PgConnection) -> BoxFutu
 pub struct Routes<H> {
     handler: H,
     routes: Vec<(&'static str, Route<H>)>,
+    batch_lock: Option<BatchLock<H>>,
 }
 
 impl<H> std::fmt::Debug for Routes<H> {
@@ -81,7 +99,7 @@ impl<H> std::fmt::Debug for Routes<H> {
 impl<H: Send + Sync + 'static> Routes<H> {
     /// No routes yet.
     pub fn new(handler: H) -> Self {
-        Self { handler, routes: Vec::new() }
+        Self { handler, routes: Vec::new(), batch_lock: None }
     }
 
     /// Hand messages of contract `C` to `H`'s [`Handle<C>`].
@@ -92,6 +110,18 @@ impl<H: Send + Sync + 'static> Routes<H> {
     {
         debug_assert!(self.types().all(|known| known != C::TYPE), "two routes for {}", C::TYPE);
         self.routes.push((C::TYPE, route::<H, C>));
+        self
+    }
+
+    /// Before a batch is handled, lock what its messages of contract `C` will update, with `H`'s
+    /// [`LockBatch<C>`]. One contract per handler: the locks of two would be taken in two orders.
+    pub fn lock_batches<C>(mut self) -> Self
+    where
+        H: LockBatch<C>,
+        C: Contract + DeserializeOwned + Send + Sync + 'static,
+    {
+        debug_assert!(self.batch_lock.is_none(), "a second batch lock, for {}", C::TYPE);
+        self.batch_lock = Some(batch_lock::<H, C>);
         self
     }
 
@@ -140,11 +170,42 @@ where
     })
 }
 
+/// [`BatchLock`] of contract `C`. A member that is of another type, or whose body does not parse,
+/// locks nothing here: its own handling routes or parks it.
+fn batch_lock<'a, H, C>(
+    handler: &'a H,
+    messages: &'a [&'a Incoming],
+    tx: &'a mut PgConnection,
+) -> BoxFuture<'a, Result<(), HandlerError>>
+where
+    H: LockBatch<C>,
+    C: Contract + DeserializeOwned + Send + Sync + 'static,
+{
+    Box::pin(async move {
+        let bodies: Vec<C> = messages
+            .iter()
+            .filter(|message| message.message_type == C::TYPE)
+            .filter_map(|message| message.json().ok())
+            .collect();
+        if bodies.is_empty() {
+            return Ok(());
+        }
+        handler.lock_batch(&bodies, tx).await
+    })
+}
+
 impl<H: Send + Sync + 'static> Handler for Routes<H> {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
         match self.routes.iter().find(|(message_type, _)| *message_type == message.message_type) {
             Some((_, route)) => route(&self.handler, message, tx).await,
             None => Err(Unreadable::UnknownType(message.message_type.clone()).into()),
+        }
+    }
+
+    async fn lock_batch(&self, messages: &[&Incoming], tx: &mut PgConnection) -> Result<(), HandlerError> {
+        match self.batch_lock {
+            Some(lock) => lock(&self.handler, messages, tx).await,
+            None => Ok(()),
         }
     }
 
