@@ -218,11 +218,13 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Before the messages of a batch (decision 0008) are handled one by one in its transaction:
     /// take at once, in one consistent order, the row locks their handlers will take one message
-    /// at a time. Two batches in flight together (two instances of a consumer) then wait on each
-    /// other instead of each holding a row the other needs, a deadlock that would cost both a
-    /// second's wait (`deadlock_timeout`) and one of them a retry. `messages` are the batch's
-    /// members the inbox had not seen. The default takes nothing: right for a handler whose
-    /// messages lock rows no other message of the queue locks.
+    /// at a time. Of two batches in flight together (two instances of a consumer), one then waits
+    /// for the other, instead of each holding a row the other needs: a deadlock, which would cost
+    /// both a second's wait (`deadlock_timeout`) and one of them a retry. `messages` are the
+    /// batch's members the inbox had not seen. A message handled alone (a redelivery, a batch's
+    /// fallback, batching off) is not asked: its handler's own locks must come in the same order.
+    /// The default takes nothing: right for a handler whose messages lock rows no other message
+    /// of the queue locks.
     fn lock_batch(
         &self,
         messages: &[&Incoming],
