@@ -178,6 +178,42 @@ impl TestEnv {
         messaging::runtime::broker::connect_any(&nodes, 0, "test").await.expect("connect to test vhost").0
     }
 
+    /// Declare `endpoint`'s queues on this test's vhost as its consumer would (work queue, retry
+    /// tiers, parking, dead-letter intake), so that what is published before the consumer starts
+    /// waits for it.
+    pub async fn declare_endpoint(
+        &self,
+        endpoint: &messaging::topology::Endpoint,
+        policy: &messaging::topology::RetryPolicy,
+    ) {
+        let connection = self.amqp().await;
+        let channel = connection.create_channel().await.expect("channel");
+        messaging::topology::declare_endpoint(&channel, endpoint, policy).await.expect("declare");
+        let _ = connection.close(200, "bye".into()).await;
+    }
+
+    /// Consumer settings for a test on this test's broker: fast reconnects (20 ms to 200 ms), a
+    /// crash bound of 3, a 10 s handler timeout and a 14-day inbox retention.
+    pub fn consumer_settings(
+        &self,
+        endpoint: messaging::topology::Endpoint,
+        policy: messaging::topology::RetryPolicy,
+        prefetch: u16,
+        batch: messaging::consumer::Batching,
+    ) -> messaging::consumer::ConsumerSettings {
+        messaging::consumer::ConsumerSettings {
+            endpoint,
+            policy,
+            prefetch,
+            batch,
+            amqp_url: self.amqp_url().parse().expect("the test broker's URL"),
+            reconnect: messaging::runtime::backoff::Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
+            max_crashes: 3,
+            handler_timeout: Duration::from_secs(10),
+            inbox_retention: Duration::from_secs(14 * 86_400),
+        }
+    }
+
     /// Publish `body` as a message of contract `C` belonging to job `job_id`, `copies` times under
     /// one message id (as a relay that crashed between a confirm and its mark would), each copy
     /// confirmed. Returns the message id.

@@ -5,11 +5,11 @@
 use std::{sync::Arc, time::Duration};
 
 use messaging::{
-    consumer::{self, Batching, ConsumerSettings, Handler, HandlerError},
+    consumer::{self, Batching, Handler, HandlerError},
     contracts::Contract,
     envelope::Incoming,
-    runtime::{backoff::Backoff, health::Health, shutdown},
-    topology::{self, Endpoint, RetryPolicy},
+    runtime::{health::Health, shutdown},
+    topology::{Endpoint, RetryPolicy},
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -57,10 +57,7 @@ async fn a_batch_locks_what_its_unseen_messages_need_before_any_is_handled() {
     .expect("tables");
     let endpoint = Endpoint::new("test.locking").consume::<Item>();
     let policy = RetryPolicy::new(vec![Duration::from_millis(50)], 3);
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    topology::declare_endpoint(&channel, &endpoint, &policy).await.expect("declare");
-    let _ = connection.close(200, "bye".into()).await;
+    env.declare_endpoint(&endpoint, &policy).await;
 
     // Queued before the consumer starts, so that its first batch takes them all: three messages,
     // the first of them twice (as a relay that crashed between a confirm and its mark sends it).
@@ -69,17 +66,8 @@ async fn a_batch_locks_what_its_unseen_messages_need_before_any_is_handled() {
     let once = [env.publish(&Item { n: 2 }, job, 1).await, env.publish(&Item { n: 3 }, job, 1).await];
 
     let (trigger, stop) = shutdown::channel();
-    let settings = ConsumerSettings {
-        endpoint: endpoint.clone(),
-        policy,
-        prefetch: 16,
-        batch: Batching { max_size: 8, max_wait: Duration::from_millis(300) },
-        amqp_url: env.amqp_url().parse().expect("the test broker's URL"),
-        reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
-        max_crashes: 3,
-        handler_timeout: Duration::from_secs(10),
-        inbox_retention: Duration::from_secs(86_400),
-    };
+    let batch = Batching { max_size: 8, max_wait: Duration::from_millis(300) };
+    let settings = env.consumer_settings(endpoint, policy, 16, batch);
     let consumer = tokio::spawn(consumer::run(settings, Arc::new(Recording), pool.clone(), Health::default(), stop));
     eventually("every message to be handled", Duration::from_secs(30), || async {
         let handled: i64 = sqlx::query_scalar("select count(*) from handled").fetch_one(&pool).await.ok()?;

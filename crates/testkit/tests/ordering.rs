@@ -7,12 +7,12 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use clap::Parser;
 use messaging::{
-    consumer::{self, Batching, ConsumerSettings, Handler, HandlerError},
+    consumer::{self, Batching, Handler, HandlerError},
     contracts::Contract,
     envelope::Incoming,
     outbox::Outgoing,
-    runtime::{backoff::Backoff, health::Health, shutdown},
-    topology::{self, Endpoint, RetryPolicy},
+    runtime::{health::Health, shutdown},
+    topology::{Endpoint, RetryPolicy},
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
@@ -62,20 +62,6 @@ impl Handler for Apply {
     }
 }
 
-fn settings(env: &TestEnv, endpoint: &Endpoint, policy: &RetryPolicy, batch: Batching) -> ConsumerSettings {
-    ConsumerSettings {
-        endpoint: endpoint.clone(),
-        policy: policy.clone(),
-        prefetch: 16,
-        batch,
-        amqp_url: env.amqp_url().parse().expect("the test broker's URL"),
-        reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
-        max_crashes: 3,
-        handler_timeout: Duration::from_secs(10),
-        inbox_retention: Duration::from_secs(86_400),
-    }
-}
-
 /// A database with an `applied` table and the ordered endpoint's queues; the endpoint and its
 /// retry policy.
 async fn prepare(env: &TestEnv) -> (PgPool, Endpoint, RetryPolicy) {
@@ -88,10 +74,7 @@ async fn prepare(env: &TestEnv) -> (PgPool, Endpoint, RetryPolicy) {
     .expect("applied");
     let endpoint = Endpoint::new("test.ordered").consume::<Step>().ordered_by_key();
     let policy = RetryPolicy::new(vec![Duration::from_millis(50), Duration::from_millis(200)], 5);
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    topology::declare_endpoint(&channel, &endpoint, &policy).await.expect("declare");
-    let _ = connection.close(200, "bye".into()).await;
+    env.declare_endpoint(&endpoint, &policy).await;
     (pool, endpoint, policy)
 }
 
@@ -140,7 +123,7 @@ async fn each_key_is_applied_in_its_outbox_order_through_two_consumers_and_retri
     let health = Health::default();
     let batching = Batching { max_size: 8, max_wait: Duration::from_millis(20) };
     for batch in [batching, Batching::OFF] {
-        let settings = settings(&env, &endpoint, &policy, batch);
+        let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, batch);
         let consumer = consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop.clone());
         tasks.push(tokio::spawn(consumer));
     }
@@ -205,7 +188,7 @@ async fn a_parked_message_lets_its_key_go_on() {
     let (pool, endpoint, policy) = prepare(&env).await;
     let (trigger, stop) = shutdown::channel();
     let health = Health::default();
-    let settings = settings(&env, &endpoint, &policy, Batching::OFF);
+    let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
     let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
     for round in 1..=4 {
         let step = Step { key: "k".into(), round, flaky: false, poison: round == 2 };

@@ -12,12 +12,11 @@ use chrono::Utc;
 use common::count;
 use lapin::types::AMQPValue;
 use messaging::{
-    consumer::{self, ConsumerSettings, Handler, HandlerError},
+    consumer::{self, Batching, ConsumerSettings, Handler, HandlerError},
     contracts::{Contract, JobRetryScheduled},
     envelope::{self, Headers, Incoming},
     publisher::Publisher,
     runtime::{
-        backoff::Backoff,
         health::Health,
         shutdown::{self, ShutdownTrigger},
     },
@@ -75,10 +74,7 @@ fn endpoint(delivery_limit: u32) -> Endpoint {
 async fn prepare(env: &TestEnv, endpoint: &Endpoint, policy: &RetryPolicy) -> PgPool {
     let pool = env.messaging_pool("scripted").await;
     sqlx::query("create table effects (body text not null)").execute(&pool).await.expect("effects");
-    let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    topology::declare_endpoint(&channel, endpoint, policy).await.expect("declare");
-    let _ = connection.close(200, "bye".into()).await;
+    env.declare_endpoint(endpoint, policy).await;
     pool
 }
 
@@ -90,21 +86,6 @@ async fn publish(env: &TestEnv, bodies: &[&str], job_id: Option<Uuid>) {
         publisher.publish("orders", ENDPOINT, body.as_bytes(), properties).await.expect("confirmed");
     }
     let _ = connection.close(200, "bye".into()).await;
-}
-
-/// Consumer settings for a test: fast reconnects, the default crash bound and handler timeout.
-fn settings(env: &TestEnv, endpoint: Endpoint, policy: RetryPolicy, prefetch: u16) -> ConsumerSettings {
-    ConsumerSettings {
-        endpoint,
-        policy,
-        prefetch,
-        batch: messaging::consumer::Batching::OFF,
-        amqp_url: env.amqp_url().parse().expect("the test broker's URL"),
-        reconnect: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
-        max_crashes: 3,
-        handler_timeout: Duration::from_secs(10),
-        inbox_retention: Duration::from_secs(14 * 86_400),
-    }
 }
 
 fn start(
@@ -153,7 +134,8 @@ async fn poison_at_the_head_is_tried_max_attempts_times_then_parked_while_good_m
         "poison" => Err(HandlerError::Transient("boom: the database said no".into())),
         _ => Ok(()),
     });
-    let (trigger, task) = start(settings(&shop.env, endpoint.clone(), policy, 1), handler.clone(), pool.clone());
+    let (trigger, task) =
+        start(shop.env.consumer_settings(endpoint.clone(), policy, 1, Batching::OFF), handler.clone(), pool.clone());
 
     eventually("the poison message to be parked", WAIT, || async {
         (shop.env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
@@ -189,7 +171,8 @@ async fn transient_failures_retry_after_each_tier_delay_and_apply_once() {
     let handler = Scripted::new(|_, attempt| {
         if attempt <= 2 { Err(HandlerError::Transient(format!("flaky attempt {attempt}").into())) } else { Ok(()) }
     });
-    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool.clone());
+    let (trigger, task) =
+        start(env.consumer_settings(endpoint.clone(), policy, 4, Batching::OFF), handler.clone(), pool.clone());
     publish(&env, &["flaky"], None).await;
 
     eventually("the effect", WAIT, || async {
@@ -219,7 +202,8 @@ async fn a_handler_that_crashes_on_a_message_has_it_parked_by_the_crash_bound_an
     // A handler bug that takes the delivery's task down: never acked nor nacked by us; the
     // session ends, the channel closes, and the broker returns every unacked delivery.
     let handler = Scripted::new(|body, _| if body == "crash" { panic!("simulated crash") } else { Ok(()) });
-    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool.clone());
+    let (trigger, task) =
+        start(env.consumer_settings(endpoint.clone(), policy, 4, Batching::OFF), handler.clone(), pool.clone());
     publish(&env, &["crash", "a", "b", "c", "d", "e"], Some(Uuid::now_v7())).await;
 
     let parked = eventually("the crashing message to be parked", WAIT, || async {
@@ -250,7 +234,7 @@ async fn a_handler_that_hangs_is_abandoned_at_the_timeout_and_parked_after_its_a
     let endpoint = endpoint(topology::DEFAULT_DELIVERY_LIMIT);
     let pool = prepare(&env, &endpoint, &policy).await;
     let handler = Scripted::new(|_, _| Ok(()));
-    let mut settings = settings(&env, endpoint.clone(), policy, 1);
+    let mut settings = env.consumer_settings(endpoint.clone(), policy, 1, Batching::OFF);
     settings.handler_timeout = Duration::from_millis(300);
     let (trigger, task) = start(settings, handler.clone(), pool.clone());
     publish(&env, &["hang", "after"], Some(Uuid::now_v7())).await;
@@ -286,7 +270,8 @@ async fn wait_queue_and_parked_copies_carry_no_broker_header() {
         ("park", 2..) => Err(HandlerError::Permanent("for good".into())),
         _ => Err(HandlerError::Transient("not yet".into())),
     });
-    let (trigger, task) = start(settings(&env, endpoint.clone(), policy, 4), handler.clone(), pool);
+    let (trigger, task) =
+        start(env.consumer_settings(endpoint.clone(), policy, 4, Batching::OFF), handler.clone(), pool);
     publish(&env, &["wait", "park"], None).await;
 
     let long_wait = endpoint.wait_queue(Duration::from_secs(600));
