@@ -44,6 +44,9 @@ struct PhaseCost {
     cpu: Cpu,
     /// Transactions committed in the three databases, per order.
     commits: f64,
+    /// Deadlocks Postgres broke in the three databases over the phase: each failed a batch (or a
+    /// relay's mark), which was then applied again.
+    deadlocks: i64,
     /// Wake-ups per order ([`stages::wake_ups`]) of each service process, then of every Postgres
     /// and every RabbitMQ process together.
     wake_ups: Vec<(String, f64)>,
@@ -79,6 +82,8 @@ impl PhaseCost {
         }
         let note = "transactions committed in the three databases, per order";
         report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
+        let note = "deadlocks Postgres broke in the three databases over the phase";
+        report.figure("cpu", &format!("{label}: deadlocks"), self.deadlocks as f64, "", note);
         let note = "share of the machine's CPU time in use over the phase";
         report.figure("cpu", &format!("{label}: machine busy"), self.busy * 100.0, "%", note);
         report.figure("cpu", &format!("{label}: all of the above"), self.cpu.total() * 1e6, "us/ord", "");
@@ -96,8 +101,8 @@ struct Meter {
     /// Each process's lapin I/O threads' wake-ups at the start.
     io_wake_ups: Vec<u64>,
     window: Usage,
-    /// Commits in the three databases at the start.
-    commits: i64,
+    /// Commits and deadlocks in the three databases at the start.
+    counts: stages::DatabaseCounts,
 }
 
 impl Meter {
@@ -121,11 +126,12 @@ impl Meter {
             .zip(&self.io_wake_ups)
             .map(|(now, was)| now.saturating_sub(*was) as f64 / n)
             .collect();
-        let commits = stages::commits(&bench.orders, &bench.databases()).await - self.commits;
+        let counts = stages::database_counts(&bench.orders, &bench.databases()).await;
         PhaseCost {
             services,
             cpu: used.cpu.per(n),
-            commits: commits as f64 / n,
+            commits: (counts.commits - self.counts.commits) as f64 / n,
+            deadlocks: counts.deadlocks - self.counts.deadlocks,
             wake_ups,
             io_wake_ups,
             busy: used.busy,
@@ -328,13 +334,13 @@ impl Bench {
     /// Start measuring what a phase costs `processes` and the servers.
     async fn meter(&self, processes: &[Process]) -> Meter {
         let pids: Vec<(String, u32)> = processes.iter().filter_map(|p| Some((p.name().to_owned(), p.pid()?))).collect();
-        let commits = stages::commits(&self.orders, &self.databases()).await;
-        // After `commits`, which waits for the statistics to settle.
+        let counts = stages::database_counts(&self.orders, &self.databases()).await;
+        // After `database_counts`, which waits for the statistics to settle.
         let each = pids.iter().map(|(_, pid)| stages::cpu_seconds(*pid)).collect();
         let wake_ups = wake_ups(&pids).into_iter().map(|(_, count)| count).collect();
         let io_wake_ups = io_wake_ups(&pids);
         let window = Usage::start(&pids.iter().map(|(_, pid)| *pid).collect::<Vec<_>>());
-        Meter { pids, each, wake_ups, io_wake_ups, window, commits }
+        Meter { pids, each, wake_ups, io_wake_ups, window, counts }
     }
 
     /// The names of the three services' databases.

@@ -167,8 +167,24 @@ async fn main() {
     bench.finish(json_path);
 }
 
+/// The logs in `dir` with a line at level WARN or ERROR, and how many such lines each has.
+fn troubled_logs(dir: &std::path::Path) -> Vec<(String, usize)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut troubled: Vec<(String, usize)> = entries
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let text = std::fs::read_to_string(entry.path()).ok()?;
+            let lines = text.lines().filter(|line| line.contains(" WARN ") || line.contains(" ERROR ")).count();
+            (lines > 0).then(|| (entry.file_name().to_string_lossy().into_owned(), lines))
+        })
+        .collect();
+    troubled.sort();
+    troubled
+}
+
 impl Bench {
-    /// Print the report, write its JSON to `json_path` if given, and remove the services' logs.
+    /// Print the report, write its JSON to `json_path` if given, and remove the services' logs,
+    /// unless one holds a warning or an error: those are kept, and named.
     fn finish(&self, json_path: Option<std::path::PathBuf>) {
         self.report.print();
         let json = self.report.json();
@@ -176,7 +192,15 @@ impl Bench {
         if let Some(path) = json_path {
             std::fs::write(path, serde_json::to_string_pretty(&json).expect("json")).expect("write json");
         }
-        let _ = std::fs::remove_dir_all(&self.log_dir);
+        let troubled = troubled_logs(&self.log_dir);
+        if troubled.is_empty() {
+            let _ = std::fs::remove_dir_all(&self.log_dir);
+            return;
+        }
+        println!("bench: logs with warnings or errors, kept in {}:", self.log_dir.display());
+        for (log, lines) in troubled {
+            println!("bench:   {log}: {lines} lines");
+        }
     }
 
     /// Private databases (orders and inventory migrated, the hot SKUs restocked) and the worker's

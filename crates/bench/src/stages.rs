@@ -576,14 +576,27 @@ fn machine_ticks() -> (u64, u64) {
     (busy, busy + at(3) + at(4))
 }
 
-/// Transactions committed so far in `databases` (`pg_stat_database`, as of the statistics'
-/// last flush: read after a phase has settled).
-pub async fn commits(pool: &PgPool, databases: &[String]) -> i64 {
+/// What `pg_stat_database` has counted so far in some databases.
+#[derive(Debug, Clone, Copy)]
+pub struct DatabaseCounts {
+    /// Transactions committed.
+    pub commits: i64,
+    /// Deadlocks detected: each broken by failing one of its transactions.
+    pub deadlocks: i64,
+}
+
+/// What `pg_stat_database` has counted so far in `databases`, as of the statistics' last flush:
+/// read after a phase has settled.
+pub async fn database_counts(pool: &PgPool, databases: &[String]) -> DatabaseCounts {
     // Statistics reach the shared view within a second of a backend going idle.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    sqlx::query_scalar("select coalesce(sum(xact_commit), 0)::int8 from pg_stat_database where datname = any($1)")
-        .bind(databases)
-        .fetch_one(pool)
-        .await
-        .expect("pg_stat_database")
+    let (commits, deadlocks) = sqlx::query_as(
+        "select coalesce(sum(xact_commit), 0)::int8, coalesce(sum(deadlocks), 0)::int8
+           from pg_stat_database where datname = any($1)",
+    )
+    .bind(databases)
+    .fetch_one(pool)
+    .await
+    .expect("pg_stat_database");
+    DatabaseCounts { commits, deadlocks }
 }
