@@ -218,8 +218,8 @@ fn jobs_lock<'a, H: LockJobs>(handler: &'a H, jobs: &'a [Uuid], tx: &'a mut PgCo
     Box::pin(handler.lock_jobs(jobs, tx))
 }
 
-/// [`BatchLock::Contract`] of contract `C`. A member that is of another type, or whose body does not parse,
-/// locks nothing here: its own handling routes or parks it.
+/// [`BatchLock::Contract`] of contract `C`. A member that is of another type, or whose body does
+/// not parse, locks nothing here: its own handling routes or parks it.
 fn batch_lock<'a, H, C>(handler: &'a H, messages: &'a [&'a Incoming], tx: &'a mut PgConnection) -> Done<'a>
 where
     H: LockBatch<C>,
