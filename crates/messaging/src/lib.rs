@@ -43,7 +43,7 @@ pub mod topology;
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        consumer::{Context, Handle, Handler, HandlerError, LockBatch, LockJobs, Reason, Routes},
+        consumer::{Context, Handle, Handler, HandlerError, LockBatch, Reason, Routes},
         contracts::Contract,
         envelope::Incoming,
         outbox,

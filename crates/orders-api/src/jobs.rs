@@ -184,22 +184,6 @@ async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> 
     Ok(locked.is_some())
 }
 
-/// Lock the rows of `job_ids` in id order until the transaction ends: a batch's jobs, before any
-/// of its events is applied ([`crate::status`]). One job's events can arrive in two batches applied
-/// together by two instances; each batch then takes its jobs in one order, and one waits for the
-/// other instead of deadlocking. A batch moves only the orders of the jobs it has locked, so the
-/// orders' rows need no lock of their own; and every move of a job takes its row before its
-/// order's (where both are in one statement, the order's is a `WITH` that Postgres runs after the
-/// statement's main UPDATE), so an event applied alone waits at the job, too. The relay's marking
-/// trigger locks in the same order (migration 0010).
-pub async fn lock_all(tx: &mut PgConnection, job_ids: &[Uuid]) -> Result<(), sqlx::Error> {
-    sqlx::query("select 1 from jobs where id = any($1) order by id for update")
-        .bind(job_ids)
-        .execute(tx)
-        .await
-        .map(drop)
-}
-
 /// When a job that has just ended was created, for its duration; `None` if nothing moved.
 pub type Ended = Option<DateTime<Utc>>;
 

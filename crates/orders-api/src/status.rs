@@ -1,11 +1,9 @@
 //! The orders status consumer (endpoint `orders.status`): moves jobs and orders along as the other
 //! services report. Updates are monotonic: a terminal state (succeeded, rejected, quarantined)
 //! never changes again and attempt numbers only grow, so late or reordered events are harmless.
-//! A batch locks its jobs first, in id order ([`jobs::lock_all`]), so that two instances' batches
-//! that share jobs wait for each other instead of deadlocking.
 
 use messaging::{
-    consumer::{Context, Handle, HandlerError, LockJobs, Routes},
+    consumer::{Context, Handle, HandlerError, Routes},
     contracts::{JOBS_EXCHANGE, JobQuarantined, JobRedriven, JobRetryScheduled},
     topology::Endpoint,
 };
@@ -15,7 +13,6 @@ use std::sync::Arc;
 use chrono::Utc;
 use messaging::runtime::metrics::Metrics;
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use crate::{
     jobs::{self, JobState, OrderMove},
@@ -46,7 +43,6 @@ pub fn handler(status: JobStatus) -> Routes<JobStatus> {
         .on::<JobRetryScheduled>()
         .on::<JobQuarantined>()
         .on::<JobRedriven>()
-        .lock_jobs()
 }
 
 /// The handler: one `Handle` per contract.
@@ -63,13 +59,6 @@ impl JobStatus {
             let seconds = (Utc::now() - created_at).to_std().unwrap_or_default().as_secs_f64();
             self.metrics.job_ended(state.as_str(), seconds);
         }
-    }
-}
-
-impl LockJobs for JobStatus {
-    async fn lock_jobs(&self, job_ids: &[Uuid], tx: &mut PgConnection) -> Result<(), HandlerError> {
-        jobs::lock_all(tx, job_ids).await?;
-        Ok(())
     }
 }
 

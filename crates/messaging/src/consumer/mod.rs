@@ -44,7 +44,7 @@ mod session;
 mod settle;
 mod typed;
 
-pub use typed::{Context, Handle, LockBatch, LockJobs, Routes};
+pub use typed::{Context, Handle, LockBatch, Routes};
 
 use std::{future::Future, sync::Arc, time::Duration};
 

@@ -55,37 +55,13 @@ pub trait LockBatch<C>: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }
 
-/// Take the locks of the jobs a batch's messages belong to before any of it is handled
-/// ([`Handler::lock_batch`]), whatever their contracts: a handler that moves the job each of its
-/// messages names (a status consumer, where one job's events arrive in two batches) locks them all
-/// here, in one statement, in job-id order.
-pub trait LockJobs: Send + Sync + 'static {
-    /// Lock `jobs`, the jobs of the batch's unseen members ([`Context::job_id`]), in id order.
-    fn lock_jobs(&self, jobs: &[Uuid], tx: &mut PgConnection) -> impl Future<Output = Result<(), HandlerError>> + Send;
-}
+/// One contract's route: decode the body as that contract, and call its [`Handle`].
+type Route<H> = for<'a> fn(&'a H, &'a Incoming, &'a mut PgConnection) -> BoxFuture<'a, Result<(), HandlerError>>;
 
-/// One contract's route: its type, how to handle it, and how to find its job.
-struct Route<H> {
-    message_type: &'static str,
-    /// Decode the body as the contract, and call its [`Handle`].
-    handle: HandleFn<H>,
-    /// The job the message belongs to ([`Context::job_id`]).
-    job: fn(&Incoming) -> Option<Uuid>,
-}
-
-/// What a route or a batch lock returns.
-type Done<'a> = BoxFuture<'a, Result<(), HandlerError>>;
-type HandleFn<H> = for<'a> fn(&'a H, &'a Incoming, &'a mut PgConnection) -> Done<'a>;
-type ContractLock<H> = for<'a> fn(&'a H, &'a [&'a Incoming], &'a mut PgConnection) -> Done<'a>;
-type JobsLock<H> = for<'a> fn(&'a H, &'a [Uuid], &'a mut PgConnection) -> Done<'a>;
-
-/// What a batch locks before it is handled.
-enum BatchLock<H> {
-    /// One contract's members, decoded, to its [`LockBatch`].
-    Contract(ContractLock<H>),
-    /// Every member's job, to [`LockJobs`].
-    Jobs(JobsLock<H>),
-}
+/// One contract's batch lock: decode the batch's members of that contract, and call its
+/// [`LockBatch`].
+type BatchLock<H> =
+    for<'a> fn(&'a H, &'a [&'a Incoming], &'a mut PgConnection) -> BoxFuture<'a, Result<(), HandlerError>>;
 
 /// A handler made of typed ones: one [`Handle<C>`] implementation per contract, registered with
 /// [`Routes::on`]. It is the [`Handler`] a consumer runs.
@@ -109,13 +85,13 @@ enum BatchLock<H> {
 /// ```
 pub struct Routes<H> {
     handler: H,
-    routes: Vec<Route<H>>,
+    routes: Vec<(&'static str, Route<H>)>,
     batch_lock: Option<BatchLock<H>>,
 }
 
 impl<H> std::fmt::Debug for Routes<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let types: Vec<&str> = self.routes.iter().map(|route| route.message_type).collect();
+        let types: Vec<&str> = self.routes.iter().map(|(message_type, _)| *message_type).collect();
         f.debug_struct("Routes").field("types", &types).finish_non_exhaustive()
     }
 }
@@ -133,37 +109,25 @@ impl<H: Send + Sync + 'static> Routes<H> {
         C: Contract + DeserializeOwned + Send + 'static,
     {
         debug_assert!(self.types().all(|known| known != C::TYPE), "two routes for {}", C::TYPE);
-        self.routes.push(Route { message_type: C::TYPE, handle: route::<H, C>, job: job_of::<C> });
+        self.routes.push((C::TYPE, route::<H, C>));
         self
     }
 
     /// Before a batch is handled, lock what its messages of contract `C` will update, with `H`'s
-    /// [`LockBatch<C>`]. One batch lock per handler, of one contract: the locks of two would be
-    /// taken in two orders.
+    /// [`LockBatch<C>`]. One contract per handler: the locks of two would be taken in two orders.
     pub fn lock_batches<C>(mut self) -> Self
     where
         H: LockBatch<C>,
         C: Contract + DeserializeOwned + Send + Sync + 'static,
     {
         debug_assert!(self.batch_lock.is_none(), "a second batch lock, for {}", C::TYPE);
-        self.batch_lock = Some(BatchLock::Contract(batch_lock::<H, C>));
-        self
-    }
-
-    /// Before a batch is handled, lock the jobs its messages belong to, whatever their contracts,
-    /// with `H`'s [`LockJobs`]. One batch lock per handler: in place of [`Self::lock_batches`].
-    pub fn lock_jobs(mut self) -> Self
-    where
-        H: LockJobs,
-    {
-        debug_assert!(self.batch_lock.is_none(), "a second batch lock, of jobs");
-        self.batch_lock = Some(BatchLock::Jobs(jobs_lock::<H>));
+        self.batch_lock = Some(batch_lock::<H, C>);
         self
     }
 
     /// The types it routes, in the order they were added.
     pub fn types(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.routes.iter().map(|route| route.message_type)
+        self.routes.iter().map(|(message_type, _)| *message_type)
     }
 
     /// Whether it routes exactly what `endpoint` accepts: a type accepted and not routed would be
@@ -186,15 +150,14 @@ impl<H: Send + Sync + 'static> Routes<H> {
     pub fn handler(&self) -> &H {
         &self.handler
     }
-
-    /// The route of `message`'s type.
-    fn route_of(&self, message: &Incoming) -> Option<&Route<H>> {
-        self.routes.iter().find(|route| route.message_type == message.message_type)
-    }
 }
 
 /// [`Route`] of contract `C`.
-fn route<'a, H, C>(handler: &'a H, message: &'a Incoming, tx: &'a mut PgConnection) -> Done<'a>
+fn route<'a, H, C>(
+    handler: &'a H,
+    message: &'a Incoming,
+    tx: &'a mut PgConnection,
+) -> BoxFuture<'a, Result<(), HandlerError>>
 where
     H: Handle<C>,
     C: Contract + DeserializeOwned + Send + 'static,
@@ -207,20 +170,13 @@ where
     })
 }
 
-/// The job of a message of contract `C`: its correlation id, or, without one, the job its body
-/// names, as [`route`] gives it in the [`Context`].
-fn job_of<C: Contract + DeserializeOwned>(message: &Incoming) -> Option<Uuid> {
-    message.correlation_id.or_else(|| message.json::<C>().ok()?.job())
-}
-
-/// [`BatchLock::Jobs`] for `H`.
-fn jobs_lock<'a, H: LockJobs>(handler: &'a H, jobs: &'a [Uuid], tx: &'a mut PgConnection) -> Done<'a> {
-    Box::pin(handler.lock_jobs(jobs, tx))
-}
-
-/// [`BatchLock::Contract`] of contract `C`. A member that is of another type, or whose body does
-/// not parse, locks nothing here: its own handling routes or parks it.
-fn batch_lock<'a, H, C>(handler: &'a H, messages: &'a [&'a Incoming], tx: &'a mut PgConnection) -> Done<'a>
+/// [`BatchLock`] of contract `C`. A member that is of another type, or whose body does not parse,
+/// locks nothing here: its own handling routes or parks it.
+fn batch_lock<'a, H, C>(
+    handler: &'a H,
+    messages: &'a [&'a Incoming],
+    tx: &'a mut PgConnection,
+) -> BoxFuture<'a, Result<(), HandlerError>>
 where
     H: LockBatch<C>,
     C: Contract + DeserializeOwned + Send + Sync + 'static,
@@ -240,27 +196,15 @@ where
 
 impl<H: Send + Sync + 'static> Handler for Routes<H> {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        match self.route_of(message) {
-            Some(route) => (route.handle)(&self.handler, message, tx).await,
+        match self.routes.iter().find(|(message_type, _)| *message_type == message.message_type) {
+            Some((_, route)) => route(&self.handler, message, tx).await,
             None => Err(Unreadable::UnknownType(message.message_type.clone()).into()),
         }
     }
 
     async fn lock_batch(&self, messages: &[&Incoming], tx: &mut PgConnection) -> Result<(), HandlerError> {
         match self.batch_lock {
-            Some(BatchLock::Contract(lock)) => lock(&self.handler, messages, tx).await,
-            Some(BatchLock::Jobs(lock)) => {
-                // A member with no route or no job locks nothing here: its own handling parks it,
-                // or it has no job to move.
-                let jobs: Vec<Uuid> = messages
-                    .iter()
-                    .filter_map(|message| self.route_of(message).and_then(|route| (route.job)(message)))
-                    .collect();
-                if jobs.is_empty() {
-                    return Ok(());
-                }
-                lock(&self.handler, &jobs, tx).await
-            }
+            Some(lock) => lock(&self.handler, messages, tx).await,
             None => Ok(()),
         }
     }
