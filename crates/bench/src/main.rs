@@ -629,3 +629,30 @@ impl Bench {
         report.below("peak RSS MiB, largest service < 64", end_to_end.peak_rss, 64.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::troubled_logs;
+
+    #[test]
+    fn a_log_is_troubled_by_what_its_service_writes_while_it_runs_not_by_its_stop() {
+        let dir = std::env::temp_dir().join(format!("bench-logs-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let stopped = "\
+            2026-12-03T08:28:12Z  INFO messaging::runtime::health: ready what=\"relay\"\n\
+            2026-12-03T08:28:13Z  INFO messaging::runtime::shutdown: shutdown signal received\n\
+            2026-12-03T08:28:13Z  WARN relay: messaging::runtime::health: not ready what=\"relay\"\n";
+        std::fs::write(dir.join("quiet.log"), stopped).expect("write");
+        // Its second run, in the same log: a warning once it is ready again counts, and an error
+        // before its first stop too.
+        let troubled = format!(
+            "2026-12-03T08:28:10Z ERROR relay: the broker refused\n{stopped}\
+             2026-12-03T08:29:00Z  INFO messaging::runtime::health: ready what=\"relay\"\n\
+             2026-12-03T08:29:01Z  WARN sqlx::query: slow statement\n{stopped}"
+        );
+        std::fs::write(dir.join("relay.log"), troubled).expect("write");
+
+        assert_eq!(troubled_logs(&dir), [("relay.log".to_owned(), 2)]);
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+}
