@@ -44,8 +44,8 @@ struct PhaseCost {
     cpu: Cpu,
     /// Transactions committed in the three databases, per order.
     commits: f64,
-    /// Deadlocks Postgres broke in the three databases over the phase: each failed a batch (or a
-    /// relay's mark), which was then applied again.
+    /// Deadlocks Postgres broke in the three databases over the phase: each failed one
+    /// transaction (a batch, one message's, a relay's mark), which was then tried again.
     deadlocks: i64,
     /// Wake-ups per order ([`stages::wake_ups`]) of each service process, then of every Postgres
     /// and every RabbitMQ process together.
