@@ -169,6 +169,16 @@ fn report_wake_up_fit(report: &mut Report, phases: &[(f64, f64)]) {
     report.figure("wake-ups", "share of CPU per order the fit explains", (1.0 - residual / total) * 100.0, "%", "R²");
 }
 
+/// The CPU a paced load asks for each second, as a share of what the sustained phase used:
+/// `load` (its share of the sustained rate) × its CPU per order / the sustained phase's. Over 1,
+/// it asks for more than the machine gave the sustained phase, so a backlog has to grow until
+/// batches are nearly as full as there, and the latency grows with the phase's length rather than
+/// with any one hop. It then understates: the backlog's fuller batches have already lowered the
+/// phase's CPU per order.
+fn cpu_demand(load: f64, cpu_per_order: f64, sustained_cpu_per_order: f64) -> f64 {
+    load * cpu_per_order / sustained_cpu_per_order
+}
+
 /// The database name at the end of a Postgres URL.
 fn db_name(url: &str) -> String {
     url.rsplit('/').next().unwrap_or_default().to_owned()
@@ -230,7 +240,8 @@ impl Bench {
 
         let mut p99 = Vec::new();
         for load in LOADS {
-            let (at, cost) = self.latency_at(load, hot, &api_addr, &billing, &processes).await;
+            let sustained = (hot, cpu_hot.cpu.total());
+            let (at, cost) = self.latency_at(load, sustained, &api_addr, &billing, &processes).await;
             p99.push((load, at));
             phases.push(cost.point());
         }
@@ -349,13 +360,14 @@ impl Bench {
     }
 
     /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes: the p99, ms, and
-    /// what an order cost meanwhile, which is also reported with how busy the machine was. Batches
-    /// are smaller when orders arrive paced than in a backlog, so an order may cost more than in
-    /// the sustained phase.
+    /// what an order cost meanwhile, which is also reported with how busy the machine was and
+    /// with the CPU the load demanded ([`cpu_demand`]). Batches are smaller when orders arrive
+    /// paced than in a backlog, so an order may cost more than in the sustained phase.
+    /// `sustained` is that phase's rate, orders/s, and its CPU seconds per order.
     async fn latency_at(
         &mut self,
         load: f64,
-        sustained: f64,
+        (sustained, sustained_cpu): (f64, f64),
         api_addr: &str,
         billing: &PgPool,
         processes: &[Process],
@@ -376,6 +388,8 @@ impl Bench {
         report.figure("e2e", &format!("POST -> succeeded p99 {at}"), p99, "ms", &note);
         let note = format!("{}; machine {:.0} % busy", cost.cpu.split("services"), cost.busy * 100.0);
         report.figure("e2e", &format!("  CPU per order {at}"), cost.cpu.total() * 1e6, "us/ord", &note);
+        let demand = cpu_demand(load, cost.cpu.total(), sustained_cpu) * 100.0;
+        report.figure("e2e", &format!("  CPU demanded {at}"), demand, "%", "of what the sustained phase used");
         cost.report(report, &at);
         // Where that time goes: p50 and p99 from the send to each step before it.
         for (step, latencies) in steps {
