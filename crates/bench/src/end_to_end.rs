@@ -19,7 +19,7 @@ use crate::{
     stages::{self, Cpu, Usage, percentiles, start_as, stop},
 };
 
-/// The shares of the sustained rate latency is measured at.
+/// The shares of the sustained rate latency is measured at, unless `--loads` says otherwise.
 pub(super) const LOADS: [f64; 3] = [0.25, 0.5, 0.9];
 
 /// What the end-to-end section measured that the targets check.
@@ -28,7 +28,7 @@ pub(super) struct EndToEnd {
     pub(super) cpu: Cpu,
     /// CPU seconds per order at the baseline (one message per transaction).
     pub(super) cpu_unbatched: Cpu,
-    /// POST -> succeeded p99 at each share of the sustained rate in [`LOADS`], ms.
+    /// POST -> succeeded p99 at each share of the sustained rate measured ([`LOADS`]), ms.
     pub(super) p99: Vec<(f64, f64)>,
     /// Commit -> publish p50 and p99, ms.
     pub(super) commit_to_publish: (f64, f64),
@@ -239,7 +239,7 @@ impl Bench {
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
         let mut p99 = Vec::new();
-        for load in LOADS {
+        for load in self.args.loads.clone().unwrap_or_else(|| LOADS.to_vec()) {
             let sustained = (hot, cpu_hot.cpu.total());
             let (at, cost) = self.latency_at(load, sustained, &api_addr, &billing, &processes).await;
             p99.push((load, at));

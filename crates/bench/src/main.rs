@@ -67,6 +67,11 @@ struct Args {
     /// repeatable.
     #[arg(long = "service-var", value_name = "NAME=VALUE", value_parser = name_value)]
     service_vars: Vec<(String, String)>,
+    /// The shares of the sustained rate to measure latency at, instead of 0.25,0.5,0.9 (e.g.
+    /// `0.1,0.15`): to find the paced rate whose load demands a given share of the CPU. Only with
+    /// `--end-to-end-only`, which checks no targets.
+    #[arg(long, value_delimiter = ',', value_parser = share, requires = "end_to_end_only")]
+    loads: Option<Vec<f64>>,
     /// Also write the JSON summary to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -87,6 +92,14 @@ fn report_usage(report: &mut Report, section: &'static str, who: &str, used: &st
 fn name_value(s: &str) -> Result<(String, String), String> {
     let (name, value) = s.split_once('=').ok_or_else(|| format!("`{s}` is not NAME=VALUE"))?;
     Ok((name.to_owned(), value.to_owned()))
+}
+
+/// A share of the sustained rate: a number above 0 (above 1 offers more than it).
+fn share(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(share) if share.is_finite() && share > 0.0 => Ok(share),
+        _ => Err(format!("`{s}` is not a share of the sustained rate above 0, such as 0.25")),
+    }
 }
 /// SKUs of the wide catalog.
 const WIDE_CATALOG: usize = 1_000;
@@ -632,7 +645,20 @@ impl Bench {
 
 #[cfg(test)]
 mod tests {
-    use super::troubled_logs;
+    use super::{Args, troubled_logs};
+    use clap::Parser;
+
+    #[test]
+    fn loads_are_shares_above_zero_and_only_for_an_end_to_end_run() {
+        let args = Args::try_parse_from(["bench", "--end-to-end-only", "--loads", "0.1,0.15"]).expect("loads");
+        assert_eq!(args.loads, Some(vec![0.1, 0.15]));
+        assert_eq!(Args::try_parse_from(["bench"]).expect("defaults").loads, None);
+        // A full run checks the latency targets at 50 and 90 %: it keeps them.
+        assert!(Args::try_parse_from(["bench", "--loads", "0.1"]).is_err());
+        for bad in ["0", "-0.5", "half", "0.25,", "NaN"] {
+            assert!(Args::try_parse_from(["bench", "--end-to-end-only", "--loads", bad]).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_log_is_troubled_by_what_its_service_writes_while_it_runs_not_by_its_stop() {
