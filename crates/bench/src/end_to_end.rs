@@ -239,8 +239,8 @@ impl Bench {
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
         let mut p99 = Vec::new();
+        let sustained = (hot, cpu_hot.cpu.total());
         for load in self.args.loads.clone().unwrap_or_else(|| LOADS.to_vec()) {
-            let sustained = (hot, cpu_hot.cpu.total());
             let (at, cost) = self.latency_at(load, sustained, &api_addr, &billing, &processes).await;
             p99.push((load, at));
             phases.push(cost.point());
