@@ -1,8 +1,8 @@
 //! Batched consumer transactions (`BATCH_SIZE` above 1, decision 0008) with the real binaries:
 //! a failure inside a batch changes no message's outcome and applies nothing twice; a worker killed
 //! inside a batch, before its commit, applies each message once after; a batch committed but
-//! not acked when its worker dies is skipped whole on redelivery; and two copies of one message
-//! in one batch are applied once.
+//! not acked when its worker dies is skipped whole on redelivery (however many it held); and two
+//! copies of one message in one batch are applied once.
 //!
 //! Each test stops the inventory worker, places its orders (they wait in its queue) and starts it
 //! again: with `BATCH_WAIT` its first batch holds them all.
@@ -78,14 +78,19 @@ async fn a_batch_committed_but_not_acked_when_its_worker_dies_is_skipped_whole_o
     let point = failpoint::WORKER_AFTER_COMMIT;
     queued_for_inventory(&mut shop, &orders, &[("FAILPOINTS", point)]).await;
     shop.wait_for_failpoint(Service::Inventory, point, 1).await;
+    // The batch is committed, not acked: its members are the inbox's rows. `BATCH_WAIT` lets it
+    // take all five, but on a loaded machine the last delivery can miss the wait (CI saw 4 of 5).
+    let committed: i64 =
+        sqlx::query_scalar("select count(*) from inbox").fetch_one(&shop.inventory).await.expect("inbox rows");
+    assert!(committed >= 2, "a batch, not one message: {committed} committed");
+    let committed = u64::try_from(committed).expect("a count");
     shop.kill(Service::Inventory).await;
     shop.restart(Service::Inventory).await;
 
     shop.assert_books_balance().await;
-    // All five were committed together and none acked: all five came back, and the inbox
-    // skipped each.
-    assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, 5);
-    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, 5);
+    // None of the batch was acked: every member came back, and the inbox skipped each.
+    assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, committed);
+    assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, committed);
 }
 
 #[tokio::test]
