@@ -31,13 +31,28 @@ use crate::{
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
-/// The API's routes: reads on `pool`, orders written by `writers`.
-pub fn router(pool: PgPool, writers: Writers) -> Router {
+/// What the API refuses beyond an invalid request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest `order.placed` body an order may make (`MAX_MESSAGE_BYTES`). The broker refuses
+    /// a message over its `max_message_size` (16 MiB by default on 4.x), and an order whose message
+    /// it refuses could never proceed: it is refused here, with 413, before anything is written.
+    pub max_message_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_message_bytes: 1024 * 1024 }
+    }
+}
+
+/// The API's routes: reads on `pool`, orders written by `writers`, within `limits`.
+pub fn router(pool: PgPool, writers: Writers, limits: Limits) -> Router {
     Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{order_id}", get(get_order))
         .route("/jobs/{job_id}", get(get_job))
-        .with_state(ApiState { pool, writers })
+        .with_state(ApiState { pool, writers, limits })
 }
 
 /// What the handlers share.
@@ -45,6 +60,7 @@ pub fn router(pool: PgPool, writers: Writers) -> Router {
 pub(crate) struct ApiState {
     pool: PgPool,
     writers: Writers,
+    limits: Limits,
 }
 
 impl FromRef<ApiState> for PgPool {
@@ -138,7 +154,7 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
         (status = 202, description = "Accepted: poll the job.", body = Accepted,
          headers(("Location" = String, description = "`/jobs/{jobId}`"))),
         (status = 400, description = "Malformed or invalid input: nothing was written.", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body over 64 KiB: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over 64 KiB, or an order whose message would be over `MAX_MESSAGE_BYTES`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Not `application/json`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "The Idempotency-Key was used with another body.", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
@@ -146,12 +162,18 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
     )
 )]
 pub(crate) async fn place_order(
-    State(ApiState { pool, writers }): State<ApiState>,
+    State(ApiState { pool, writers, limits }): State<ApiState>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let request = read_json::<PlaceOrder>(&headers, body).await?;
     let order = request.parse()?;
+    // Its ids do not change its size: every UUID is written with the same length.
+    let placeholder = Accepted { job_id: Uuid::nil(), order_id: Uuid::nil() };
+    let message_bytes = serde_json::to_vec(&order.placed(&placeholder)).map_err(ApiError::internal)?.len();
+    if message_bytes > limits.max_message_bytes {
+        return Err(ApiError::MessageTooLarge { size: message_bytes, limit: limits.max_message_bytes });
+    }
     let claim = match idempotency_key(&headers)? {
         // The request as parsed, to tell a retry (the same body) from another use of the key.
         Some(key) => Some(Claim { key, request: serde_json::to_value(&request).map_err(ApiError::internal)? }),

@@ -69,6 +69,11 @@ pub struct Config {
     /// while it writes.
     #[arg(long, env = "ORDER_WRITERS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub order_writers: u16,
+    /// The largest `order.placed` body, in bytes: a larger order is refused with 413 before
+    /// anything is written. Keep it under the broker's `max_message_size` (16 MiB by default on
+    /// RabbitMQ 4.x), which would refuse the message for good.
+    #[arg(long, env = "MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u32).range(256..))]
+    pub max_message_bytes: u32,
     /// The other services' /metrics, comma-separated, for the live page's per-endpoint counts and
     /// outbox backlogs (this service's own are always included).
     #[arg(long, env = "SHOP_METRICS_URLS", value_delimiter = ',')]
@@ -84,8 +89,14 @@ pub struct Config {
 
 /// The whole HTTP surface: API routes, the live page (unless `page` is `None`), health routes,
 /// problem+json 404s, tracing and failure logs.
-pub fn app(pool: PgPool, writers: writer::Writers, health: Health, page: Option<overview::Sources>) -> Router {
-    let api = api::router(pool, writers);
+pub fn app(
+    pool: PgPool,
+    writers: writer::Writers,
+    limits: api::Limits,
+    health: Health,
+    page: Option<overview::Sources>,
+) -> Router {
+    let api = api::router(pool, writers, limits);
     let api = match page {
         Some(page) => api.merge(overview::routes(page)),
         None => api,
@@ -135,7 +146,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         )
     });
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
-    let served = service.routes(app(pool.clone(), writers, health, page)).run(listener, &config.http).await;
+    let limits = api::Limits { max_message_bytes: config.max_message_bytes as usize };
+    let served = service.routes(app(pool.clone(), writers, limits, health, page)).run(listener, &config.http).await;
     pool.close().await;
     served?;
     Ok(())

@@ -26,6 +26,16 @@ pub enum ApiError {
     /// Body over the limit (413).
     #[error("request body exceeds {0} bytes")]
     PayloadTooLarge(usize),
+    /// The order's `order.placed` would be over `MAX_MESSAGE_BYTES` (413).
+    #[error(
+        "the order's message would be {size} bytes, over the {limit}-byte limit (MAX_MESSAGE_BYTES): split the order"
+    )]
+    MessageTooLarge {
+        /// Its size.
+        size: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// No such resource (404).
     #[error("{0}")]
     NotFound(String),
@@ -86,7 +96,7 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::PayloadTooLarge(_) | Self::MessageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,

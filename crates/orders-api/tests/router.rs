@@ -16,13 +16,16 @@ use sqlx::PgPool;
 use testkit::TestEnv;
 use tower::ServiceExt;
 
+/// The test's `MAX_MESSAGE_BYTES`: an order of 100 lines of 40-character SKUs is over it.
+const LIMITS: orders_api::api::Limits = orders_api::api::Limits { max_message_bytes: 4096 };
+
 /// The API's router on the test's own `orders` database.
 async fn api(env: &TestEnv) -> (Router, PgPool) {
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let mut metrics = Metrics::default();
     let writers = Writers::start(pool.clone(), 2, BatchMetrics::register(&mut metrics));
     let health = Health { metrics: std::sync::Arc::new(metrics), ..Health::default() };
-    let app = orders_api::app(pool.clone(), writers, health, None);
+    let app = orders_api::app(pool.clone(), writers, LIMITS, health, None);
     (app, pool)
 }
 
@@ -87,6 +90,8 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
     let line = r#"{"sku":"SKU-1","quantity":1}"#;
     let many_lines = vec![line; 101].join(",");
     let huge = format!(r#"{{"customerId":"{}","lines":[{line}]}}"#, "x".repeat(70 * 1024));
+    let long_line = format!(r#"{{"sku":"{}","quantity":1}}"#, "S".repeat(40));
+    let long_lines = vec![long_line; 100].join(",");
     let cases: Vec<(&str, String, u16, &str)> = vec![
         ("malformed JSON", r#"{"customerId":"c","lines":["#.into(), 400, "invalid JSON"),
         (
@@ -121,6 +126,12 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
         ),
         ("blank SKU", r#"{"customerId":"c","lines":[{"sku":"  ","quantity":1}]}"#.into(), 400, "lines[0].sku must be"),
         ("too large", huge, 413, "exceeds 65536 bytes"),
+        (
+            "message too large",
+            format!(r#"{{"customerId":"c","lines":[{long_lines}]}}"#),
+            413,
+            "over the 4096-byte limit (MAX_MESSAGE_BYTES)",
+        ),
     ];
     for (name, body, status, detail) in &cases {
         assert_problem(&post(&app, body, &[]).await, *status, detail);
