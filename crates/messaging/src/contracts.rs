@@ -73,6 +73,19 @@ macro_rules! contract {
 pub trait JobEvent: Contract {
     /// The job it is about.
     fn job_id(&self) -> Uuid;
+
+    /// Its body and AMQP properties as published: a new message id, the job as correlation id.
+    fn message(&self) -> serde_json::Result<(Vec<u8>, lapin::BasicProperties)>
+    where
+        Self: Sized,
+    {
+        let properties = crate::envelope::Headers::of::<Self>(Some(self.job_id())).properties(
+            Uuid::now_v7(),
+            Self::TYPE,
+            chrono::Utc::now(),
+        );
+        Ok((serde_json::to_vec(self)?, properties))
+    }
 }
 
 /// A step of a job failed transiently and will be tried again.

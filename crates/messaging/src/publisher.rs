@@ -23,6 +23,7 @@ use std::{
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     task::{Context, Poll, Wake, Waker},
+    time::Duration,
 };
 
 use lapin::{
@@ -42,13 +43,19 @@ pub enum PublishError {
     /// The channel or connection failed: whether the message arrived is unknown.
     #[error("broker connection: {0}")]
     Connection(#[from] lapin::Error),
+    /// No confirm came within the publisher's deadline ([`Publisher::with_confirm_timeout`]): a
+    /// broker that blocks publishers (a resource alarm), a queue without a majority, or a
+    /// connection gone silent. Whether the message arrived is unknown, and the channel is not to
+    /// be trusted with more.
+    #[error("no confirm from the broker within {}", crate::runtime::duration::format_duration(*.0))]
+    TimedOut(Duration),
 }
 
 impl PublishError {
     /// Whether the channel is unusable and must be reopened (as opposed to a refusal of one
-    /// message on a healthy channel).
+    /// message on a healthy channel): it failed, or a confirm is overdue.
     pub fn is_connection(&self) -> bool {
-        matches!(self, Self::Connection(_))
+        matches!(self, Self::Connection(_) | Self::TimedOut(_))
     }
 }
 
@@ -69,14 +76,28 @@ impl PublishError {
 pub struct Publisher {
     channel: Channel,
     confirms: Arc<Confirms>,
+    confirm_timeout: Duration,
 }
 
+/// How long a publish waits for its confirm unless told otherwise ([`Publisher::with_confirm_timeout`],
+/// `CONFIRM_TIMEOUT`).
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl Publisher {
-    /// Open a channel on `connection` and put it in confirm mode.
+    /// Open a channel on `connection` and put it in confirm mode; confirms are waited for
+    /// [`CONFIRM_TIMEOUT`].
     pub async fn open(connection: &Connection) -> lapin::Result<Self> {
         let channel = connection.create_channel().await?;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        Ok(Self { channel, confirms: Arc::default() })
+        Ok(Self { channel, confirms: Arc::default(), confirm_timeout: CONFIRM_TIMEOUT })
+    }
+
+    /// The same publisher, whose publishes wait at most `timeout` after they are sent for their
+    /// confirm, then fail with [`PublishError::TimedOut`]. Without a deadline, a broker that
+    /// blocks the connection (a resource alarm) or a queue that lost its majority would hold the
+    /// waiter for as long as that lasts, on a connection that looks healthy.
+    pub fn with_confirm_timeout(self, timeout: Duration) -> Self {
+        Self { confirm_timeout: timeout, ..self }
     }
 
     /// The underlying channel (for declarations).
@@ -118,7 +139,14 @@ impl Publisher {
             )
             .await?;
         let seq = self.confirms.track(message_id, confirm);
-        Ok(Pending { seq, confirms: Arc::clone(&self.confirms), settled: false })
+        let deadline = tokio::time::Instant::now() + self.confirm_timeout;
+        Ok(Pending {
+            seq,
+            confirms: Arc::clone(&self.confirms),
+            settled: false,
+            deadline,
+            timeout: self.confirm_timeout,
+        })
     }
 
     /// Close the channel politely (after every confirm has been awaited).
@@ -134,13 +162,22 @@ pub struct Pending {
     seq: u64,
     confirms: Arc<Confirms>,
     settled: bool,
+    /// When the confirm is overdue: the publisher's timeout after the send.
+    deadline: tokio::time::Instant,
+    timeout: Duration,
 }
 
 impl Pending {
     /// Wait for the confirm (and for every earlier publish's, see the module's documentation); a
-    /// return (unroutable) or a nack is an error.
+    /// return (unroutable) or a nack is an error, and so is no confirm by the deadline
+    /// ([`PublishError::TimedOut`]).
     pub async fn confirmed(mut self) -> Result<(), PublishError> {
-        let outcome = std::future::poll_fn(|cx| self.confirms.poll_outcome(self.seq, cx)).await;
+        let outcome = std::future::poll_fn(|cx| self.confirms.poll_outcome(self.seq, cx));
+        let outcome = match tokio::time::timeout_at(self.deadline, outcome).await {
+            Ok(outcome) => outcome,
+            // Left unsettled: dropping it abandons the entry, as for any outcome nobody takes.
+            Err(_) => return Err(PublishError::TimedOut(self.timeout)),
+        };
         self.settled = true;
         outcome
     }

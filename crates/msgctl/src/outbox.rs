@@ -1,5 +1,6 @@
-//! `msgctl outbox …`: rows the relay could not get the broker to take (returned as unroutable, or
-//! nacked), which it retries with a growing backoff; and a way to send them again now.
+//! `msgctl outbox …`: rows the relay could not get the broker to take (returned as unroutable,
+//! nacked, or refused by closing the channel), which it retries with a growing backoff, and the
+//! rows it parked after `RELAY_MAX_ATTEMPTS` refusals; and a way to send them again now.
 
 use std::str::FromStr;
 
@@ -15,14 +16,16 @@ use crate::Failure;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Action {
-    /// Unpublished rows the broker refused at least once, oldest first, with their last error.
+    /// Unpublished rows the broker refused at least once, oldest first, with their last error:
+    /// `waiting` for their next attempt, or `parked` (the relay skips them until they are re-armed).
     Stuck {
         /// One JSON object per row, one per line.
         #[arg(long)]
         json: bool,
     },
     /// Make the named rows (by message id), or every stuck row, due now; the relay sends them on
-    /// its next round.
+    /// its next round. A parked row is re-armed, with a fresh set of attempts: fix what the broker
+    /// refused first (`lastError` says what).
     Retry {
         /// Message ids of unpublished rows.
         #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -45,6 +48,7 @@ struct Stuck {
     last_error: Option<String>,
     available_at: DateTime<Utc>,
     created_at: DateTime<Utc>,
+    parked_at: Option<DateTime<Utc>>,
 }
 
 pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure> {
@@ -81,29 +85,35 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
     let mut total = 0;
     for (database, pool) in pools {
         let rows: Vec<Stuck> = sqlx::query_as(
-            "select id, message_id, message_type, exchange, routing_key, attempts, last_error, available_at, created_at
+            "select id, message_id, message_type, exchange, routing_key, attempts, last_error, available_at, created_at,
+                    parked_at
                from outbox where published_at is null and attempts > 0 order by id",
         )
         .fetch_all(pool)
         .await
         .map_err(|error| Failure::Described(format!("{database}: {error}")))?;
         for row in &rows {
+            let state = if row.parked_at.is_some() { "parked" } else { "waiting" };
             if json {
                 let line = serde_json::json!({
                     "database": database, "id": row.id, "messageId": row.message_id, "type": row.message_type,
                     "exchange": row.exchange, "routingKey": row.routing_key, "attempts": row.attempts,
                     "lastError": row.last_error, "nextAttemptAt": row.available_at, "createdAt": row.created_at,
+                    "state": state, "parkedAt": row.parked_at,
                 });
                 println!("{line}");
             } else {
+                let next = match row.parked_at {
+                    Some(parked_at) => format!("parked {}", parked_at.to_rfc3339()),
+                    None => format!("next {}", row.available_at.to_rfc3339()),
+                };
                 println!(
-                    "{database}  {}  {}  to {}/{}  attempts {}  next {}  {}",
+                    "{database}  {}  {}  to {}/{}  attempts {}  {next}  {}",
                     row.message_id,
                     row.message_type,
                     row.exchange,
                     row.routing_key,
                     row.attempts,
-                    row.available_at.to_rfc3339(),
                     row.last_error.as_deref().unwrap_or("-")
                 );
             }
@@ -120,7 +130,9 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
     let mut found = Vec::new();
     for (database, pool) in pools {
         let made_due: Vec<Uuid> = sqlx::query_scalar(
-            "update outbox set available_at = now()
+            "update outbox
+                set available_at = now(), parked_at = null,
+                    attempts = case when parked_at is null then attempts else 0 end
               where published_at is null and ($2 and attempts > 0 or message_id = any($1))
               returning message_id",
         )

@@ -18,7 +18,7 @@ use lapin::{
 };
 use messaging::{
     contracts::{JobEvent, JobRedriven},
-    envelope::{self, Headers},
+    envelope,
     publisher::{PublishError, Publisher},
     runtime::{
         broker,
@@ -458,8 +458,7 @@ async fn redrive_held(
 
 /// Publish a job event (confirmed). Unroutable (no status consumer bound) is only a warning.
 async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C) -> Result<(), Failure> {
-    let body = serde_json::to_vec(event)?;
-    let properties = Headers::of::<C>(Some(event.job_id())).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+    let (body, properties) = event.message()?;
     match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
         Ok(()) => Ok(()),
         Err(PublishError::Returned(reason)) => {

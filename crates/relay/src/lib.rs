@@ -9,10 +9,19 @@
 //!
 //! Crash anywhere and the worst case is a row published twice (confirmed, not yet marked): the
 //! message id is stable, so consumers' inboxes absorb it. A row is never marked without a confirm.
+//!
+//! A row the broker will never take (a body over its `max_message_size`, an exchange the relay's
+//! user may not write) does not refuse itself politely: the broker closes the channel, and every
+//! publish in flight on it fails with it. The relay then publishes the due rows one at a time on
+//! a fresh channel until the broker refuses one ([`Relay::isolate`]): that row's attempt is
+//! counted with the broker's reason and it waits out a backoff, while the rows behind it flow.
+//! After `RELAY_MAX_ATTEMPTS` it is parked (the claim skips it), its job is told
+//! (`job.quarantined`), and `msgctl outbox` lists and re-arms it.
 
 use std::{collections::HashSet, net::SocketAddr, str::FromStr, time::Duration};
 
 use messaging::{
+    contracts::{Contract, JobEvent, JobQuarantined},
     outbox,
     publisher::{PublishError, Publisher},
     runtime::{
@@ -93,6 +102,12 @@ pub struct RelaySettings {
     /// Longest wait before republishing a returned or nacked row.
     #[arg(long, env = "RELAY_RETRY_MAX", default_value = "1m", value_parser = parse_duration)]
     pub retry_max: Duration,
+    /// Attempts at a row whose publish closes the channel (the broker refuses the row itself: too
+    /// large, an exchange the relay may not write) before it is parked, its job quarantined. A
+    /// returned (unroutable) or nacked row is retried for as long as it takes, as before: those
+    /// are the broker's or the topology's state, not the row's.
+    #[arg(long, env = "RELAY_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_attempts: u32,
     /// Published rows older than this are deleted.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "168h", value_parser = parse_duration)]
     pub retention: Duration,
@@ -106,6 +121,7 @@ impl Default for RelaySettings {
             poll_interval: Duration::from_secs(1),
             retry_initial: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
+            max_attempts: 10,
             retention: Duration::from_secs(7 * 24 * 3600),
         }
     }
@@ -144,8 +160,14 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let mut service = Service::new(health.clone(), shutdown.clone());
     for db in databases {
         let metrics = health.metrics.outbox(&db.label);
-        let relay =
-            Relay { db, metrics, settings: config.relay.clone(), health: health.clone(), shutdown: shutdown.clone() };
+        let relay = Relay {
+            db,
+            metrics,
+            settings: config.relay.clone(),
+            confirm_timeout: config.broker.confirm_timeout,
+            health: health.clone(),
+            shutdown: shutdown.clone(),
+        };
         let link = Link {
             nodes: config.broker.amqp_url.clone(),
             name: relay.flag(),
@@ -213,6 +235,8 @@ struct Relay {
     /// Its outbox's series.
     metrics: OutboxMetrics,
     settings: RelaySettings,
+    /// How long a publish waits for its confirm (`CONFIRM_TIMEOUT`).
+    confirm_timeout: Duration,
     health: Health,
     shutdown: Shutdown,
 }
@@ -220,13 +244,36 @@ struct Relay {
 impl Session for Relay {
     async fn run(&mut self, connection: &lapin::Connection) -> SessionEnd {
         let mut was_up = false;
-        match self.session(connection, &mut was_up).await {
-            Ok(()) => SessionEnd::Shutdown,
-            Err(error) => {
-                tracing::warn!(%error, "relay session ended; restarting");
-                SessionEnd::Lost { was_up }
+        loop {
+            let error = match self.session(connection, &mut was_up).await {
+                Ok(()) => return SessionEnd::Shutdown,
+                Err(error) => error,
+            };
+            // The broker closed the channel and kept the connection: it refused something sent
+            // on it. Find the row, set it aside, and go on on this connection.
+            if error.closed_the_channel() && connection.status().connected() && !self.shutdown.is_triggered() {
+                tracing::warn!(%error, "the broker closed the relay's channel; sending the due rows one at a time");
+                match self.isolate(connection).await {
+                    Ok(()) => continue,
+                    Err(error) => tracing::warn!(%error, "relay session ended while finding a refused row; restarting"),
+                }
+                return SessionEnd::Lost { was_up };
             }
+            // Classified, if the database's: a node that refused a write retires the pool's
+            // connections, so that the next session reconnects (`db::is_unreachable`).
+            let unavailable = matches!(&error, SessionError::Database(e) if db::is_unreachable(e));
+            tracing::warn!(%error, database_unavailable = unavailable, "relay session ended; restarting");
+            return SessionEnd::Lost { was_up };
         }
+    }
+}
+
+impl SessionError {
+    /// Whether the broker ended the channel (a refusal, or the connection going), as opposed to a
+    /// database failure or an overdue confirm (the broker is blocked or lost its majority: sending
+    /// rows one by one would wait out the deadline once per row).
+    fn closed_the_channel(&self) -> bool {
+        matches!(self, Self::Broker(PublishError::Connection(_)))
     }
 }
 
@@ -294,7 +341,7 @@ impl Relay {
     /// set once publishing has started.
     async fn session(&self, connection: &lapin::Connection, was_up: &mut bool) -> Result<(), SessionError> {
         let (flag, shutdown) = (self.flag(), &self.shutdown);
-        let publisher = Publisher::open(connection).await?;
+        let publisher = self.publisher(connection).await?;
         // The exchanges this session has declared: each row's exchange is declared before its
         // first publish, so the relay needs no list of them and a new service's exchange works
         // without a change here.
@@ -429,15 +476,7 @@ impl Relay {
                     broken = Some(error);
                     break;
                 }
-                Err(error) => {
-                    let attempts = u32::try_from(row.attempts).unwrap_or(0);
-                    let retry_after = backoff.delay(attempts);
-                    tracing::warn!(id = row.id, message_id = %row.message_id, %error, ?retry_after, "publish refused; will retry");
-                    let reason = error.to_string();
-                    let failed = outbox::record_failure(&mut tx, row.id, &reason, retry_after);
-                    db::within(db::QUERY_DEADLINE, failed).await?;
-                    self.metrics.publish_failed();
-                }
+                Err(error) => self.refused(&mut tx, row, &error.to_string(), &backoff).await?,
             }
         }
         failpoint::hit(failpoint::RELAY_AFTER_CONFIRM).await;
@@ -457,6 +496,123 @@ impl Relay {
             Some(error) => Err(error.into()),
             None => Ok(()),
         }
+    }
+}
+
+impl Relay {
+    /// A confirming channel on `connection`, with the relay's confirm deadline.
+    async fn publisher(&self, connection: &lapin::Connection) -> lapin::Result<Publisher> {
+        Ok(Publisher::open(connection).await?.with_confirm_timeout(self.confirm_timeout))
+    }
+
+    /// Record a row the broker refused (returned, nacked) in `tx`: its attempt, the reason, and
+    /// when it is due again.
+    async fn refused(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        row: &outbox::OutboxRow,
+        reason: &str,
+        backoff: &Backoff,
+    ) -> Result<(), SessionError> {
+        let retry_after = backoff.delay(u32::try_from(row.attempts).unwrap_or(0));
+        tracing::warn!(id = row.id, message_id = %row.message_id, reason, ?retry_after, "publish refused; will retry");
+        db::within(db::QUERY_DEADLINE, outbox::record_failure(tx, row.id, reason, retry_after)).await?;
+        self.metrics.publish_failed();
+        Ok(())
+    }
+
+    /// After the broker closed the channel with the connection still up: publish the due rows one
+    /// at a time, each on a channel of its own until one is refused, to find the row the broker
+    /// refuses. That row's attempt is counted, with the broker's reason, and it waits out a backoff
+    /// (or, at `RELAY_MAX_ATTEMPTS`, is parked); the rows confirmed before it are marked. The rest
+    /// go on in batches. If no row is refused (the channel closed for another reason), every row
+    /// claimed is published this way.
+    async fn isolate(&self, connection: &lapin::Connection) -> Result<(), SessionError> {
+        let (mut tx, rows) = db::within(db::QUERY_DEADLINE, async {
+            let mut tx = db::begin(&self.db.pool).await?;
+            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+            Ok::<_, sqlx::Error>((tx, rows))
+        })
+        .await?;
+        let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
+        let mut confirmed = Vec::new();
+        let mut outcome = Ok(());
+        let publisher = self.publisher(connection).await?;
+        for row in &rows {
+            let sent = async {
+                topology::declare_exchanges(publisher.channel(), &[row.exchange.as_str()]).await?;
+                publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await
+            };
+            match sent.await {
+                Ok(()) => confirmed.push(row.id),
+                // Returned or nacked: refused politely, the channel lives on.
+                Err(error @ (PublishError::Returned(_) | PublishError::Nacked)) => {
+                    self.refused(&mut tx, row, &error.to_string(), &backoff).await?;
+                }
+                // This row, sent alone, closed the channel and nothing else: the broker refuses it.
+                Err(PublishError::Connection(error)) if connection.status().connected() => {
+                    self.refuse_for_good_or_retry(&mut tx, row, &error.to_string(), &backoff, connection).await?;
+                    break;
+                }
+                // The connection went, or the confirm is overdue: not this row's doing.
+                Err(error) => {
+                    outcome = Err(error.into());
+                    break;
+                }
+            }
+        }
+        db::within(db::QUERY_DEADLINE, async {
+            outbox::mark_published(&mut tx, &confirmed).await?;
+            tx.commit().await
+        })
+        .await?;
+        self.metrics.published(confirmed.len() as u64);
+        publisher.close().await;
+        outcome
+    }
+
+    /// A row that closed the channel on its own: retried after a backoff, or, at its last attempt,
+    /// parked and its job told (`job.quarantined`, on a fresh channel).
+    async fn refuse_for_good_or_retry(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        row: &outbox::OutboxRow,
+        reason: &str,
+        backoff: &Backoff,
+        connection: &lapin::Connection,
+    ) -> Result<(), SessionError> {
+        let reason = format!("the broker closed the channel: {reason}");
+        let attempt = u32::try_from(row.attempts).unwrap_or(0) + 1;
+        if attempt < self.settings.max_attempts {
+            return self.refused(tx, row, &reason, backoff).await;
+        }
+        if let Some(job_id) = row.headers.0.correlation_id {
+            let event = JobQuarantined {
+                job_id,
+                endpoint: format!("outbox:{}", self.db.label),
+                message_id: Some(row.message_id),
+                message_type: Some(row.message_type.clone()),
+                attempt,
+                error: reason.clone(),
+                redrive_count: 0,
+            };
+            // Told before the row is parked: if the process dies in between, the row is refused
+            // and parked again, and the job told again (the status consumer applies it once).
+            let (body, properties) = event.message().expect("a job event serializes");
+            let publisher = self.publisher(connection).await?;
+            topology::declare_exchanges(publisher.channel(), &[JobQuarantined::EXCHANGE]).await?;
+            match publisher.publish(JobQuarantined::EXCHANGE, JobQuarantined::TYPE, &body, properties).await {
+                Ok(()) => {}
+                // No status consumer bound: nobody tracks jobs here, and the row is parked anyway.
+                Err(PublishError::Returned(reply)) => tracing::warn!(%job_id, reply, "job.quarantined went nowhere"),
+                Err(error) => return Err(error.into()),
+            }
+            publisher.close().await;
+        }
+        tracing::error!(id = row.id, message_id = %row.message_id, attempt, reason, "outbox row parked: the broker refuses it");
+        db::within(db::QUERY_DEADLINE, outbox::park(tx, row.id, &reason)).await?;
+        self.metrics.publish_failed();
+        Ok(())
     }
 }
 

@@ -10,6 +10,8 @@ testkit::binary_tests!(
         "RELAY_POLL_INTERVAL",
         "RELAY_RETRY_INITIAL",
         "RELAY_RETRY_MAX",
+        "RELAY_MAX_ATTEMPTS",
+        "CONFIRM_TIMEOUT",
         "OUTBOX_RETENTION",
     ]
 );

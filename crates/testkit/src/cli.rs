@@ -14,6 +14,7 @@ pub const WORKER_VARIABLES: &[&str] = &[
     "PREFETCH",
     "MAX_CRASHES",
     "HANDLER_TIMEOUT",
+    "CONFIRM_TIMEOUT",
     "DELIVERY_LIMIT",
     "INBOX_RETENTION",
 ];

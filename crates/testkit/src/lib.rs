@@ -193,7 +193,8 @@ impl TestEnv {
     }
 
     /// Consumer settings for a test on this test's broker: fast reconnects (20 ms to 200 ms), a
-    /// crash bound of 3, a 10 s handler timeout and a 14-day inbox retention.
+    /// crash bound of 3, a 10 s handler timeout, a 14-day inbox retention and the default confirm
+    /// timeout.
     pub fn consumer_settings(
         &self,
         endpoint: messaging::topology::Endpoint,
@@ -211,6 +212,7 @@ impl TestEnv {
             max_crashes: 3,
             handler_timeout: Duration::from_secs(10),
             inbox_retention: Duration::from_secs(14 * 86_400),
+            confirm_timeout: messaging::publisher::CONFIRM_TIMEOUT,
         }
     }
 
@@ -412,9 +414,14 @@ async fn delete_vhost(servers: &Servers, vhost: &str) {
 
 /// `rabbitmqctl ARGS` for the broker under test (`RABBITMQCTL`, default `rabbitmqctl`).
 pub fn rabbitmqctl_command(args: &[&str]) -> tokio::process::Command {
+    tokio::process::Command::from(rabbitmqctl_blocking(args))
+}
+
+/// [`rabbitmqctl_command`], to be run without a runtime (from a `Drop`, say).
+pub fn rabbitmqctl_blocking(args: &[&str]) -> std::process::Command {
     let configured = env(&["RABBITMQCTL"]).unwrap_or_else(|| "rabbitmqctl".to_owned());
     let mut words = configured.split_whitespace();
-    let mut command = tokio::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    let mut command = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
     command.args(words).args(args);
     command
 }

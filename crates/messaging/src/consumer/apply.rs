@@ -72,7 +72,7 @@ impl<H: Handler> Runtime<H> {
         let limit = self.settings.handler_timeout;
         match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
             Ok(outcome) => outcome,
-            Err(_) if db::answers(&self.pool).await => Err(HandlerError::Transient(
+            Err(_) if db::takes_writes(&self.pool).await => Err(HandlerError::Transient(
                 format!("the handler did not finish within {}", format_duration(limit)).into(),
             )),
             Err(_) => Err(HandlerError::Unavailable(

@@ -69,8 +69,9 @@ use crate::{
 /// behind it, if any ([`std::error::Error::source`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandlerError {
-    /// The database cannot be reached: not the message's fault, so no attempt is spent. The
-    /// runtime keeps the delivery and applies it again once the database answers.
+    /// The database cannot be reached, or the node reached refuses writes (a failover): not the
+    /// message's fault, so no attempt is spent. The runtime keeps the delivery and applies it
+    /// again, with backoff, until the database takes it.
     Unavailable(Reason),
     /// Might work later (a deadlock, a serialization failure, a flaky dependency): retry after a
     /// wait, spending an attempt.
@@ -171,7 +172,8 @@ impl From<&str> for Reason {
 }
 
 impl From<sqlx::Error> for HandlerError {
-    /// An unreachable database is `Unavailable`; transaction conflicts, a lock waited for too
+    /// An unreachable database, or one that refuses writes (a standby, a demoted primary: see
+    /// [`crate::runtime::db::is_wrong_node`]), is `Unavailable`; transaction conflicts, a lock waited for too
     /// long, resource limits and a garbled connection are transient; anything the database
     /// rejects on its merits (a constraint, a type) would fail the same way again, so it is
     /// permanent.
@@ -266,6 +268,9 @@ pub struct ConsumerSettings {
     pub handler_timeout: Duration,
     /// How long inbox rows are kept (`INBOX_RETENTION`): older ones are deleted hourly.
     pub inbox_retention: Duration,
+    /// How long a retry, parked or job-event copy waits for its confirm (`CONFIRM_TIMEOUT`); past
+    /// it the session ends and the delivery goes back to the broker unacked.
+    pub confirm_timeout: Duration,
 }
 
 impl ConsumerSettings {
@@ -282,6 +287,7 @@ impl ConsumerSettings {
             max_crashes: args.max_crashes,
             handler_timeout: args.handler_timeout,
             inbox_retention: args.inbox_retention,
+            confirm_timeout: broker.confirm_timeout,
         }
     }
 }

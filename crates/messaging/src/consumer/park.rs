@@ -4,14 +4,13 @@
 use std::sync::Arc;
 
 use chrono::Utc;
-use lapin::{BasicProperties, types::AMQPValue};
+use lapin::types::AMQPValue;
 use tracing::Instrument;
-use uuid::Uuid;
 
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
     contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
-    envelope::{self, Headers, Incoming},
+    envelope::{self, Incoming},
     publisher::{Pending, PublishError, Publisher},
     runtime::metrics::Handled,
 };
@@ -113,10 +112,7 @@ impl<H: Handler> Runtime<H> {
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).
     async fn send_event<C: JobEvent>(&self, publisher: &Publisher, event: Option<C>) -> Option<Pending> {
-        let event = event?;
-        let body = serde_json::to_vec(&event).ok()?;
-        let properties: BasicProperties =
-            Headers::of::<C>(Some(event.job_id())).properties(Uuid::now_v7(), C::TYPE, Utc::now());
+        let (body, properties) = event?.message().ok()?;
         match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
             Ok(pending) => Some(pending),
             Err(error) => {

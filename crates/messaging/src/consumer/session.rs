@@ -90,7 +90,7 @@ impl<H: Handler> Runtime<H> {
         let channel = connection.create_channel().await?;
         channel.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
         topology::declare_endpoint(&channel, endpoint, &self.settings.policy).await?;
-        let publisher = Publisher::open(connection).await?;
+        let publisher = Publisher::open(connection).await?.with_confirm_timeout(self.settings.confirm_timeout);
         let tag = format!("{}-{}", endpoint.name, Uuid::new_v4());
         let consume = BasicConsumeOptions::default();
         let deliveries =

@@ -262,6 +262,12 @@ pub struct BrokerArgs {
         value_parser = NodesParser
     )]
     pub amqp_url: BrokerNodes,
+    /// How long a publish waits for the broker's confirm. Past it, the channel is given up and
+    /// what it had not confirmed is retried: the outbox row stays unpublished, a consumer's
+    /// delivery goes back to the broker unacked. Bounds the waits of a blocked connection (a
+    /// resource alarm) and of a quorum queue without a majority.
+    #[arg(long, env = "CONFIRM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
 }
 
 /// How a consuming endpoint retries and how many deliveries it takes at once.

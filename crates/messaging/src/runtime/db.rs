@@ -9,7 +9,15 @@
 //! that has gone silent (a black hole, where the server's cancel never arrives and the kernel
 //! would wait about 15 minutes).
 
-use std::{future::Future, str::FromStr, time::Duration};
+use std::{
+    future::Future,
+    str::FromStr,
+    sync::{
+        LazyLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use sqlx::{
     AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Transaction,
@@ -99,13 +107,18 @@ pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 /// instead: an error the caller already handles as a lost database (a retry that spends no
 /// attempt, a new relay session), after which sqlx's check on return closes it (decision 0018).
 pub fn pool_options(max_connections: u32, acquire_timeout: Duration, check_each_acquire: bool) -> PgPoolOptions {
-    let options = PgPoolOptions::new().max_connections(max_connections).acquire_timeout(acquire_timeout);
-    if check_each_acquire {
-        return options;
-    }
-    options.test_before_acquire(false).before_acquire(|connection, meta| {
+    let options = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(acquire_timeout)
+        .test_before_acquire(check_each_acquire);
+    options.before_acquire(move |connection, meta| {
         Box::pin(async move {
-            if meta.idle_for >= CHECK_IF_IDLE_FOR {
+            // Opened before a node refused a write: maybe on that node. Closed; the pool opens
+            // another (`retire_connections`).
+            if retired(meta.age) {
+                return Ok(false);
+            }
+            if !check_each_acquire && meta.idle_for >= CHECK_IF_IDLE_FOR {
                 connection.ping().await?;
             }
             Ok(true)
@@ -113,9 +126,14 @@ pub fn pool_options(max_connections: u32, acquire_timeout: Duration, check_each_
     })
 }
 
-/// Whether the database answers a trivial query within two seconds.
-pub async fn answers(pool: &PgPool) -> bool {
-    within(Duration::from_secs(2), sqlx::query("select 1").execute(pool)).await.is_ok()
+/// Whether the database answers within two seconds, as a primary that takes writes: not a standby
+/// (`pg_is_in_recovery`) and not a session left read-only (`transaction_read_only`). A node that
+/// refuses writes is no more use to a service than one that is down ([`is_wrong_node`]).
+pub async fn takes_writes(pool: &PgPool) -> bool {
+    let query = sqlx::query_scalar::<_, bool>(
+        "select not pg_is_in_recovery() and current_setting('transaction_read_only') = 'off'",
+    );
+    matches!(within(Duration::from_secs(2), query.fetch_one(pool)).await, Ok(true))
 }
 
 /// `options` with the server-side [`DbTimeouts`] every pooled connection gets.
@@ -400,10 +418,14 @@ pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()
     }
 }
 
-/// Whether an error means "the server is not there (yet)", worth waiting for. A TLS handshake
-/// that fails is one too, unless it failed on a verdict about the certificates
+/// Whether an error means "the database is not available to us (yet)", worth waiting for: the
+/// server is not there, or it is there and is not the primary ([`is_wrong_node`]). A TLS
+/// handshake that fails is one too, unless it failed on a verdict about the certificates
 /// ([`crate::runtime::tls::verification_failure`]): a connection that dies during the handshake (or
 /// during the `SSLRequest` before it, which sqlx reports as an unexpected response) is an outage.
+///
+/// Every error the services meet is classified here, so this is also where a wrong node is acted
+/// on: it [retires](retire_connections) the connections opened so far.
 pub fn is_unreachable(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
@@ -411,11 +433,69 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
         }
         sqlx::Error::Tls(_) => crate::runtime::tls::verification_failure(error).is_none(),
         sqlx::Error::Protocol(message) => message.starts_with("unexpected response from SSLRequest"),
-        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down, crashing or
-        // starting up.
+        sqlx::Error::Database(_) if is_wrong_node(error) => {
+            retire_connections();
+            true
+        }
+        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down (an
+        // administrator's, or a failover's, `admin_shutdown`), crashing or starting up.
         sqlx::Error::Database(e) => {
             e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
         }
         _ => false,
+    }
+}
+
+/// Whether the server refused a write because it is not (or no longer) the primary: SQLSTATE
+/// 25006, `read_only_sql_transaction`, from a hot standby, a demoted primary, or a session a
+/// failover left read-only (`default_transaction_read_only`). The database is then unavailable to
+/// a writer, exactly like one that is down: nothing is the message's or the request's fault.
+///
+/// What answered is still there, and may answer read-only for good (a standby behind a stale
+/// address), so [`is_unreachable`] calls [`retire_connections`] on seeing it: every pool then
+/// reconnects, which resolves the address again, instead of handing out the same read-only
+/// sessions.
+pub fn is_wrong_node(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("25006"))
+}
+
+/// When the last [`retire_connections`] happened, in milliseconds after [`ORIGIN`] (0: never).
+static RETIRED_AT: AtomicU64 = AtomicU64::new(0);
+
+/// The instant [`RETIRED_AT`] counts from: the first time either is used.
+static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Have every pool of this process ([`pool_options`]) close, instead of handing out, each
+/// connection opened before now: a node refused a write ([`is_wrong_node`]), so connections made
+/// before may all be on it. Connections opened after this are kept, unless they are refused again.
+/// One flag for the process, not per pool: an error does not say which pool it came from, and a
+/// needless reconnect costs one connect.
+pub fn retire_connections() {
+    let now = u64::try_from(ORIGIN.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
+    RETIRED_AT.fetch_max(now, Ordering::Relaxed);
+}
+
+/// Whether a connection opened `age` ago was opened before the last [`retire_connections`].
+fn retired(age: Duration) -> bool {
+    match RETIRED_AT.load(Ordering::Relaxed) {
+        0 => false,
+        at => {
+            let since = ORIGIN.elapsed().saturating_sub(Duration::from_millis(at));
+            age > since
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{retire_connections, retired};
+    use std::time::Duration;
+
+    #[test]
+    fn connections_opened_before_a_retirement_are_closed_and_later_ones_kept() {
+        retire_connections();
+        assert!(retired(Duration::from_secs(3600)), "opened an hour ago");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!retired(Duration::from_millis(5)), "opened after the retirement");
     }
 }

@@ -83,7 +83,7 @@ pub fn routes(health: Health) -> Router {
 
 async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     for (name, pool) in &health.databases {
-        health.readiness.set(&format!("database:{name}"), crate::runtime::db::answers(pool).await);
+        health.readiness.set(&format!("database:{name}"), crate::runtime::db::takes_writes(pool).await);
     }
     let failing = health.readiness.failing();
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
@@ -102,16 +102,16 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
     for (name, pool) in &health.databases {
         let database = ByDatabase { database: name.clone() };
         let by_state = |state: &str| ByDatabaseState { database: name.clone(), state: state.to_owned() };
-        match tokio::time::timeout(Duration::from_secs(2), outbox::counts(pool)).await {
-            Ok(Ok(counts)) => {
-                for (state, rows) in [("published", counts.published), ("unpublished", counts.unpublished)] {
+        match tokio::time::timeout(Duration::from_secs(2), outbox::gauges(pool)).await {
+            Ok(Ok(gauges)) => {
+                for (state, rows) in [("unpublished", gauges.unpublished), ("parked", gauges.parked)] {
                     metrics.outbox_rows.get_or_create(&by_state(state)).set(rows);
                 }
-                metrics.oldest_unpublished.get_or_create(&database).set(counts.oldest_unpublished_age_seconds);
+                metrics.oldest_unpublished.get_or_create(&database).set(gauges.oldest_unpublished_age_seconds);
             }
             _ => {
-                metrics.outbox_rows.remove(&by_state("published"));
                 metrics.outbox_rows.remove(&by_state("unpublished"));
+                metrics.outbox_rows.remove(&by_state("parked"));
                 metrics.oldest_unpublished.remove(&database);
             }
         }

@@ -32,7 +32,7 @@ pub const CONSUMER_SESSIONS: &str = "consumer_sessions_total";
 pub const DELIVERIES_HELD: &str = "consumer_deliveries_held";
 /// Outbox rows published and confirmed, by `database`.
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
-/// Outbox publishes returned or nacked by the broker, by `database`.
+/// Outbox publishes the broker refused (returned, nacked, or closing the channel), by `database`.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
 
 /// Labels: an endpoint.
@@ -58,7 +58,7 @@ pub struct ByDatabase {
     pub database: String,
 }
 
-/// Labels: an outbox database and a row state (`published`, `unpublished`).
+/// Labels: an outbox database and a row state (`unpublished`, `parked`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ByDatabaseState {
     /// The database.
@@ -186,7 +186,8 @@ impl Metrics {
         r.register("outbox_published", "Outbox rows published with a broker confirm", self.published.clone());
         r.register(
             "outbox_publish_failures",
-            "Outbox publishes returned (unroutable) or nacked; the rows are retried",
+            "Outbox publishes the broker refused (returned as unroutable, nacked, or closing the channel); the rows \
+             are retried, and one that closes the channel is parked after RELAY_MAX_ATTEMPTS",
             self.publish_failures.clone(),
         );
         r.register_with_unit(
@@ -197,12 +198,13 @@ impl Metrics {
         );
         r.register(
             "outbox_rows",
-            "Outbox rows by state (published rows are kept until retention deletes them)",
+            "Unpublished outbox rows: waiting to be published, or parked (refused by the broker, until an operator \
+             re-arms them); counted up to 100,000",
             self.outbox_rows.clone(),
         );
         r.register_with_unit(
             "outbox_oldest_unpublished_age",
-            "How long the oldest unpublished outbox row has waited (0 when none waits)",
+            "How long the oldest outbox row waiting to be published has waited, parked rows aside (0 when none waits)",
             Unit::Seconds,
             self.oldest_unpublished.clone(),
         );
@@ -343,7 +345,7 @@ impl OutboxMetrics {
         self.published.inc_by(rows);
     }
 
-    /// Count a publish returned or nacked (the row is retried).
+    /// Count a publish the broker refused (the row is retried, or parked).
     pub fn publish_failed(&self) {
         self.publish_failures.inc();
     }

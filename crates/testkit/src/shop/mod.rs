@@ -42,6 +42,8 @@ pub struct Options {
     /// More variables for the three consumers (the API's status consumer and both workers), such
     /// as `MAX_CRASHES` or `DELIVERY_LIMIT`.
     pub consumer_env: Vec<(&'static str, String)>,
+    /// More variables for the relay, such as `RELAY_MAX_ATTEMPTS`.
+    pub relay_env: Vec<(&'static str, String)>,
     /// Each service under its own least-privilege database roles and broker user, made by the
     /// DBA's scripts ([`crate::roles`]), its URLs given as files (`DATABASE_URL_FILE`, ...).
     pub least_privilege: bool,
@@ -64,6 +66,7 @@ impl Default for Options {
             demo_faults: false,
             log_filter: "info".into(),
             consumer_env: Vec::new(),
+            relay_env: Vec::new(),
             least_privilege: false,
             broker_nodes: 1,
             instances: 1,
@@ -221,6 +224,7 @@ impl Shop {
                     ("RELAY_RETRY_INITIAL", initial.to_owned()),
                     ("RELAY_RETRY_MAX", max.to_owned()),
                 ]);
+                vars.extend(options.relay_env.iter().cloned());
             } else {
                 vars.extend([
                     ("RETRY_DELAYS", options.retry_delays.clone()),

@@ -1,0 +1,195 @@
+//! Outbox rows the broker will never take, ahead of a thousand orders it will: an order whose
+//! `order.placed` is over the broker's `max_message_size`, and a message for an exchange the
+//! relay's broker user may not write. The broker closes the relay's channel for each; the relay
+//! finds the row, counts its attempts with the broker's reason, and parks it after
+//! `RELAY_MAX_ATTEMPTS`, while the orders behind flow. The order's job ends quarantined with the
+//! reason; `msgctl outbox stuck` lists both rows; once the causes are fixed, `msgctl outbox retry`
+//! re-arms them and they are published, the order succeeding after all.
+//!
+//! A suite of its own: it lowers the broker's `max_message_size` (a node-wide setting, restored
+//! afterwards), and no other test may run beside it on that broker meanwhile.
+
+use lapin::{
+    options::{QueueBindOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use messaging::{contracts::Contract, outbox, topology};
+use serde::Serialize;
+use testkit::{
+    eventually, http, rabbitmqctl_blocking,
+    roles::Accounts,
+    shop::{Options, Service, Shop, WAIT},
+};
+use uuid::Uuid;
+
+/// The broker's `max_message_size` for the test: an order of 100 lines (about 3 KB) is over it,
+/// the shop's other messages (a few hundred bytes) are well under.
+const LIMIT: u32 = 2048;
+
+/// `rabbitmqctl eval EXPRESSION` on the broker under test; what it printed.
+fn eval(expression: &str) -> String {
+    let output = rabbitmqctl_blocking(&["eval", expression]).output();
+    let output = output.unwrap_or_else(|error| panic!("rabbitmqctl eval {expression}: {error}"));
+    assert!(output.status.success(), "rabbitmqctl eval {expression}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// The broker's `max_message_size` lowered to [`LIMIT`] while it lives, put back as it was when
+/// dropped (a failed test included).
+struct LoweredLimit {
+    /// What `application:get_env` said before: `{ok,N}` or `undefined`.
+    before: String,
+}
+
+impl LoweredLimit {
+    fn new() -> Self {
+        let before = eval("application:get_env(rabbit, max_message_size).");
+        eval(&format!("application:set_env(rabbit, max_message_size, {LIMIT})."));
+        Self { before }
+    }
+
+    /// Put the limit back now.
+    fn restore(&self) {
+        match self.before.strip_prefix("{ok,").and_then(|rest| rest.strip_suffix('}')) {
+            Some(value) => eval(&format!("application:set_env(rabbit, max_message_size, {value}).")),
+            None => eval("application:unset_env(rabbit, max_message_size)."),
+        };
+    }
+}
+
+impl Drop for LoweredLimit {
+    fn drop(&mut self) {
+        self.restore();
+    }
+}
+
+/// A message of the shop's for an exchange the relay's user may not write (`ops/rabbitmq/users.sh`
+/// lets it write the shop's exchanges only).
+#[derive(Debug, Serialize)]
+struct AuditNoted {
+    note: String,
+}
+
+impl Contract for AuditNoted {
+    const TYPE: &'static str = "audit.noted";
+    const EXCHANGE: &'static str = "audit";
+}
+
+/// The rows `msgctl outbox stuck --json` lists for the orders database.
+async fn stuck(shop: &Shop) -> Vec<serde_json::Value> {
+    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
+        .env("DATABASE_URL", shop.env.database_url("orders"))
+        .args(["outbox", "stuck", "--json"])
+        .output()
+        .await
+        .expect("run msgctl");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).lines().map(|line| serde_json::from_str(line).expect("JSON")).collect()
+}
+
+/// Whether the row of `message_id` is parked: its attempts and last error.
+async fn parked(shop: &Shop, message_id: Uuid) -> Option<(i32, String)> {
+    sqlx::query_as("select attempts, last_error from outbox where message_id = $1 and parked_at is not null")
+        .bind(message_id)
+        .fetch_optional(&shop.orders)
+        .await
+        .expect("read the outbox")
+}
+
+#[tokio::test]
+async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_orders_behind_them_succeed() {
+    let limit = LoweredLimit::new();
+    let options = Options {
+        least_privilege: true,
+        relay_env: vec![("RELAY_MAX_ATTEMPTS", "3".to_owned())],
+        ..Options::default()
+    };
+    let mut shop = Shop::start(options).await;
+    shop.restock("SKU-%", 100_000).await;
+
+    // Over the broker's limit: an order of 100 lines.
+    let big = shop.place(&[("SKU-1", 1); 100]).await;
+    // For an exchange the relay may not write: a row written as a service would write it.
+    let mut tx = shop.orders.begin().await.expect("begin");
+    let audit = outbox::enqueue(&mut tx, &AuditNoted { note: "refused".into() }, None).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    // A thousand ordinary orders behind them.
+    let skus = ["SKU-1", "SKU-2", "SKU-3"];
+    let mut ordinary = Vec::new();
+    for i in 0..1000 {
+        ordinary.push(shop.place(&[(skus[i % 3], 1)]).await);
+    }
+
+    // Each refused row is parked after its three attempts, with the broker's reason.
+    let big_row = big_message(&shop, big).await;
+    let (attempts, reason) = eventually("the order's row to be parked", WAIT, || parked(&shop, big_row)).await;
+    assert_eq!(attempts, 3);
+    assert!(reason.contains("PRECONDITION_FAILED") && reason.contains("max size"), "{reason}");
+    let (attempts, reason) = eventually("the audit row to be parked", WAIT, || parked(&shop, audit)).await;
+    assert_eq!(attempts, 3);
+    assert!(reason.contains("ACCESS_REFUSED"), "{reason}");
+    // Its job ends quarantined with the reason, and the thousand orders behind succeed.
+    let job = shop.wait_for_state(big, "quarantined").await;
+    assert!(job["lastError"].as_str().is_some_and(|error| error.contains("max size")), "{job}");
+    for job in &ordinary {
+        shop.wait_for_state(*job, "succeeded").await;
+    }
+    // Seen by the operator: the parked gauge (the alert's), and msgctl.
+    let gauge = format!("outbox_rows{{database=\"t_{}_orders\",state=\"parked\"}}", shop.env.id());
+    assert_eq!(shop.metric(Service::Relay, &gauge).await, 2);
+    let listed = stuck(&shop).await;
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed.iter().all(|row| row["state"] == "parked"), "{listed:?}");
+
+    // The causes fixed: the broker's limit back, and the relay allowed the audit exchange, which
+    // now has a queue.
+    limit.restore();
+    let accounts =
+        Accounts { role_prefix: format!("t_{}_", shop.env.id()), user_prefix: format!("t-{}-", shop.env.id()) };
+    let user = accounts.broker_user(Service::Relay);
+    let permissions = format!("/api/permissions/{}/{user}", shop.env.vhost());
+    let allowed = r#"{"configure":"^(orders|inventory|billing|jobs|audit)$","write":"^(orders|inventory|billing|jobs|audit)$","read":"^$"}"#;
+    let url = http::join(shop.env.management_url(), &permissions);
+    let granted = http::request("PUT", &url, &[("content-type", "application/json")], Some(allowed)).await;
+    assert!(granted.is_ok_and(|response| response.status < 300), "grant the relay the audit exchange");
+    audit_queue(&shop).await;
+
+    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
+        .env("DATABASE_URL", shop.env.database_url("orders"))
+        .args(["outbox", "retry", "--all"])
+        .output()
+        .await
+        .expect("run msgctl");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    shop.wait_for_state(big, "succeeded").await;
+    eventually("the audit note to be delivered", WAIT, || async {
+        (shop.env.queue_depth(AUDIT_QUEUE).await == Some(1)).then_some(())
+    })
+    .await;
+    assert!(stuck(&shop).await.is_empty());
+    shop.assert_books_balance().await;
+}
+
+/// The queue standing in for the audit service.
+const AUDIT_QUEUE: &str = "audit.probe";
+
+async fn audit_queue(shop: &Shop) {
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    topology::declare_exchanges(&channel, &[AuditNoted::EXCHANGE]).await.expect("exchange");
+    let declare = QueueDeclareOptions::durable();
+    channel.queue_declare(AUDIT_QUEUE.into(), declare, FieldTable::default()).await.expect("queue");
+    let bind = QueueBindOptions::default();
+    let (exchange, key) = (AuditNoted::EXCHANGE.into(), AuditNoted::TYPE.into());
+    channel.queue_bind(AUDIT_QUEUE.into(), exchange, key, bind, FieldTable::default()).await.expect("bind");
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+/// The message id of the job's `order.placed`.
+async fn big_message(shop: &Shop, job_id: Uuid) -> Uuid {
+    sqlx::query_scalar("select order_placed_message_id from jobs where id = $1")
+        .bind(job_id)
+        .fetch_one(&shop.orders)
+        .await
+        .expect("the job's order.placed")
+}
