@@ -92,8 +92,8 @@ impl Publisher {
         Ok(Self { channel, confirms: Arc::default(), confirm_timeout: CONFIRM_TIMEOUT })
     }
 
-    /// The same publisher, whose publishes wait at most `timeout` after they are sent for their
-    /// confirm, then fail with [`PublishError::TimedOut`]. Without a deadline, a broker that
+    /// The same publisher, whose publishes wait at most `timeout` from the call to send them for
+    /// their confirm, then fail with [`PublishError::TimedOut`]. Without a deadline, a broker that
     /// blocks the connection (a resource alarm) or a queue that lost its majority would hold the
     /// waiter for as long as that lasts, on a connection that looks healthy.
     pub fn with_confirm_timeout(self, timeout: Duration) -> Self {
@@ -126,20 +126,25 @@ impl Publisher {
         properties: BasicProperties,
     ) -> Result<Pending, PublishError> {
         let message_id = properties.message_id().as_ref().map(ToString::to_string);
-        // Held until the publish is in the ledger, so that the ledger's order is the wire's.
-        let _in_order = self.confirms.sending.lock().await;
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() },
-                payload,
-                properties,
-            )
-            .await?;
-        let seq = self.confirms.track(message_id, confirm);
+        // The deadline counts from here: on a connection the broker blocks, lapin writes no frame,
+        // and the publish itself never completes (nor, behind it, the next one's).
         let deadline = tokio::time::Instant::now() + self.confirm_timeout;
+        let sent = tokio::time::timeout_at(deadline, async {
+            // Held until the publish is in the ledger, so that the ledger's order is the wire's.
+            let _in_order = self.confirms.sending.lock().await;
+            let confirm = self
+                .channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() },
+                    payload,
+                    properties,
+                )
+                .await?;
+            Ok::<_, lapin::Error>(self.confirms.track(message_id, confirm))
+        });
+        let seq = sent.await.map_err(|_| PublishError::TimedOut(self.confirm_timeout))??;
         Ok(Pending {
             seq,
             confirms: Arc::clone(&self.confirms),
@@ -162,7 +167,7 @@ pub struct Pending {
     seq: u64,
     confirms: Arc<Confirms>,
     settled: bool,
-    /// When the confirm is overdue: the publisher's timeout after the send.
+    /// When the confirm is overdue: the publisher's timeout after the call to send.
     deadline: tokio::time::Instant,
     timeout: Duration,
 }

@@ -13,7 +13,7 @@
 //! A row the broker will never take (a body over its `max_message_size`, an exchange the relay's
 //! user may not write) does not refuse itself politely: the broker closes the channel, and every
 //! publish in flight on it fails with it. The relay then publishes the due rows one at a time on
-//! a fresh channel until the broker refuses one ([`Relay::isolate`]): that row's attempt is
+//! a fresh channel until the broker refuses one (`Relay::isolate`): that row's attempt is
 //! counted with the broker's reason and it waits out a backoff, while the rows behind it flow.
 //! After `RELAY_MAX_ATTEMPTS` it is parked (the claim skips it), its job is told
 //! (`job.quarantined`), and `msgctl outbox` lists and re-arms it.
@@ -242,7 +242,7 @@ struct Relay {
 }
 
 impl Session for Relay {
-    async fn run(&mut self, connection: &lapin::Connection) -> SessionEnd {
+    async fn run(&mut self, connection: &lapin::Connection, _node: usize) -> SessionEnd {
         let mut was_up = false;
         loop {
             let error = match self.session(connection, &mut was_up).await {

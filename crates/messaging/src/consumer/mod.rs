@@ -13,7 +13,9 @@
 //!    only then is the delivery acked. A message the inbox has seen is acked without effect;
 //! 4. a transient error re-publishes a copy to the next wait tier with `retry-count + 1`
 //!    (confirmed), then acks the original; the last allowed attempt, or a permanent error, parks
-//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event. An
+//!    the message with its reason (confirmed), then acks. Both emit a `job.*` event. Such a
+//!    settlement publishes on a connection of the session's own and is held beside its other work,
+//!    so that a broker blocking publishers (a resource alarm) holds only these. An
 //!    unreachable database is not the message's fault: the delivery is held and applied again
 //!    with backoff until the database answers, spending no attempt (decision 0003);
 //! 5. there is no `nack(requeue = true)` for a failure: a message that fails never spins. Only

@@ -172,31 +172,40 @@ impl<H: Handler> Runtime<H> {
         settled
     }
 
-    /// Apply a readable message and settle its delivery by the outcome: ack, retry or park.
-    async fn settle(&self, delivery: InFlight, io: &Io, message: &Incoming) -> Result<(), PublishError> {
-        let publisher = &io.publisher;
+    /// Apply a readable message and settle its delivery by the outcome: ack, or retry, park or
+    /// defer it. The last three publish a copy first, and are held beside the session's work
+    /// ([`Io::hold`]): a broker that blocks publishing holds them, not the deliveries behind.
+    async fn settle(self: &Arc<Self>, delivery: InFlight, io: &Io, message: &Incoming) -> Result<(), PublishError> {
+        // What a held settlement takes with it (cloned only for one).
+        let owned = || (Arc::clone(self), io.publisher.clone(), message.clone());
         match self.when_reachable(&io.ended, || self.apply(message)).await {
             None => {
                 tracing::info!("session ended during a database outage; the broker will redeliver");
-                return Ok(());
             }
-            Some(Ok(Applied::Waits { next })) => self.defer(delivery, publisher, message, next).await?,
+            Some(Ok(Applied::Waits { next })) => {
+                let (runtime, publisher, message) = owned();
+                io.hold(async move { runtime.defer(delivery, &publisher, &message, next).await });
+            }
             Some(Ok(applied)) => {
                 delivery.ack().await?;
                 self.acked(applied);
             }
             // `Unavailable` is waited out above; were one to get here, it would be retried.
             Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
+                let (runtime, publisher, message) = owned();
                 match self.settings.policy.next_delay(message.retry_count) {
-                    Some(delay) => self.retry(delivery, publisher, message, delay, error.text()).await?,
+                    Some(delay) => {
+                        io.hold(async move { runtime.retry(delivery, &publisher, &message, delay, error.text()).await })
+                    }
                     None => {
                         let reason = format!("gave up after {} attempts: {error}", message.attempt());
-                        self.park(delivery, publisher, message.retry_count, &reason).await?;
+                        io.hold(async move { runtime.park(delivery, &publisher, message.retry_count, &reason).await });
                     }
                 }
             }
             Some(Err(HandlerError::Permanent(error))) => {
-                self.park(delivery, publisher, message.retry_count, error.text()).await?
+                let (runtime, publisher, message) = owned();
+                io.hold(async move { runtime.park(delivery, &publisher, message.retry_count, error.text()).await });
             }
         }
         Ok(())

@@ -156,8 +156,29 @@ pub enum SessionEnd {
 
 /// One connection's worth of work: consume, or publish, until shutdown or the connection fails.
 pub trait Session {
-    /// Work on `connection`; set the link's readiness flag once up.
-    fn run(&mut self, connection: &Connection) -> impl std::future::Future<Output = SessionEnd> + Send;
+    /// Work on `connection`, to the link's node of index `node`; set the link's readiness flag
+    /// once up.
+    fn run(&mut self, connection: &Connection, node: usize) -> impl std::future::Future<Output = SessionEnd> + Send;
+}
+
+/// Keep `name`'s entry of [`Readiness::blocked`] as the broker says: RabbitMQ sends
+/// `connection.blocked` when a resource alarm (memory, disk) stops it reading from a connection
+/// that publishes, and `connection.unblocked` when the alarms clear. lapin then writes nothing on
+/// the connection, acks included, until unblocked. Runs until aborted (at the session's end).
+pub fn watch_blocked(connection: &Connection, name: String, readiness: &Arc<Readiness>) -> tokio::task::JoinHandle<()> {
+    use futures_util::StreamExt;
+    let mut events = connection.events_listener();
+    let readiness = Arc::clone(readiness);
+    readiness.set_blocked(&name, None);
+    tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            match event {
+                lapin::Event::ConnectionBlocked(reason) => readiness.set_blocked(&name, Some(reason)),
+                lapin::Event::ConnectionUnblocked => readiness.set_blocked(&name, None),
+                _ => {}
+            }
+        }
+    })
 }
 
 /// The reconnect loop every long-running broker client uses: connect (with the link's backoff),
@@ -171,11 +192,18 @@ pub async fn run_sessions(link: &Link, shutdown: &Shutdown, session: &mut impl S
     let (mut failures, mut first) = (0, 0);
     while let Some((connection, node)) = connect_with_backoff(&link.nodes, first, flag, backoff, shutdown).await {
         readiness.set_node(flag, Some(link.nodes.address(node)));
-        let end = session.run(&connection).await;
+        let watching = watch_blocked(&connection, flag.to_owned(), readiness);
+        let end = session.run(&connection, node).await;
+        watching.abort();
         readiness.set(flag, false);
         readiness.set_node(flag, None);
-        // Bounded: on a connection that has just died, lapin can wait forever for the close-ok.
-        let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into())).await;
+        readiness.set_blocked(flag, None);
+        // Bounded: on a connection that has just died, lapin can wait forever for the close-ok. A
+        // blocked one writes nothing, its close included: dropped, its close is queued and goes
+        // out when the alarm clears.
+        if !connection.status().blocked() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into())).await;
+        }
         match end {
             SessionEnd::Shutdown => return,
             SessionEnd::Lost { was_up: true } => failures = 0,

@@ -26,6 +26,17 @@ use crate::{
 pub struct Readiness {
     flags: Mutex<BTreeMap<String, bool>>,
     nodes: Mutex<BTreeMap<String, String>>,
+    /// Each broker connection watched, by name: since when, and why, the broker blocks it.
+    blocked: Mutex<BTreeMap<String, Option<Blocked>>>,
+}
+
+/// A connection the broker blocks (`connection.blocked`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Blocked {
+    /// When it was blocked.
+    pub since: chrono::DateTime<chrono::Utc>,
+    /// The broker's reason, e.g. `low on memory`.
+    pub reason: String,
 }
 
 impl Readiness {
@@ -52,6 +63,30 @@ impl Readiness {
     /// Each connected session's broker node, by session name.
     pub fn nodes(&self) -> BTreeMap<String, String> {
         self.nodes.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    /// Record that the broker blocks connection `name` (with its reason) or does not. Logged
+    /// when it changes.
+    pub fn set_blocked(&self, name: &str, reason: Option<String>) {
+        let mut blocked = self.blocked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = reason.map(|reason| Blocked { since: chrono::Utc::now(), reason });
+        match (blocked.get(name).cloned().flatten(), &now) {
+            (None, Some(now)) => {
+                tracing::warn!(connection = name, reason = now.reason, "the broker blocks this connection")
+            }
+            (Some(was), None) => {
+                tracing::info!(connection = name, since = %was.since, "the broker unblocked this connection")
+            }
+            // Blocked again while blocked: it has been since the first time.
+            (Some(_), Some(_)) => return,
+            (None, None) => {}
+        }
+        blocked.insert(name.to_owned(), now);
+    }
+
+    /// Every connection watched, and whether the broker blocks it.
+    pub fn blocked(&self) -> BTreeMap<String, Option<Blocked>> {
+        self.blocked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
     /// The flags that are not ready.
@@ -87,10 +122,15 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     }
     let failing = health.readiness.failing();
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    // A blocked connection is reported, not failed: a consumer on it still acks (on its own
+    // connection), an API still takes orders; the outbox age and the blocked gauge page.
+    let blocked: BTreeMap<String, Blocked> =
+        health.readiness.blocked().into_iter().filter_map(|(name, blocked)| Some((name, blocked?))).collect();
     let body = serde_json::json!({
         "status": if failing.is_empty() { "ready" } else { "not ready" },
         "failing": failing,
         "brokerNodes": health.readiness.nodes(),
+        "blockedConnections": blocked,
     });
     (status, Json(body))
 }
@@ -99,6 +139,11 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
     // The outbox gauges are read at scrape time. A database that is down loses its gauges (they
     // would be stale); the counters and histograms still render.
     let metrics = &health.metrics;
+    let now = chrono::Utc::now();
+    for (name, blocked) in health.readiness.blocked() {
+        let seconds = blocked.map_or(0.0, |blocked| (now - blocked.since).to_std().unwrap_or_default().as_secs_f64());
+        metrics.connection_blocked.get_or_create(&metrics::ByConnection { connection: name }).set(seconds);
+    }
     for (name, pool) in &health.databases {
         let database = ByDatabase { database: name.clone() };
         let by_state = |state: &str| ByDatabaseState { database: name.clone(), state: state.to_owned() };

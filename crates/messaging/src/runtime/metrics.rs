@@ -58,6 +58,13 @@ pub struct ByDatabase {
     pub database: String,
 }
 
+/// Labels: a broker connection, by the name it has in the management UI.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByConnection {
+    /// e.g. `relay:orders`, `consumer:inventory.order-placed:publishing`.
+    pub connection: String,
+}
+
 /// Labels: an outbox database and a row state (`unpublished`, `parked`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ByDatabaseState {
@@ -116,6 +123,8 @@ pub struct Metrics {
     pub(crate) outbox_rows: Family<ByDatabaseState, Gauge>,
     /// `outbox_oldest_unpublished_age_seconds`: how long the oldest unpublished row has waited.
     pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
+    /// `broker_connection_blocked_seconds`: how long the broker has blocked each connection.
+    pub(crate) connection_blocked: Family<ByConnection, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -134,6 +143,7 @@ impl Default for Metrics {
             job_duration: Family::new_with_constructor(job_durations),
             outbox_rows: Family::default(),
             oldest_unpublished: Family::default(),
+            connection_blocked: Family::default(),
         };
         metrics.register_consumers();
         metrics.register_outboxes();
@@ -201,6 +211,13 @@ impl Metrics {
             "Unpublished outbox rows: waiting to be published, or parked (refused by the broker, until an operator \
              re-arms them); counted up to 100,000",
             self.outbox_rows.clone(),
+        );
+        r.register_with_unit(
+            "broker_connection_blocked",
+            "How long the broker has blocked this connection (a memory or disk alarm; 0 when it does not): lapin \
+             writes nothing on it meanwhile",
+            Unit::Seconds,
+            self.connection_blocked.clone(),
         );
         r.register_with_unit(
             "outbox_oldest_unpublished_age",
