@@ -420,12 +420,7 @@ impl Relay {
         publisher: &Publisher,
         declared: &mut HashSet<String>,
     ) -> Result<Option<SentBatch>, SessionError> {
-        let (tx, rows) = db::within(db::QUERY_DEADLINE, async {
-            let mut tx = db::begin(&self.db.pool).await?;
-            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
-            Ok::<_, sqlx::Error>((tx, rows))
-        })
-        .await?;
+        let (tx, rows) = self.claim().await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(None);
@@ -505,6 +500,16 @@ impl Relay {
         Ok(Publisher::open(connection).await?.with_confirm_timeout(self.confirm_timeout))
     }
 
+    /// Begin a transaction and claim a batch of due rows in it (locked until it ends).
+    async fn claim(&self) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox::OutboxRow>), sqlx::Error> {
+        db::within(db::QUERY_DEADLINE, async {
+            let mut tx = db::begin(&self.db.pool).await?;
+            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+            Ok((tx, rows))
+        })
+        .await
+    }
+
     /// Record a row the broker refused (returned, nacked) in `tx`: its attempt, the reason, and
     /// when it is due again.
     async fn refused(
@@ -528,12 +533,7 @@ impl Relay {
     /// go on in batches. If no row is refused (the channel closed for another reason), every row
     /// claimed is published this way.
     async fn isolate(&self, connection: &lapin::Connection) -> Result<(), SessionError> {
-        let (mut tx, rows) = db::within(db::QUERY_DEADLINE, async {
-            let mut tx = db::begin(&self.db.pool).await?;
-            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
-            Ok::<_, sqlx::Error>((tx, rows))
-        })
-        .await?;
+        let (mut tx, rows) = self.claim().await?;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
         let mut confirmed = Vec::new();
         let mut outcome = Ok(());

@@ -75,16 +75,23 @@ impl Contract for AuditNoted {
     const EXCHANGE: &'static str = "audit";
 }
 
-/// The rows `msgctl outbox stuck --json` lists for the orders database.
-async fn stuck(shop: &Shop) -> Vec<serde_json::Value> {
+/// `msgctl outbox ARGS` on the orders database, which must succeed; what it printed.
+async fn msgctl_outbox(shop: &Shop, args: &[&str]) -> String {
     let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
         .env("DATABASE_URL", shop.env.database_url("orders"))
-        .args(["outbox", "stuck", "--json"])
+        .arg("outbox")
+        .args(args)
         .output()
         .await
         .expect("run msgctl");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8_lossy(&output.stdout).lines().map(|line| serde_json::from_str(line).expect("JSON")).collect()
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The rows `msgctl outbox stuck --json` lists for the orders database.
+async fn stuck(shop: &Shop) -> Vec<serde_json::Value> {
+    let listed = msgctl_outbox(shop, &["stuck", "--json"]).await;
+    listed.lines().map(|line| serde_json::from_str(line).expect("JSON")).collect()
 }
 
 /// Whether the row of `message_id` is parked: its attempts and last error.
@@ -154,13 +161,7 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
     assert!(granted.is_ok_and(|response| response.status < 300), "grant the relay the audit exchange");
     audit_queue(&shop).await;
 
-    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
-        .env("DATABASE_URL", shop.env.database_url("orders"))
-        .args(["outbox", "retry", "--all"])
-        .output()
-        .await
-        .expect("run msgctl");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    msgctl_outbox(&shop, &["retry", "--all"]).await;
     shop.wait_for_state(big, "succeeded").await;
     eventually("the audit note to be delivered", WAIT, || async {
         (shop.env.queue_depth(AUDIT_QUEUE).await == Some(1)).then_some(())
