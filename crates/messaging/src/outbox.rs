@@ -32,6 +32,33 @@ pub async fn enqueue<C: Contract>(
     Outgoing::of(body, correlation_id).enqueue(conn).await
 }
 
+/// The size in bytes of the body the relay will publish for `body`: the payload column is `jsonb`,
+/// and the relay sends it as Postgres prints it (`payload::text`), which puts a space after every
+/// `:` and `,`, so the body on the wire is longer than `serde_json::to_vec`'s. For a limit checked
+/// before a message is written (the broker's `max_message_size`).
+pub fn published_size(body: &impl serde::Serialize) -> serde_json::Result<usize> {
+    let mut written = Vec::new();
+    body.serialize(&mut serde_json::Serializer::with_formatter(&mut written, JsonbText))?;
+    Ok(written.len())
+}
+
+/// JSON as Postgres prints a `jsonb` value: `", "` between items and `": "` after a key.
+struct JsonbText;
+
+impl serde_json::ser::Formatter for JsonbText {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
 static INSERT: LazyLock<String> =
     LazyLock::new(|| format!("insert into outbox ({COLUMNS}) values ($1, $2, $3, $4, $5, $6)"));
 
@@ -214,8 +241,10 @@ pub struct OutboxRow {
     pub headers: Json<Headers>,
     /// When the business change committed (the AMQP timestamp).
     pub created_at: DateTime<Utc>,
-    /// Failed publish attempts so far.
+    /// Failed publish attempts so far, of any kind.
     pub attempts: i32,
+    /// Of those, the publishes that closed the channel ([`record_refusal`]): what parks a row.
+    pub refusals: i32,
 }
 
 impl OutboxRow {
@@ -231,7 +260,7 @@ impl OutboxRow {
 pub async fn claim_unpublished(conn: &mut PgConnection, limit: i64) -> sqlx::Result<Vec<OutboxRow>> {
     sqlx::query_as(
         "select id, message_id, message_type, exchange, routing_key, payload::text as payload,
-                headers, created_at, attempts
+                headers, created_at, attempts, refusals
            from outbox
           where published_at is null and parked_at is null and available_at <= now()
           order by id
@@ -258,10 +287,27 @@ pub async fn mark_published(conn: &mut PgConnection, ids: &[i64]) -> sqlx::Resul
 /// Record a failed publish (returned, nacked): the row stays unpublished and is not claimed again
 /// before `retry_after` has passed.
 pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
+    record_attempt(conn, id, error, retry_after, 0).await
+}
+
+/// Record a publish that closed the channel on its own (the broker refuses the row itself): as
+/// [`record_failure`], and counted in `refusals`, on which parking ([`park`]) is decided.
+pub async fn record_refusal(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
+    record_attempt(conn, id, error, retry_after, 1).await
+}
+
+async fn record_attempt(
+    conn: &mut PgConnection,
+    id: i64,
+    error: &str,
+    retry_after: Duration,
+    refusals: i32,
+) -> sqlx::Result<()> {
     let retry_ms = i64::try_from(retry_after.as_millis()).unwrap_or(i64::MAX);
     sqlx::query(
         "update outbox
             set attempts = attempts + 1,
+                refusals = refusals + $4,
                 last_error = $2,
                 available_at = now() + $3 * interval '1 millisecond'
           where id = $1",
@@ -269,6 +315,7 @@ pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry
     .bind(id)
     .bind(error)
     .bind(retry_ms)
+    .bind(refusals)
     .execute(conn)
     .await
     .map(drop)
@@ -277,12 +324,15 @@ pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry
 /// Set a row the broker keeps refusing aside, with the broker's reason: the claim skips it from now
 /// on (the rows behind it flow) until an operator re-arms it (`msgctl outbox retry`).
 pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result<()> {
-    sqlx::query("update outbox set attempts = attempts + 1, last_error = $2, parked_at = now() where id = $1")
-        .bind(id)
-        .bind(error)
-        .execute(conn)
-        .await
-        .map(drop)
+    sqlx::query(
+        "update outbox set attempts = attempts + 1, refusals = refusals + 1, last_error = $2, parked_at = now()
+          where id = $1",
+    )
+    .bind(id)
+    .bind(error)
+    .execute(conn)
+    .await
+    .map(drop)
 }
 
 /// Delete up to `batch` rows published more than `retention` ago; returns how many went.

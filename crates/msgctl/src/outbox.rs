@@ -45,6 +45,8 @@ struct Stuck {
     exchange: String,
     routing_key: String,
     attempts: i32,
+    /// Of those, publishes the broker refused by closing the channel: what parks a row.
+    refusals: i32,
     last_error: Option<String>,
     available_at: DateTime<Utc>,
     created_at: DateTime<Utc>,
@@ -85,8 +87,8 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
     let mut total = 0;
     for (database, pool) in pools {
         let rows: Vec<Stuck> = sqlx::query_as(
-            "select id, message_id, message_type, exchange, routing_key, attempts, last_error, available_at, created_at,
-                    parked_at
+            "select id, message_id, message_type, exchange, routing_key, attempts, refusals, last_error, available_at,
+                    created_at, parked_at
                from outbox where published_at is null and attempts > 0 order by id",
         )
         .fetch_all(pool)
@@ -98,6 +100,7 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
                 let line = serde_json::json!({
                     "database": database, "id": row.id, "messageId": row.message_id, "type": row.message_type,
                     "exchange": row.exchange, "routingKey": row.routing_key, "attempts": row.attempts,
+                    "refusals": row.refusals,
                     "lastError": row.last_error, "nextAttemptAt": row.available_at, "createdAt": row.created_at,
                     "state": state, "parkedAt": row.parked_at,
                 });
@@ -108,12 +111,13 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
                     None => format!("next {}", row.available_at.to_rfc3339()),
                 };
                 println!(
-                    "{database}  {}  {}  to {}/{}  attempts {}  {next}  {}",
+                    "{database}  {}  {}  to {}/{}  attempts {} (refused {})  {next}  {}",
                     row.message_id,
                     row.message_type,
                     row.exchange,
                     row.routing_key,
                     row.attempts,
+                    row.refusals,
                     row.last_error.as_deref().unwrap_or("-")
                 );
             }
@@ -132,7 +136,8 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
         let made_due: Vec<Uuid> = sqlx::query_scalar(
             "update outbox
                 set available_at = now(), parked_at = null,
-                    attempts = case when parked_at is null then attempts else 0 end
+                    attempts = case when parked_at is null then attempts else 0 end,
+                    refusals = case when parked_at is null then refusals else 0 end
               where published_at is null and ($2 and attempts > 0 or message_id = any($1))
               returning message_id",
         )

@@ -11,6 +11,7 @@ use axum::{
 use chrono::{DateTime, Utc};
 use messaging::{
     envelope::HEADER_TRACEPARENT as TRACEPARENT,
+    outbox,
     runtime::{
         db::{self, QUERY_DEADLINE},
         trace::{self, TraceContext},
@@ -170,7 +171,7 @@ pub(crate) async fn place_order(
     let order = request.parse()?;
     // Its ids do not change its size: every UUID is written with the same length.
     let placeholder = Accepted { job_id: Uuid::nil(), order_id: Uuid::nil() };
-    let message_bytes = serde_json::to_vec(&order.placed(&placeholder)).map_err(ApiError::internal)?.len();
+    let message_bytes = outbox::published_size(&order.placed(&placeholder)).map_err(ApiError::internal)?;
     if message_bytes > limits.max_message_bytes {
         return Err(ApiError::MessageTooLarge { size: message_bytes, limit: limits.max_message_bytes });
     }

@@ -190,6 +190,10 @@ async fn an_accepted_order_is_written_whole_and_reads_back_as_queued_and_accepte
             .expect("row");
     assert_eq!(message_type, "order.placed");
     assert_eq!(correlation.as_deref(), Some(job_id));
+    // The size the API checks against MAX_MESSAGE_BYTES is the size of the body the relay sends.
+    let (payload, sent): (Value, i32) =
+        sqlx::query_as("select payload, octet_length(payload::text) from outbox").fetch_one(&pool).await.expect("row");
+    assert_eq!(messaging::outbox::published_size(&payload).expect("serializes"), sent as usize);
 }
 
 #[tokio::test]

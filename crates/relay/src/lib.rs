@@ -76,6 +76,10 @@ pub struct Config {
     pub relay: RelaySettings,
 }
 
+/// How many due rows [`Relay::isolate`] sends one at a time, each awaiting its confirm, to find
+/// the one the broker refuses: a round trip each, in one transaction.
+const ISOLATE_ROWS: i64 = 64;
+
 /// What the relay's role needs on every outbox: claim and read rows, mark them, delete the old.
 pub const OUTBOX_GRANTS: [&str; 3] = ["SELECT", "UPDATE", "DELETE"];
 
@@ -420,7 +424,7 @@ impl Relay {
         publisher: &Publisher,
         declared: &mut HashSet<String>,
     ) -> Result<Option<SentBatch>, SessionError> {
-        let (tx, rows) = self.claim().await?;
+        let (tx, rows) = self.claim(self.settings.batch_size).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(None);
@@ -471,7 +475,7 @@ impl Relay {
                     broken = Some(error);
                     break;
                 }
-                Err(error) => self.refused(&mut tx, row, &error.to_string(), &backoff).await?,
+                Err(error) => self.refused(&mut tx, row, &error.to_string(), &backoff, false).await?,
             }
         }
         failpoint::hit(failpoint::RELAY_AFTER_CONFIRM).await;
@@ -500,54 +504,71 @@ impl Relay {
         Ok(Publisher::open(connection).await?.with_confirm_timeout(self.confirm_timeout))
     }
 
-    /// Begin a transaction and claim a batch of due rows in it (locked until it ends).
-    async fn claim(&self) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox::OutboxRow>), sqlx::Error> {
+    /// Begin a transaction and claim up to `limit` due rows in it (locked until it ends).
+    async fn claim(
+        &self,
+        limit: i64,
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox::OutboxRow>), sqlx::Error> {
         db::within(db::QUERY_DEADLINE, async {
             let mut tx = db::begin(&self.db.pool).await?;
-            let rows = outbox::claim_unpublished(&mut tx, self.settings.batch_size).await?;
+            let rows = outbox::claim_unpublished(&mut tx, limit).await?;
             Ok((tx, rows))
         })
         .await
     }
 
-    /// Record a row the broker refused (returned, nacked) in `tx`: its attempt, the reason, and
-    /// when it is due again.
+    /// Record a row the broker refused in `tx`: its attempt, the reason, and when it is due again.
+    /// `closed_the_channel`: the row itself was refused (counted toward parking it), rather than
+    /// returned or nacked.
     async fn refused(
         &self,
         tx: &mut sqlx::PgConnection,
         row: &outbox::OutboxRow,
         reason: &str,
         backoff: &Backoff,
+        closed_the_channel: bool,
     ) -> Result<(), SessionError> {
         let retry_after = backoff.delay(u32::try_from(row.attempts).unwrap_or(0));
         tracing::warn!(id = row.id, message_id = %row.message_id, reason, ?retry_after, "publish refused; will retry");
-        db::within(db::QUERY_DEADLINE, outbox::record_failure(tx, row.id, reason, retry_after)).await?;
+        let record = async {
+            if closed_the_channel {
+                outbox::record_refusal(tx, row.id, reason, retry_after).await
+            } else {
+                outbox::record_failure(tx, row.id, reason, retry_after).await
+            }
+        };
+        db::within(db::QUERY_DEADLINE, record).await?;
         self.metrics.publish_failed();
         Ok(())
     }
 
-    /// After the broker closed the channel with the connection still up: publish the due rows one
-    /// at a time, each on a channel of its own until one is refused, to find the row the broker
-    /// refuses. That row's attempt is counted, with the broker's reason, and it waits out a backoff
-    /// (or, at `RELAY_MAX_ATTEMPTS`, is parked); the rows confirmed before it are marked. The rest
-    /// go on in batches. If no row is refused (the channel closed for another reason), every row
-    /// claimed is published this way.
+    /// After the broker closed the channel with the connection still up: publish the first
+    /// [`ISOLATE_ROWS`] due rows one at a time on a fresh channel, each awaiting its confirm, until
+    /// the broker refuses one. That row's refusal is counted, with the broker's reason, and it
+    /// waits out a backoff (or, at `RELAY_MAX_ATTEMPTS`, is parked); the rows confirmed before it
+    /// are marked. The rest go on in batches. The row that closed a batch's channel is almost
+    /// always the first due one (the rows confirmed before it were marked); if none of these is
+    /// refused (the channel closed for another reason, or the culprit lies further on), they are
+    /// published, and a batch that closes the channel again brings the relay back here, past them.
     async fn isolate(&self, connection: &lapin::Connection) -> Result<(), SessionError> {
-        let (mut tx, rows) = self.claim().await?;
+        let (mut tx, rows) = self.claim(ISOLATE_ROWS.min(self.settings.batch_size)).await?;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
         let mut confirmed = Vec::new();
         let mut outcome = Ok(());
         let publisher = self.publisher(connection).await?;
+        let mut declared = HashSet::new();
         for row in &rows {
             let sent = async {
-                topology::declare_exchanges(publisher.channel(), &[row.exchange.as_str()]).await?;
+                if declared.insert(row.exchange.as_str()) {
+                    topology::declare_exchanges(publisher.channel(), &[row.exchange.as_str()]).await?;
+                }
                 publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await
             };
             match sent.await {
                 Ok(()) => confirmed.push(row.id),
                 // Returned or nacked: refused politely, the channel lives on.
                 Err(error @ (PublishError::Returned(_) | PublishError::Nacked)) => {
-                    self.refused(&mut tx, row, &error.to_string(), &backoff).await?;
+                    self.refused(&mut tx, row, &error.to_string(), &backoff, false).await?;
                 }
                 // This row, sent alone, closed the channel and nothing else: the broker refuses it.
                 Err(PublishError::Connection(error)) if connection.status().connected() => {
@@ -583,8 +604,8 @@ impl Relay {
     ) -> Result<(), SessionError> {
         let reason = format!("the broker closed the channel: {reason}");
         let attempt = u32::try_from(row.attempts).unwrap_or(0) + 1;
-        if attempt < self.settings.max_attempts {
-            return self.refused(tx, row, &reason, backoff).await;
+        if u32::try_from(row.refusals).unwrap_or(0) + 1 < self.settings.max_attempts {
+            return self.refused(tx, row, &reason, backoff, true).await;
         }
         if let Some(job_id) = row.headers.0.correlation_id {
             let event = JobQuarantined {

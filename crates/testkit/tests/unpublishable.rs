@@ -4,7 +4,9 @@
 //! finds the row, counts its attempts with the broker's reason, and parks it after
 //! `RELAY_MAX_ATTEMPTS`, while the orders behind flow. The order's job ends quarantined with the
 //! reason; `msgctl outbox stuck` lists both rows; once the causes are fixed, `msgctl outbox retry`
-//! re-arms them and they are published, the order succeeding after all.
+//! re-arms them and they are published, the order succeeding after all. A third row, first
+//! returned as unroutable and then too large, is parked after as many refusals, however often it
+//! was returned before: only a refusal counts toward parking.
 //!
 //! A suite of its own: it lowers the broker's `max_message_size` (a node-wide setting, restored
 //! afterwards), and no other test may run beside it on that broker meanwhile.
@@ -75,6 +77,18 @@ impl Contract for AuditNoted {
     const EXCHANGE: &'static str = "audit";
 }
 
+/// A message for an exchange the relay may write, under a routing key no queue binds (so it is
+/// returned), with a body over [`LIMIT`] (so it is refused once the limit is lowered).
+#[derive(Debug, Serialize)]
+struct BulkyNote {
+    note: String,
+}
+
+impl Contract for BulkyNote {
+    const TYPE: &'static str = "order.noted";
+    const EXCHANGE: &'static str = "orders";
+}
+
 /// `msgctl outbox ARGS` on the orders database, which must succeed; what it printed.
 async fn msgctl_outbox(shop: &Shop, args: &[&str]) -> String {
     let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
@@ -94,9 +108,9 @@ async fn stuck(shop: &Shop) -> Vec<serde_json::Value> {
     listed.lines().map(|line| serde_json::from_str(line).expect("JSON")).collect()
 }
 
-/// Whether the row of `message_id` is parked: its attempts and last error.
-async fn parked(shop: &Shop, message_id: Uuid) -> Option<(i32, String)> {
-    sqlx::query_as("select attempts, last_error from outbox where message_id = $1 and parked_at is not null")
+/// Whether the row of `message_id` is parked: its attempts, refusals and last error.
+async fn parked(shop: &Shop, message_id: Uuid) -> Option<(i32, i32, String)> {
+    sqlx::query_as("select attempts, refusals, last_error from outbox where message_id = $1 and parked_at is not null")
         .bind(message_id)
         .fetch_optional(&shop.orders)
         .await
@@ -105,14 +119,30 @@ async fn parked(shop: &Shop, message_id: Uuid) -> Option<(i32, String)> {
 
 #[tokio::test]
 async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_orders_behind_them_succeed() {
-    let limit = LoweredLimit::new();
+    let relay_env = [("RELAY_MAX_ATTEMPTS", "3"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "400ms")];
     let options = Options {
         least_privilege: true,
-        relay_env: vec![("RELAY_MAX_ATTEMPTS", "3".to_owned())],
+        relay_env: relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect(),
         ..Options::default()
     };
     let mut shop = Shop::start(options).await;
     shop.restock("SKU-%", 100_000).await;
+
+    // Returned, as unroutable, more times than the relay's attempts: still waiting, not parked.
+    let mut tx = shop.orders.begin().await.expect("begin");
+    let bulky = outbox::enqueue(&mut tx, &BulkyNote { note: "x".repeat(LIMIT as usize) }, None).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    eventually("the bulky row to be returned four times", WAIT, || async {
+        let attempts: i32 =
+            sqlx::query_scalar("select attempts from outbox where message_id = $1 and parked_at is null")
+                .bind(bulky)
+                .fetch_one(&shop.orders)
+                .await
+                .expect("read the outbox");
+        (attempts >= 4).then_some(())
+    })
+    .await;
+    let limit = LoweredLimit::new();
 
     // Over the broker's limit: an order of 100 lines.
     let big = shop.place(&[("SKU-1", 1); 100]).await;
@@ -127,14 +157,19 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
         ordinary.push(shop.place(&[(skus[i % 3], 1)]).await);
     }
 
-    // Each refused row is parked after its three attempts, with the broker's reason.
+    // Each refused row is parked after its three refusals, with the broker's reason; the bulky
+    // row's returns before the limit was lowered do not count toward it.
     let big_row = big_message(&shop, big).await;
-    let (attempts, reason) = eventually("the order's row to be parked", WAIT, || parked(&shop, big_row)).await;
-    assert_eq!(attempts, 3);
+    let (attempts, refusals, reason) =
+        eventually("the order's row to be parked", WAIT, || parked(&shop, big_row)).await;
+    assert_eq!((attempts, refusals), (3, 3));
     assert!(reason.contains("PRECONDITION_FAILED") && reason.contains("max size"), "{reason}");
-    let (attempts, reason) = eventually("the audit row to be parked", WAIT, || parked(&shop, audit)).await;
-    assert_eq!(attempts, 3);
+    let (attempts, refusals, reason) = eventually("the audit row to be parked", WAIT, || parked(&shop, audit)).await;
+    assert_eq!((attempts, refusals), (3, 3));
     assert!(reason.contains("ACCESS_REFUSED"), "{reason}");
+    let (attempts, refusals, reason) = eventually("the bulky row to be parked", WAIT, || parked(&shop, bulky)).await;
+    assert!(attempts >= 7 && refusals == 3, "attempts {attempts}, refusals {refusals}");
+    assert!(reason.contains("max size"), "{reason}");
     // Its job ends quarantined with the reason, and the thousand orders behind succeed.
     let job = shop.wait_for_state(big, "quarantined").await;
     assert!(job["lastError"].as_str().is_some_and(|error| error.contains("max size")), "{job}");
@@ -143,13 +178,13 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
     }
     // Seen by the operator: the parked gauge (the alert's), and msgctl.
     let gauge = format!("outbox_rows{{database=\"t_{}_orders\",state=\"parked\"}}", shop.env.id());
-    assert_eq!(shop.metric(Service::Relay, &gauge).await, 2);
+    assert_eq!(shop.metric(Service::Relay, &gauge).await, 3);
     let listed = stuck(&shop).await;
-    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed.len(), 3, "{listed:?}");
     assert!(listed.iter().all(|row| row["state"] == "parked"), "{listed:?}");
 
-    // The causes fixed: the broker's limit back, and the relay allowed the audit exchange, which
-    // now has a queue.
+    // The causes fixed: the broker's limit back, the relay allowed the audit exchange, and both
+    // notes' routes given a queue.
     limit.restore();
     let accounts =
         Accounts { role_prefix: format!("t_{}_", shop.env.id()), user_prefix: format!("t-{}-", shop.env.id()) };
@@ -159,30 +194,34 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
     let url = http::join(shop.env.management_url(), &permissions);
     let granted = http::request("PUT", &url, &[("content-type", "application/json")], Some(allowed)).await;
     assert!(granted.is_ok_and(|response| response.status < 300), "grant the relay the audit exchange");
-    audit_queue(&shop).await;
+    probe_queue(&shop, AUDIT_QUEUE, AuditNoted::EXCHANGE, AuditNoted::TYPE).await;
+    probe_queue(&shop, BULKY_QUEUE, BulkyNote::EXCHANGE, BulkyNote::TYPE).await;
 
     msgctl_outbox(&shop, &["retry", "--all"]).await;
     shop.wait_for_state(big, "succeeded").await;
-    eventually("the audit note to be delivered", WAIT, || async {
-        (shop.env.queue_depth(AUDIT_QUEUE).await == Some(1)).then_some(())
-    })
-    .await;
+    for queue in [AUDIT_QUEUE, BULKY_QUEUE] {
+        eventually("the notes to be delivered", WAIT, || async {
+            (shop.env.queue_depth(queue).await == Some(1)).then_some(())
+        })
+        .await;
+    }
     assert!(stuck(&shop).await.is_empty());
     shop.assert_books_balance().await;
 }
 
-/// The queue standing in for the audit service.
+/// The queues standing in for an audit service, and for whatever reads the bulky notes.
 const AUDIT_QUEUE: &str = "audit.probe";
+const BULKY_QUEUE: &str = "noted.probe";
 
-async fn audit_queue(shop: &Shop) {
+/// Declare `queue`, bound to `exchange` by `key`.
+async fn probe_queue(shop: &Shop, queue: &str, exchange: &str, key: &str) {
     let connection = shop.env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
-    topology::declare_exchanges(&channel, &[AuditNoted::EXCHANGE]).await.expect("exchange");
+    topology::declare_exchanges(&channel, &[exchange]).await.expect("exchange");
     let declare = QueueDeclareOptions::durable();
-    channel.queue_declare(AUDIT_QUEUE.into(), declare, FieldTable::default()).await.expect("queue");
+    channel.queue_declare(queue.into(), declare, FieldTable::default()).await.expect("queue");
     let bind = QueueBindOptions::default();
-    let (exchange, key) = (AuditNoted::EXCHANGE.into(), AuditNoted::TYPE.into());
-    channel.queue_bind(AUDIT_QUEUE.into(), exchange, key, bind, FieldTable::default()).await.expect("bind");
+    channel.queue_bind(queue.into(), exchange.into(), key.into(), bind, FieldTable::default()).await.expect("bind");
     let _ = connection.close(200, "bye".into()).await;
 }
 
