@@ -96,6 +96,17 @@ async fn blocked(shop: &Shop, service: Service) -> Vec<String> {
     body["blockedConnections"].as_object().map(|blocked| blocked.keys().cloned().collect()).unwrap_or_default()
 }
 
+/// How many connections the relay has open on the broker: one per outbox database, unless it
+/// opened new ones beside those the broker blocks.
+async fn relay_connections(shop: &Shop) -> usize {
+    let path = format!("/api/vhosts/{}/connections", shop.env.vhost());
+    let url = http::join(shop.env.management_url(), &path);
+    let response = http::request("GET", &url, &[], None).await.expect("the management API answers");
+    let body: serde_json::Value = serde_json::from_slice(&response.body).expect("a JSON list of connections");
+    let names = body.as_array().expect("a list").iter().map(|c| c["client_properties"]["connection_name"].as_str());
+    names.filter(|name| name.is_some_and(|name| name.starts_with("relay:"))).count()
+}
+
 async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
 }
@@ -152,6 +163,10 @@ async fn ride_out(kind: Kind) {
         applied * 10 >= ordinary * 9,
         "{kind:?} alarm: the worker applied {applied} of the {ordinary} orders that need no publish while it lasted"
     );
+    // The relay's blocked sessions ended on their overdue confirms, several times over: each
+    // waited for its connection to be unblocked rather than opening another to be blocked too.
+    let connections = relay_connections(&shop).await;
+    assert!(connections <= 3, "{kind:?} alarm: the relay holds {connections} connections for its 3 databases");
 
     drop(alarm);
     eventually("the alarm to clear", WAIT, || async { (!alarmed()).then_some(()) }).await;

@@ -169,7 +169,9 @@ pub fn watch_blocked(connection: &Connection, name: String, readiness: &Arc<Read
     use futures_util::StreamExt;
     let mut events = connection.events_listener();
     let readiness = Arc::clone(readiness);
-    readiness.set_blocked(&name, None);
+    // Listening first, then reading the state: a block that comes in between is still heard.
+    let already = connection.status().blocked().then(|| "blocked before it was watched".to_owned());
+    readiness.set_blocked(&name, already);
     tokio::spawn(async move {
         while let Some(event) = events.next().await {
             match event {
@@ -179,6 +181,17 @@ pub fn watch_blocked(connection: &Connection, name: String, readiness: &Arc<Read
             }
         }
     })
+}
+
+/// Wait until the broker unblocks `connection`, or it is lost, or shutdown is asked for. Not
+/// bounded by a deadline of its own: an alarm lasts as long as the broker is short of memory or
+/// disk, and it is seen for as long (readiness, `broker_connection_blocked_seconds`, an alert).
+async fn wait_unblocked(connection: &Connection, shutdown: &Shutdown) {
+    while connection.status().blocked() && connection.status().connected() {
+        if !shutdown.sleep(Duration::from_millis(200)).await {
+            return;
+        }
+    }
 }
 
 /// The reconnect loop every long-running broker client uses: connect (with the link's backoff),
@@ -194,9 +207,17 @@ pub async fn run_sessions(link: &Link, shutdown: &Shutdown, session: &mut impl S
         readiness.set_node(flag, Some(link.nodes.address(node)));
         let watching = watch_blocked(&connection, flag.to_owned(), readiness);
         let end = session.run(&connection, node).await;
-        watching.abort();
         readiness.set(flag, false);
         readiness.set_node(flag, None);
+        // Ended with the broker blocking the connection (its confirms overdue in a resource
+        // alarm): a new connection would be blocked at its first publish, like this one, and
+        // each would flush its own copy of what was in flight once the alarm clears. So the
+        // next connection waits until this one is unblocked, seen meanwhile as blocked.
+        if connection.status().blocked() && !matches!(end, SessionEnd::Shutdown) {
+            tracing::warn!("the broker blocks this connection: reconnecting once it is unblocked");
+            wait_unblocked(&connection, shutdown).await;
+        }
+        watching.abort();
         readiness.set_blocked(flag, None);
         // Bounded: on a connection that has just died, lapin can wait forever for the close-ok. A
         // blocked one writes nothing, its close included: dropped, its close is queued and goes
