@@ -69,6 +69,14 @@ macro_rules! contract {
     };
 }
 
+/// Whether `message_type` is one of the runtime's job events. A consumer that retries or parks a
+/// job event reports nothing about it: the report would be a job event of the same job, and a
+/// status consumer that cannot apply one (a job its database does not have) would park its own
+/// report, and the next, without end.
+pub fn is_job_event(message_type: &str) -> bool {
+    [JobRetryScheduled::TYPE, JobQuarantined::TYPE, JobRedriven::TYPE].contains(&message_type)
+}
+
 /// An event about a job, published by the consumer runtime with the job id as its correlation id.
 pub trait JobEvent: Contract {
     /// The job it is about.

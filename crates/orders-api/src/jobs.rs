@@ -125,14 +125,16 @@ pub async fn step_succeeded(
     job_id: Uuid,
     endpoint: &str,
     order: OrderMove,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
+) -> Result<Applied, sqlx::Error> {
+    let known: bool = sqlx::query_scalar(
         "with order_moved as (
             update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+         ), moved as (
+            update jobs set state = $3, retry_endpoint = null,
+                   published_at = coalesce(published_at, now()), updated_at = now()
+             where id = $1 and (state = $4 or (state = $5 and retry_endpoint = $2))
          )
-         update jobs set state = $3, retry_endpoint = null,
-                published_at = coalesce(published_at, now()), updated_at = now()
-          where id = $1 and (state = $4 or (state = $5 and retry_endpoint = $2))",
+         select exists (select from jobs where id = $1)",
     )
     .bind(job_id)
     .bind(endpoint)
@@ -142,9 +144,9 @@ pub async fn step_succeeded(
     .bind(order.order_id)
     .bind(order.to.as_str())
     .bind(order.to.moves_from_names())
-    .execute(tx)
-    .await
-    .map(drop)
+    .fetch_one(tx)
+    .await?;
+    Ok(Applied::known(known, None))
 }
 
 /// A step is waiting for a retry. A late event from a step that has already succeeded (`done_step`,
@@ -153,12 +155,15 @@ pub async fn retry_scheduled(
     tx: &mut PgConnection,
     event: &JobRetryScheduled,
     done_step: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "update jobs set state = $5, retry_endpoint = $2, attempt = greatest(attempt, $3),
-                last_error = $4, updated_at = now()
-          where id = $1 and state <> all($6)
-            and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> $8))",
+) -> Result<Applied, sqlx::Error> {
+    let known: bool = sqlx::query_scalar(
+        "with moved as (
+            update jobs set state = $5, retry_endpoint = $2, attempt = greatest(attempt, $3),
+                   last_error = $4, updated_at = now()
+             where id = $1 and state <> all($6)
+               and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> $8))
+         )
+         select exists (select from jobs where id = $1)",
     )
     .bind(event.job_id)
     .bind(&event.endpoint)
@@ -168,16 +173,15 @@ pub async fn retry_scheduled(
     .bind(terminal())
     .bind(done_step)
     .bind(OrderStatus::Accepted.as_str())
-    .execute(tx)
-    .await
-    .map(drop)
+    .fetch_one(tx)
+    .await?;
+    Ok(Applied::known(known, None))
 }
 
 /// Lock the job's row until the transaction ends. Events of one job are applied concurrently; a
 /// quarantine and a redrive each read what the other steps' messages are doing (`job_steps`), and a
 /// statement reads what had committed when it began: locking first, in a statement of its own,
-/// makes the next statement see the other's steps once it has committed. Whether the job exists:
-/// an event for an unknown job changes nothing.
+/// makes the next statement see the other's steps once it has committed. Whether the job exists.
 async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
     let locked: Option<i32> =
         sqlx::query_scalar("select 1 from jobs where id = $1 for update").bind(job_id).fetch_optional(&mut *tx).await?;
@@ -186,6 +190,23 @@ async fn lock(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> 
 
 /// When a job that has just ended was created, for its duration; `None` if nothing moved.
 pub type Ended = Option<DateTime<Utc>>;
+
+/// What applying a job's event found in this database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// This database has no such job. Every job is written with its order, before its
+    /// `order.placed` can be published, so an event for an unknown job means a commit was lost
+    /// after its message left: a failover to an asynchronous standby that had not received it.
+    UnknownJob,
+    /// The job is here; whether the event just ended it.
+    Job(Ended),
+}
+
+impl Applied {
+    fn known(known: bool, ended: Ended) -> Self {
+        if known { Self::Job(ended) } else { Self::UnknownJob }
+    }
+}
 
 /// A step's message was parked: the job is quarantined, unless it already ended; the attempt only
 /// grows. The job keeps that the step's message is parked and `redrive_count`, how often it had
@@ -198,11 +219,11 @@ pub async fn quarantined(
     attempt: u32,
     error: &str,
     redrive_count: u32,
-) -> Result<Ended, sqlx::Error> {
+) -> Result<Applied, sqlx::Error> {
     if !lock(tx, job_id).await? {
-        return Ok(None);
+        return Ok(Applied::UnknownJob);
     }
-    sqlx::query_scalar(
+    let ended = sqlx::query_scalar(
         "with step as (
             insert into job_steps (job_id, endpoint, parked, redrives) values ($1, $6, true, $7)
             on conflict (job_id, endpoint)
@@ -220,7 +241,8 @@ pub async fn quarantined(
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .fetch_optional(tx)
-    .await
+    .await?;
+    Ok(Applied::Job(ended))
 }
 
 /// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
@@ -233,16 +255,18 @@ pub async fn ended(
     result_key: Option<&str>,
     error: Option<&str>,
     order: OrderMove,
-) -> Result<Ended, sqlx::Error> {
+) -> Result<Applied, sqlx::Error> {
     debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
-    sqlx::query_scalar(
+    let (known, ended): (bool, Ended) = sqlx::query_as(
         "with order_moved as (
             update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+         ), moved as (
+            update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
+                   published_at = coalesce(published_at, now()), updated_at = now()
+             where id = $1 and state <> all($5)
+             returning created_at
          )
-         update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
-                published_at = coalesce(published_at, now()), updated_at = now()
-          where id = $1 and state <> all($5)
-          returning created_at",
+         select exists (select from jobs where id = $1), (select created_at from moved)",
     )
     .bind(job_id)
     .bind(outcome.as_str())
@@ -252,23 +276,25 @@ pub async fn ended(
     .bind(order.order_id)
     .bind(order.to.as_str())
     .bind(order.to.moves_from_names())
-    .fetch_optional(tx)
-    .await
+    .fetch_one(tx)
+    .await?;
+    Ok(Applied::known(known, ended))
 }
 
 /// An operator sent the parked message of the job's step `endpoint` back (`job.redriven`, its
 /// `redrive_count`-th redrive): that step's message is no longer parked, and a quarantined job is
 /// in progress again unless another step's message of it still is. A redrive that is not newer
 /// than what the step has seen is stale and changes nothing (the quarantine that follows a failed
-/// redrive can be applied first: the two events are applied concurrently).
+/// redrive can be applied first: the two events are applied concurrently). `None` if this
+/// database has no such job, else whether the job moved.
 pub async fn redriven(
     tx: &mut PgConnection,
     job_id: Uuid,
     endpoint: &str,
     redrive_count: u32,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<bool>, sqlx::Error> {
     if !lock(tx, job_id).await? {
-        return Ok(false);
+        return Ok(None);
     }
     // The statement sees `job_steps` as it was before `step` wrote: hence `endpoint <> $2`.
     let moved = sqlx::query(
@@ -291,7 +317,7 @@ pub async fn redriven(
     .execute(tx)
     .await?
     .rows_affected();
-    Ok(moved == 1)
+    Ok(Some(moved == 1))
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use messaging::runtime::metrics::Metrics;
 use sqlx::PgConnection;
 
 use crate::{
-    jobs::{self, JobState, OrderMove},
+    jobs::{self, Applied, JobState, OrderMove},
     order::OrderStatus,
 };
 
@@ -62,13 +62,33 @@ impl JobStatus {
     }
 }
 
+/// What an event found ([`Applied`]); an event for a job this database does not have is parked,
+/// with the reason (counted, alerted on and listed as every parked message is), rather than
+/// updating no row and passing unseen.
+fn known(job_id: uuid::Uuid, applied: Applied) -> Result<jobs::Ended, HandlerError> {
+    match applied {
+        Applied::Job(ended) => Ok(ended),
+        Applied::UnknownJob => Err(unknown_job(job_id)),
+    }
+}
+
+fn unknown_job(job_id: uuid::Uuid) -> HandlerError {
+    HandlerError::Permanent(
+        format!(
+            "no job {job_id} in the orders database: a commit lost after its message was published \
+             (a failover to a standby that had not received it)"
+        )
+        .into(),
+    )
+}
+
 // Seeing a downstream result proves order.placed left: queued -> published, in case this event
 // overtook the relay's own mark; and inventory's step is done, so a job waiting on its retry is not
 // waiting any more.
 impl Handle<InventoryReserved> for JobStatus {
     async fn handle(&self, event: InventoryReserved, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let order = OrderMove { order_id: event.order_id, to: OrderStatus::Reserved };
-        jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?;
+        known(event.job_id, jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?)?;
         Ok(())
     }
 }
@@ -76,7 +96,8 @@ impl Handle<InventoryReserved> for JobStatus {
 impl Handle<InventoryRejected> for JobStatus {
     async fn handle(&self, event: InventoryRejected, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let order = OrderMove { order_id: event.order_id, to: OrderStatus::Rejected };
-        let ended = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
+        let applied = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
+        let ended = known(event.job_id, applied)?;
         self.ended(JobState::Rejected, ended);
         Ok(())
     }
@@ -86,7 +107,8 @@ impl Handle<InvoiceCreated> for JobStatus {
     async fn handle(&self, event: InvoiceCreated, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let invoice_id = event.invoice_id.to_string();
         let order = OrderMove { order_id: event.order_id, to: OrderStatus::Invoiced };
-        let ended = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
+        let applied = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
+        let ended = known(event.job_id, applied)?;
         self.ended(JobState::Succeeded, ended);
         Ok(())
     }
@@ -94,16 +116,17 @@ impl Handle<InvoiceCreated> for JobStatus {
 
 impl Handle<JobRetryScheduled> for JobStatus {
     async fn handle(&self, event: JobRetryScheduled, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        jobs::retry_scheduled(tx, &event, INVENTORY_ENDPOINT).await?;
+        known(event.job_id, jobs::retry_scheduled(tx, &event, INVENTORY_ENDPOINT).await?)?;
         Ok(())
     }
 }
 
 impl Handle<JobQuarantined> for JobStatus {
     async fn handle(&self, event: JobQuarantined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let ended =
+        let applied =
             jobs::quarantined(tx, event.job_id, &event.endpoint, event.attempt, &event.error, event.redrive_count)
                 .await?;
+        let ended = known(event.job_id, applied)?;
         self.ended(JobState::Quarantined, ended);
         jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
         Ok(())
@@ -113,8 +136,10 @@ impl Handle<JobQuarantined> for JobStatus {
 impl Handle<JobRedriven> for JobStatus {
     async fn handle(&self, event: JobRedriven, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         // The order starts over from `accepted`: the redriven step's result moves it on.
-        if jobs::redriven(tx, event.job_id, &event.endpoint, event.redrive_count).await? {
-            jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?;
+        match jobs::redriven(tx, event.job_id, &event.endpoint, event.redrive_count).await? {
+            Some(true) => jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?,
+            Some(false) => {}
+            None => return Err(unknown_job(event.job_id)),
         }
         Ok(())
     }

@@ -8,13 +8,13 @@ use chrono::Utc;
 use clap::Parser;
 use messaging::{
     contracts::{Contract, JobQuarantined, JobRedriven, JobRetryScheduled},
-    envelope::Headers,
+    envelope::{self, Headers},
     publisher::Publisher,
     runtime::shutdown,
 };
 use serde_json::Value;
 use shop::{InventoryReserved, InvoiceCreated, OrderLine};
-use testkit::{TestEnv, http};
+use testkit::{TestEnv, eventually, http};
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -52,6 +52,12 @@ impl Api {
 
     /// Publish `event` as `C` and wait until the status consumer has applied it.
     async fn send<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) {
+        let message_id = self.publish(job_id, event).await;
+        testkit::wait_processed(&self.orders, message_id, WAIT).await;
+    }
+
+    /// Publish `event` as `C`, of job `job_id`; its message id.
+    async fn publish<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) -> Uuid {
         let connection = self.env.amqp().await;
         let publisher = Publisher::open(&connection).await.expect("publisher");
         let message_id = Uuid::now_v7();
@@ -59,7 +65,7 @@ impl Api {
         let body = serde_json::to_vec(event).expect("json");
         publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await.expect("confirmed");
         let _ = connection.close(200, "bye".into()).await;
-        testkit::wait_processed(&self.orders, message_id, WAIT).await;
+        message_id
     }
 }
 
@@ -198,6 +204,57 @@ async fn start_api_with(
     let task = tokio::spawn(orders_api::run(config, listener, stop));
     testkit::wait_ready(&base, WAIT, "").await;
     (Api { env, base, orders }, trigger, task)
+}
+
+/// A job the orders database does not have: what a failover to an asynchronous standby leaves
+/// when it loses the commit of an order whose `order.placed` had already been published.
+#[tokio::test]
+async fn events_for_a_job_the_database_does_not_have_are_parked_with_the_reason_and_report_nothing() {
+    let (api, trigger, task) = start_api().await;
+    let (job, order_id) = (Uuid::now_v7(), Uuid::now_v7());
+    api.publish(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines: vec![] }).await;
+    api.publish(job, &InvoiceCreated { order_id, job_id: job, invoice_id: Uuid::now_v7(), total_cents: 1 }).await;
+    let quarantined = JobQuarantined {
+        job_id: job,
+        endpoint: "billing.inventory-reserved".into(),
+        message_id: Some(Uuid::now_v7()),
+        message_type: Some("inventory.reserved".into()),
+        attempt: 1,
+        error: "boom".into(),
+        redrive_count: 0,
+    };
+    api.publish(job, &quarantined).await;
+
+    // Each parked with the reason; the two step results each reported as a job.quarantined of the
+    // unknown job, itself parked: five in all.
+    let parking = orders_api::status::endpoint().parking_queue();
+    eventually("the events and their reports to be parked", WAIT, || async {
+        (api.env.queue_depth(&parking).await == Some(5)).then_some(())
+    })
+    .await;
+    // Parking a job.quarantined reports nothing: the report would be parked in turn, and the
+    // next, without end. Two events of a real job applied after them, nothing more is parked.
+    let (job_id, real, _) = api.place().await;
+    for attempt in [1, 2] {
+        api.send(real, &retry(real, "inventory.order-placed", attempt)).await;
+    }
+    assert_eq!(api.job(&job_id).await["state"], "retry_wait");
+    let parked = api.env.drain(&parking).await;
+    assert_eq!(parked.len(), 5, "nothing but the three events and two reports parked");
+    for delivery in &parked {
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let reason = envelope::header_text(&headers, envelope::HEADER_LAST_ERROR).expect("a reason");
+        assert!(reason.contains(&format!("no job {job}")), "{reason}");
+    }
+    let applied: i64 = sqlx::query_scalar("select count(*) from jobs where id = $1")
+        .bind(job)
+        .fetch_one(&api.orders)
+        .await
+        .expect("count");
+    assert_eq!(applied, 0, "no job was made up for it");
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
 }
 
 #[tokio::test]

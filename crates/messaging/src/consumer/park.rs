@@ -1,5 +1,6 @@
 //! The outcomes that are not an ack: a retry copy to the next wait tier, or a parked copy with
-//! its reason, each confirmed and reported as a `job.*` event before the original is acked.
+//! its reason, each confirmed and reported as a `job.*` event before the original is acked (but
+//! for a job event's own: see [`contracts::is_job_event`]).
 
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use tracing::Instrument;
 
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
-    contracts::{JobEvent, JobQuarantined, JobRetryScheduled},
+    contracts::{self, JobEvent, JobQuarantined, JobRetryScheduled},
     envelope::{self, Incoming},
     publisher::{Pending, PublishError, Publisher},
     runtime::metrics::Handled,
@@ -33,7 +34,8 @@ impl<H: Handler> Runtime<H> {
             &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
         );
         let copy = publisher.send("", &endpoint.wait_queue(delay), &delivery.delivery().data, properties).await?;
-        let event = message.correlation_id.map(|job_id| JobRetryScheduled {
+        let reported = message.correlation_id.filter(|_| !contracts::is_job_event(&message.message_type));
+        let event = reported.map(|job_id| JobRetryScheduled {
             job_id,
             endpoint: endpoint.name.to_owned(),
             message_id: message.message_id,
@@ -78,7 +80,9 @@ impl<H: Handler> Runtime<H> {
         );
         let parked =
             publisher.send("", &endpoint.parking_queue(), &delivery.delivery().data, parked_properties).await?;
-        let event = envelope::correlation_id(properties).map(|job_id| JobQuarantined {
+        let job_event = properties.kind().as_ref().is_some_and(|kind| contracts::is_job_event(kind.as_str()));
+        let reported = envelope::correlation_id(properties).filter(|_| !job_event);
+        let event = reported.map(|job_id| JobQuarantined {
             job_id,
             endpoint: endpoint.name.to_owned(),
             message_id: envelope::message_id(properties),
