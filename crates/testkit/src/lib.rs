@@ -18,6 +18,7 @@ pub mod cli;
 pub mod cluster;
 pub use messaging::runtime::http;
 pub mod ledger;
+pub mod patroni;
 pub mod process;
 pub mod proxy;
 pub mod roles;
@@ -110,7 +111,18 @@ pub struct TestEnv {
 impl TestEnv {
     /// A fresh vhost (databases are created on first use).
     pub async fn new() -> Self {
-        let servers = servers().await;
+        Self::on(servers().await).await
+    }
+
+    /// [`TestEnv::new`] with its databases on the Postgres at `postgres` (`postgres://user@host:port`,
+    /// e.g. [`patroni::Patroni::url`]) rather than the run's.
+    pub async fn with_postgres(postgres: &str) -> Self {
+        let servers = Servers { postgres: origin(postgres), ..servers().await.clone() };
+        // One per test that asks, for the test's life: a few bytes.
+        Self::on(Box::leak(Box::new(servers))).await
+    }
+
+    async fn on(servers: &'static Servers) -> Self {
         let id = Uuid::new_v4().simple().to_string()[..12].to_owned();
         let vhost = format!("t-{id}");
         create_vhost(servers, &vhost).await;

@@ -55,6 +55,9 @@ pub struct Options {
     /// which [`Shop::front`] names, the relays over the same databases, the workers consuming the
     /// same queues. Each instance has its own proxies.
     pub instances: usize,
+    /// The Postgres every database is on (`postgres://user@host:port`), if not the run's: e.g. a
+    /// highly available pair's address ([`crate::patroni::Patroni::url`]).
+    pub postgres: Option<String>,
 }
 
 impl Default for Options {
@@ -70,6 +73,7 @@ impl Default for Options {
             least_privilege: false,
             broker_nodes: 1,
             instances: 1,
+            postgres: None,
         }
     }
 }
@@ -168,7 +172,10 @@ pub const WAIT: Duration = Duration::from_secs(60);
 impl Shop {
     /// Start every service as a process and wait until each is ready.
     pub async fn start(options: Options) -> Self {
-        let env = TestEnv::new().await;
+        let env = match &options.postgres {
+            Some(postgres) => TestEnv::with_postgres(postgres).await,
+            None => TestEnv::new().await,
+        };
         let log_dir = std::env::temp_dir().join(format!("shop-{}", Uuid::new_v4().simple()));
         std::fs::create_dir_all(&log_dir).expect("create log directory");
         let accounts = match options.least_privilege {
