@@ -72,7 +72,8 @@ macro_rules! contract {
 /// Whether `message_type` is one of the runtime's job events. A consumer that retries or parks a
 /// job event reports nothing about it: the report would be a job event of the same job, and a
 /// status consumer that cannot apply one (a job its database does not have) would park its own
-/// report, and the next, without end.
+/// report, and the next, without end. The list is every `impl JobEvent` below: a new job event
+/// goes in it too.
 pub fn is_job_event(message_type: &str) -> bool {
     [JobRetryScheduled::TYPE, JobQuarantined::TYPE, JobRedriven::TYPE].contains(&message_type)
 }

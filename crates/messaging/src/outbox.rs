@@ -35,7 +35,9 @@ pub async fn enqueue<C: Contract>(
 /// The size in bytes of the body the relay will publish for `body`: the payload column is `jsonb`,
 /// and the relay sends it as Postgres prints it (`payload::text`), which puts a space after every
 /// `:` and `,`, so the body on the wire is longer than `serde_json::to_vec`'s. For a limit checked
-/// before a message is written (the broker's `max_message_size`).
+/// before a message is written (the broker's `max_message_size`). Exact for strings, integers,
+/// booleans and nulls, which is what the shop's bodies hold; a float may print with other digits
+/// (jsonb keeps a `numeric`: `1e3` prints as `1000`), so leave a margin if yours carry floats.
 pub fn published_size(body: &impl serde::Serialize) -> serde_json::Result<usize> {
     let mut written = Vec::new();
     body.serialize(&mut serde_json::Serializer::with_formatter(&mut written, JsonbText))?;

@@ -75,8 +75,8 @@ fn known(job_id: uuid::Uuid, applied: Applied) -> Result<jobs::Ended, HandlerErr
 fn unknown_job(job_id: uuid::Uuid) -> HandlerError {
     HandlerError::Permanent(
         format!(
-            "no job {job_id} in the orders database: a commit lost after its message was published \
-             (a failover to a standby that had not received it)"
+            "no job {job_id} in the orders database: most likely a commit that a failover to a \
+             standby lost after its message was published; else a message from another deployment"
         )
         .into(),
     )

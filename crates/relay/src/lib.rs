@@ -592,8 +592,9 @@ impl Relay {
         outcome
     }
 
-    /// A row that closed the channel on its own: retried after a backoff, or, at its last attempt,
-    /// parked and its job told (`job.quarantined`, on a fresh channel).
+    /// A row that closed the channel on its own: retried after a backoff, or, at its
+    /// `max_attempts`-th refusal, parked and its job told (`job.quarantined`, on a fresh channel,
+    /// its `attempt` counting every try of the row: refusals, returns and nacks).
     async fn refuse_for_good_or_retry(
         &self,
         tx: &mut sqlx::PgConnection,

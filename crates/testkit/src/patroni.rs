@@ -139,7 +139,7 @@ impl Patroni {
             let _ = patroni.start_kill();
             let _ = patroni.wait().await;
         }
-        kill_postmaster(&node.data_dir);
+        assert!(kill_postmaster(&node.data_dir), "node{} has no postmaster to kill", leader + 1);
         leader
     }
 
@@ -184,18 +184,31 @@ impl Drop for Patroni {
         }
         let _ = self.etcd.start_kill();
         let _ = self.haproxy.start_kill();
-        // Postgres may still be writing for a moment after its kill; what is left is temp.
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::thread::panicking() {
+            // The nodes' logs and data explain the failure: keep them.
+            eprintln!("patroni: the failed test's nodes, logs and data are in {}", self.dir.display());
+        } else {
+            // Postgres may still be writing for a moment after its kill; what is left is temp.
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
-/// `kill -9` the postmaster of `data_dir`, if its pid file names one (its backends exit when they
-/// see it gone).
-fn kill_postmaster(data_dir: &Path) {
+/// `kill -9` the postmaster of `data_dir`, if its pid file names one that is still that
+/// postmaster (a pid left in the file of a node killed earlier may be another process's by now);
+/// its backends exit when they see it gone.
+/// Whether there was one.
+fn kill_postmaster(data_dir: &Path) -> bool {
     let pid_file = std::fs::read_to_string(data_dir.join("postmaster.pid")).unwrap_or_default();
-    if let Some(pid) = pid_file.lines().next().filter(|pid| pid.parse::<u32>().is_ok()) {
-        let _ = std::process::Command::new("kill").args(["-9", pid]).stderr(Stdio::null()).status();
-    }
+    let Some(pid) = pid_file.lines().next().filter(|pid| pid.parse::<u32>().is_ok()) else { return false };
+    // Patroni starts it as `postgres -D <data_dir> …`: its command line names the directory.
+    let command_line = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let ours = String::from_utf8_lossy(&command_line).contains(&*data_dir.to_string_lossy());
+    ours && std::process::Command::new("kill")
+        .args(["-9", pid])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// The uid and gid of the `postgres` user when running as root (Postgres refuses to run as root),

@@ -43,7 +43,11 @@ async fn the_shop_follows_a_patroni_failover_under_load_with_nothing_lost_or_dou
         match response.status {
             202 => {
                 accepted += 1;
-                if let Some((_, at)) = killed {
+                // The outage ends with the first order taken after one was refused: an order the
+                // dying leader's pool took in the instant of the kill does not end it.
+                if let Some((_, at)) = killed
+                    && refused > 0
+                {
                     first_accepted_after_kill.get_or_insert_with(|| at.elapsed());
                 }
             }
@@ -63,7 +67,7 @@ async fn the_shop_follows_a_patroni_failover_under_load_with_nothing_lost_or_dou
     }
     let (old, _) = killed.expect("the leader was killed");
     let new = pair.wait_for_new_leader(old).await;
-    let outage = first_accepted_after_kill.expect("an order accepted after the kill");
+    let outage = first_accepted_after_kill.expect("an order accepted after the API refused one");
     println!(
         "node{} killed, node{} leads: the API took its first order {:.1} s after the kill; {accepted} orders \
          accepted, {refused} refused with 503",
@@ -71,7 +75,6 @@ async fn the_shop_follows_a_patroni_failover_under_load_with_nothing_lost_or_dou
         new + 1,
         outage.as_secs_f64()
     );
-    assert!(refused > 0, "the API refused orders while no node led");
 
     // Every accepted order succeeded or was rejected (none quarantined), nothing lost, stuck or
     // applied twice, stock conserved, one invoice per success, every service still running.
