@@ -152,8 +152,9 @@ impl Shop {
             .sum()
     }
 
-    /// Wait until every accepted order is in a terminal state, then read the books; panics with
-    /// the books after `timeout`.
+    /// Wait until every accepted order is in a terminal state and every outbox is drained (the
+    /// last step's events may still be on their way when its job ends), then read the books;
+    /// panics with the books after `timeout`.
     pub async fn settle(&self, timeout: Duration) -> Ledger {
         self.try_settle(timeout).await.unwrap_or_else(|ledger| {
             panic!("orders did not settle within {timeout:?}:\n{ledger}\nlogs in {}", self.log_dir.display())
@@ -165,7 +166,7 @@ impl Shop {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let ledger = self.ledger().await;
-            if ledger.stuck == 0 && ledger.lost == 0 {
+            if ledger.stuck == 0 && ledger.lost == 0 && ledger.unpublished == 0 {
                 return Ok(ledger);
             }
             if tokio::time::Instant::now() >= deadline {
