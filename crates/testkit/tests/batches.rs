@@ -88,7 +88,12 @@ async fn a_batch_committed_but_not_acked_when_its_worker_dies_is_skipped_whole_o
     shop.restart(Service::Inventory).await;
 
     shop.assert_books_balance().await;
-    // None of the batch was acked: every member came back, and the inbox skipped each.
+    // None of the batch was acked: every member came back, and the inbox skipped each. The jobs
+    // ended on the batch's own events, so the copies may still be coming back: wait for them.
+    testkit::eventually("the inbox to skip every member of the batch", testkit::shop::WAIT, || async {
+        (shop.metric(Service::Inventory, INBOX_DUPLICATES).await >= committed).then_some(())
+    })
+    .await;
     assert_eq!(shop.metric(Service::Inventory, INBOX_DUPLICATES).await, committed);
     assert_eq!(handled(&shop, Service::Inventory, "inventory.order-placed", "duplicate").await, committed);
 }
