@@ -196,8 +196,7 @@ impl Drop for Patroni {
 
 /// `kill -9` the postmaster of `data_dir`, if its pid file names one that is still that
 /// postmaster (a pid left in the file of a node killed earlier may be another process's by now);
-/// its backends exit when they see it gone.
-/// Whether there was one.
+/// its backends exit when they see it gone. Whether it killed one.
 fn kill_postmaster(data_dir: &Path) -> bool {
     let pid_file = std::fs::read_to_string(data_dir.join("postmaster.pid")).unwrap_or_default();
     let Some(pid) = pid_file.lines().next().filter(|pid| pid.parse::<u32>().is_ok()) else { return false };
