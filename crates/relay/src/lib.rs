@@ -263,6 +263,13 @@ impl Session for Relay {
                 }
                 return SessionEnd::Lost { was_up };
             }
+            // A confirm overdue on a connection the broker does not block: a queue without its
+            // majority takes the publish and confirms nothing until the majority is back. Not
+            // ready until a confirm comes, whatever the reconnects in between (a blocked
+            // connection is reported as blocked instead).
+            if matches!(error, SessionError::Broker(PublishError::TimedOut(_))) && !connection.status().blocked() {
+                self.health.readiness.set_overdue(&self.flag(), true);
+            }
             // Classified, if the database's: a node that refused a write retires the pool's
             // connections, so that the next session reconnects (`db::is_unreachable`).
             let unavailable = matches!(&error, SessionError::Database(e) if db::is_unreachable(e));
@@ -487,6 +494,9 @@ impl Relay {
         })
         .await?;
         self.metrics.published(confirmed.len() as u64);
+        if !confirmed.is_empty() {
+            self.health.readiness.set_overdue(&self.flag(), false);
+        }
         let now = chrono::Utc::now();
         for committed in committed_at {
             self.metrics.publish_lag((now - committed).to_std().unwrap_or_default().as_secs_f64());

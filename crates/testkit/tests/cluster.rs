@@ -11,6 +11,10 @@
 //! 0016): until then those orders wait, and the test gives them two and a half minutes and prints
 //! how long it took.
 //!
+//! Then two nodes of three are killed: every quorum queue loses its majority, the node left takes
+//! publishes and confirms none. The relay's confirms time out and it reconnects, again and again;
+//! `/readyz` says not ready throughout, and once the nodes are back every order completes.
+//!
 //! Ignored in the normal run, which has one node: `.ci/run` starts the cluster and runs it with
 //! `eval "$(.ci/rabbitmq-cluster env)"; cargo test -p testkit --test cluster -- --ignored`.
 
@@ -26,15 +30,22 @@ use testkit::{
 /// `consumer_disconnected_timeout` and then some.
 const RIDE_OUT: Duration = Duration::from_secs(150);
 
+/// The tests take the cluster's nodes down: one at a time.
+static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn cluster() -> Cluster {
-    Cluster::from_env()
+    let cluster = Cluster::from_env()
         .await
-        .expect("TEST_CLUSTER_CTL names the cluster's script: eval \"$(.ci/rabbitmq-cluster env)\"")
+        .expect("TEST_CLUSTER_CTL names the cluster's script: eval \"$(.ci/rabbitmq-cluster env)\"");
+    // Whole, whatever a test that failed before left down.
+    cluster.restore().await;
+    cluster
 }
 
 #[tokio::test]
 #[ignore = "needs the three-node cluster of .ci/rabbitmq-cluster; .ci/run runs it"]
 async fn a_dying_node_loses_nothing_whether_it_leads_the_queue_or_holds_the_connections() {
+    let _cluster = CLUSTER.lock().await;
     let cluster = cluster().await;
     let mut shop = Shop::start(Options::default()).await;
     assert_eq!(shop.env.amqp_nodes().len(), 3, "AMQP_URL names the cluster's three nodes");
@@ -56,6 +67,61 @@ async fn a_dying_node_loses_nothing_whether_it_leads_the_queue_or_holds_the_conn
     // A partition: the node keeps running, cut off from the other two and from every client.
     let on = connected_node(&shop, Service::Api).await;
     down_and_back(&cluster, &mut shop, "partition", on, "holding the API's connection").await;
+}
+
+/// A quorum queue's publish deadline in the test: short, so that several pass while the
+/// majority is lost.
+const CONFIRM_TIMEOUT: &str = "3s";
+
+#[tokio::test]
+#[ignore = "needs the three-node cluster of .ci/rabbitmq-cluster; .ci/run runs it"]
+async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_completes_once_they_return() {
+    let _cluster = CLUSTER.lock().await;
+    let cluster = cluster().await;
+    let options = Options { relay_env: vec![("CONFIRM_TIMEOUT", CONFIRM_TIMEOUT.to_owned())], ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    shop.place_burst(10).await;
+    shop.assert_books_balance().await;
+
+    // Two of three down: every quorum queue has lost its majority. The node left takes
+    // connections and publishes, and confirms none of them.
+    cluster.kill(2).await;
+    cluster.kill(3).await;
+    let lost = Instant::now();
+    shop.place_burst(10).await;
+    let readyz = format!("{}/readyz", shop.http(Service::Relay));
+    let overdue = |body: &serde_json::Value| {
+        body["overdueConfirms"].as_object().is_some_and(|links| links.keys().any(|link| link.starts_with("relay:")))
+    };
+    testkit::eventually("the relay to say its confirms are overdue", testkit::shop::WAIT, || async {
+        let response = http::request("GET", &readyz, &[], None).await.ok()?;
+        (response.status == 503 && overdue(&response.json())).then_some(())
+    })
+    .await;
+    println!("cluster: two nodes down; the relay not ready {:?} later", lost.elapsed());
+    // And it stays so, through every reconnect, while the majority is lost: three deadlines' worth.
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(10) {
+        let response = http::request("GET", &readyz, &[], None).await.expect("/readyz");
+        assert_eq!(response.status, 503, "the relay read ready without a majority: {:?}", response.json());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    let ledger = shop.ledger().await;
+    assert!(ledger.stuck > 0, "orders went through without a majority:\n{ledger}");
+
+    let back = Instant::now();
+    cluster.restore().await;
+    if let Err(ledger) = shop.try_settle(RIDE_OUT).await {
+        panic!("the books did not settle within {RIDE_OUT:?} of the nodes' return:\n{ledger}");
+    }
+    println!("cluster: the two nodes restarted; every order settled {:?} after the restart began", back.elapsed());
+    shop.assert_books_balance().await;
+    for service in Service::ALL {
+        shop.wait_ready(service).await;
+    }
+    let response = http::request("GET", &readyz, &[], None).await.expect("/readyz");
+    assert!(!overdue(&response.json()), "confirms still overdue: {:?}", response.json());
 }
 
 /// Take node `node` (1 to 3) down by `how` (`kill`: `kill -9`, `stop`, or `partition`) mid-burst,

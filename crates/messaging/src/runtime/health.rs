@@ -1,6 +1,7 @@
 //! `/healthz`, `/readyz` and `/metrics`, served by every binary (the API merges them into its own
 //! router). Liveness says the process runs; readiness says its databases answer and each of its
-//! broker sessions is up, and names the broker node each session is connected to.
+//! broker sessions is up (and, for a relay, that its confirms are not overdue), and names the
+//! broker node each session is connected to.
 
 use std::{collections::BTreeMap, sync::Arc, sync::Mutex, time::Duration};
 
@@ -28,6 +29,9 @@ pub struct Readiness {
     nodes: Mutex<BTreeMap<String, String>>,
     /// Each broker connection watched, by name: since when, and why, the broker blocks it.
     blocked: Mutex<BTreeMap<String, Option<Blocked>>>,
+    /// The links whose last publish went unconfirmed past its deadline on a connection the broker
+    /// does not block (a queue without its majority): since when. Not ready until a confirm comes.
+    overdue: Mutex<BTreeMap<String, chrono::DateTime<chrono::Utc>>>,
 }
 
 /// A connection the broker blocks (`connection.blocked`).
@@ -89,10 +93,36 @@ impl Readiness {
         self.blocked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
-    /// The flags that are not ready.
+    /// Record that link `name`'s confirms are overdue (`true`: a session ended on a confirm that
+    /// did not come in time, on a connection the broker does not block) or that one came. Each
+    /// reconnect opens a connection and declares its topology as if all were well, so its
+    /// session's flag alone would read ready again between the deadlines. Logged when it changes.
+    pub fn set_overdue(&self, name: &str, overdue: bool) {
+        let mut links = self.overdue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if overdue && !links.contains_key(name) {
+            tracing::warn!(what = name, "confirms overdue: not ready until the broker confirms again");
+            links.insert(name.to_owned(), chrono::Utc::now());
+        } else if !overdue && let Some(since) = links.remove(name) {
+            tracing::info!(what = name, %since, "the broker confirms again");
+        }
+    }
+
+    /// The links whose confirms are overdue, and since when.
+    pub fn overdue(&self) -> BTreeMap<String, chrono::DateTime<chrono::Utc>> {
+        self.overdue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    /// The flags that are not ready, and the links whose confirms are overdue.
     pub fn failing(&self) -> Vec<String> {
         let flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        flags.iter().filter(|(_, ready)| !**ready).map(|(name, _)| name.clone()).collect()
+        let mut failing: Vec<String> =
+            flags.iter().filter(|(_, ready)| !**ready).map(|(name, _)| name.clone()).collect();
+        for name in self.overdue().into_keys() {
+            if !failing.contains(&name) {
+                failing.push(name);
+            }
+        }
+        failing
     }
 }
 
@@ -131,6 +161,7 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
         "failing": failing,
         "brokerNodes": health.readiness.nodes(),
         "blockedConnections": blocked,
+        "overdueConfirms": health.readiness.overdue(),
     });
     (status, Json(body))
 }
@@ -167,4 +198,28 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
 /// Serve `router` on `listener` until shutdown, then finish in-flight requests.
 pub async fn serve(listener: tokio::net::TcpListener, router: Router, shutdown: Shutdown) -> std::io::Result<()> {
     axum::serve(listener, router).with_graceful_shutdown(async move { shutdown.triggered().await }).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Readiness;
+
+    #[test]
+    fn a_link_whose_confirms_are_overdue_fails_though_its_session_is_up_until_a_confirm_comes() {
+        let readiness = Readiness::default();
+        readiness.set("relay:orders", true);
+        readiness.set_overdue("relay:orders", true);
+        // A reconnect sets the session's flag again; the overdue confirm still fails it.
+        readiness.set("relay:orders", true);
+        assert_eq!(readiness.failing(), ["relay:orders"]);
+        let since = readiness.overdue()["relay:orders"];
+        readiness.set_overdue("relay:orders", true);
+        assert_eq!(readiness.overdue()["relay:orders"], since, "overdue since the first time");
+        readiness.set("relay:orders", false);
+        assert_eq!(readiness.failing(), ["relay:orders"], "named once");
+        readiness.set("relay:orders", true);
+        readiness.set_overdue("relay:orders", false);
+        assert!(readiness.failing().is_empty());
+        assert!(readiness.overdue().is_empty());
+    }
 }
