@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use testkit::{
     cluster::Cluster,
-    http,
     shop::{Options, Service, Shop},
 };
 
@@ -89,12 +88,11 @@ async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_co
     cluster.kill(3).await;
     let lost = Instant::now();
     shop.place_burst(10).await;
-    let readyz = format!("{}/readyz", shop.http(Service::Relay));
     let overdue = |body: &serde_json::Value| {
         body["overdueConfirms"].as_object().is_some_and(|links| links.keys().any(|link| link.starts_with("relay:")))
     };
     testkit::eventually("the relay to say its confirms are overdue", testkit::shop::WAIT, || async {
-        let response = http::request("GET", &readyz, &[], None).await.ok()?;
+        let response = shop.readyz(Service::Relay).await.ok()?;
         (response.status == 503 && overdue(&response.json())).then_some(())
     })
     .await;
@@ -102,7 +100,7 @@ async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_co
     // And it stays so, through every reconnect, while the majority is lost: three deadlines' worth.
     let watched = Instant::now();
     while watched.elapsed() < Duration::from_secs(10) {
-        let response = http::request("GET", &readyz, &[], None).await.expect("/readyz");
+        let response = shop.readyz(Service::Relay).await.expect("/readyz");
         assert_eq!(response.status, 503, "the relay read ready without a majority: {:?}", response.json());
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -120,7 +118,7 @@ async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_co
     for service in Service::ALL {
         shop.wait_ready(service).await;
     }
-    let response = http::request("GET", &readyz, &[], None).await.expect("/readyz");
+    let response = shop.readyz(Service::Relay).await.expect("/readyz");
     assert!(!overdue(&response.json()), "confirms still overdue: {:?}", response.json());
 }
 
@@ -150,7 +148,7 @@ async fn down_and_back(cluster: &Cluster, shop: &mut Shop, how: &str, node: usiz
 /// The node (1 to 3) `service`'s consumer is connected to, from its `/readyz` and its proxies (the
 /// n-th proxy leads to node n).
 async fn connected_node(shop: &Shop, service: Service) -> usize {
-    let response = http::request("GET", &format!("{}/readyz", shop.http(service)), &[], None).await.expect("/readyz");
+    let response = shop.readyz(service).await.expect("/readyz");
     let body: serde_json::Value = serde_json::from_slice(&response.body).expect("a readiness body");
     let on = body["brokerNodes"].as_object().and_then(|nodes| nodes.values().next()).and_then(|on| on.as_str());
     let on = on.unwrap_or_else(|| panic!("{service:?} names its node: {body}"));

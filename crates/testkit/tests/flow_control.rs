@@ -90,8 +90,7 @@ fn alarmed() -> bool {
 
 /// The blocked connections `/readyz` names.
 async fn blocked(shop: &Shop, service: Service) -> Vec<String> {
-    let url = format!("{}/readyz", shop.http(service));
-    let Ok(response) = http::request("GET", &url, &[], None).await else { return Vec::new() };
+    let Ok(response) = shop.readyz(service).await else { return Vec::new() };
     let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
     body["blockedConnections"].as_object().map(|blocked| blocked.keys().cloned().collect()).unwrap_or_default()
 }

@@ -399,6 +399,12 @@ impl Shop {
         }
     }
 
+    /// A service instance's `/readyz`: its status and its body (what is failing, the broker nodes,
+    /// the blocked connections, the overdue confirms).
+    pub async fn readyz(&self, at: impl Into<Instance>) -> std::io::Result<crate::http::Response> {
+        crate::http::request("GET", &format!("{}/readyz", self.http(at)), &[], None).await
+    }
+
     /// Wait until a service instance's `/readyz` says ready.
     pub async fn wait_ready(&self, at: impl Into<Instance>) {
         wait_ready_at(self.http(at), &self.log_dir).await;
