@@ -17,23 +17,24 @@
 # names): each consumer declares, binds, consumes and deletes only its endpoint's queues (`NAME`
 # and `NAME.*`: work, wait tiers, parking, dead-lettered intake), declares the exchanges it binds
 # to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
-# the default exchange (retries and parking go to its own queues by name). The relay declares and
-# publishes to the shop's exchanges and reads nothing. The operator's `msgctl` reads parking
-# queues, puts redriven messages back by queue name and publishes their job events; it and
-# orders-api (the live page's parking depths) have the `management` tag, to list queues. Limits: RabbitMQ checks a publish to the
-# default exchange against `amq.default`, not the queue it lands in, so a consumer's user could
-# put a message into another service's queue by name (never take one out of it); and a user that
-# may declare an exchange may also delete it.
+# its endpoint's own direct exchange (`NAME.direct`: retries and parking go to its own queues
+# through it). Nobody may write to the default exchange (`amq.default`), on which RabbitMQ cannot
+# tell one queue from another, so no consumer's user can put a message into another service's
+# queue. The relay declares and publishes to the shop's exchanges and reads nothing. The
+# operator's `msgctl` reads parking queues, puts redriven messages back through each endpoint's
+# direct exchange and publishes their job events; it and orders-api (the live page's parking
+# depths) have the `management` tag, to list queues. A limit: a user that may declare an exchange
+# may also delete it.
 set -euo pipefail
 
 # user                configure                                    write                                  read
 permissions() {
     cat <<'TABLE'
-orders-api         ^(orders\.status(\..*)?|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs|amq\.default)$  ^(orders\.status(\..*)?|inventory|billing|jobs)$
-inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs|amq\.default)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
-billing-worker     ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs|amq\.default)$  ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$
+orders-api         ^(orders\.status(\..*)?|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|inventory|billing|jobs)$
+inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
+billing-worker     ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$
 relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
-msgctl             ^$  ^(amq\.default|jobs)$  ^.*\.parking$
+msgctl             ^$  ^(.*\.direct|jobs)$  ^.*\.parking$
 TABLE
 }
 

@@ -253,7 +253,7 @@ impl Bench {
         let inventory_worker = inventory_worker::worker();
         let defaults = inventory_worker.try_parse_from(["inventory-worker"]).expect("defaults").common.consumer;
         let worker = inventory_worker.endpoint;
-        topology::declare_endpoint(&channel, &worker, &defaults.retry_policy()).await.expect("endpoint");
+        topology::declare_endpoint(&amqp, &worker, &defaults.retry_policy()).await.expect("endpoint");
         Self {
             args,
             report: Report::default(),

@@ -1,13 +1,15 @@
-//! Broker topology (DESIGN §5): topic exchanges and, per consuming endpoint, its work queue,
-//! retry wait queues, parking queue, and the intake of the broker's own dead letters. Declarations
+//! Broker topology (docs/architecture.md): topic exchanges and, per consuming endpoint, its work
+//! queue, retry wait queues, parking queue, the intake of the broker's own dead letters, and a
+//! direct exchange of its own through which its copies reach those queues. Declarations
 //! are idempotent and take the same arguments on RabbitMQ 3.10 and 4.x (decision 0005); every queue
 //! is a quorum queue, so messages survive a broker node restart.
 
 use std::time::Duration;
 
 use lapin::{
-    Channel, ExchangeKind,
+    Channel, Connection, ExchangeKind,
     options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    protocol::{AMQPErrorKind, AMQPSoftError},
     types::{AMQPValue, FieldTable, ShortString},
 };
 
@@ -177,11 +179,26 @@ impl Endpoint {
         format!("{}.dead-lettered", self.name)
     }
 
+    /// `<endpoint>.direct`: the endpoint's own direct exchange. Retry and parking copies, deferrals
+    /// and redrives go through it, with the target queue's name as the routing key, so no copy
+    /// goes through the shared exchange (which would hand every other consumer of that routing key
+    /// a duplicate), nor through the default exchange, which a broker user cannot be limited to
+    /// its own queues on (RabbitMQ checks only `amq.default`).
+    pub fn direct_exchange(&self) -> String {
+        direct_exchange_of(self.name)
+    }
+
     /// `<endpoint>.wait.<delay>`, e.g. `accounts.user-registered.wait.5s`. The delay is part of the
     /// name, so a changed tier list declares new queues instead of clashing with old arguments.
     pub fn wait_queue(&self, delay: Duration) -> String {
         format!("{}.wait.{}", self.name, format_duration(delay))
     }
+}
+
+/// The direct exchange of the endpoint named `endpoint` ([`Endpoint::direct_exchange`]), for a
+/// tool that knows only the name (`msgctl`, from a parking queue's).
+pub fn direct_exchange_of(endpoint: &str) -> String {
+    format!("{endpoint}.direct")
 }
 
 /// Declare the topic exchanges named (durable). Everybody who publishes to one or binds to one
@@ -200,27 +217,42 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
     Ok(())
 }
 
-/// Declare an endpoint's queues and bindings: the exchanges it binds to and the job events'
-/// exchange it publishes to, parking, the intake of dead letters, the work queue, and one wait
-/// queue per retry tier.
+/// Declare an endpoint's queues and bindings, on a channel of its own on `connection`: the
+/// exchanges it binds to and the job events' exchange it publishes to, its own direct exchange,
+/// parking, the intake of dead letters, the work queue, and one wait queue per retry tier, each
+/// of its queues bound to the direct exchange under its own name.
 ///
 /// A queue that already exists with other arguments (declared by a release before decision 0005)
-/// makes this fail with `PRECONDITION_FAILED`; the decision record says how to move it.
-pub async fn declare_endpoint(channel: &Channel, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
+/// makes this fail with `PRECONDITION_FAILED`; the decision record says how to move it. One
+/// declared before decision 0021, which dead-letters through the default exchange, is kept as it
+/// is, with a warning.
+pub async fn declare_endpoint(connection: &Connection, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
+    let mut channel = connection.create_channel().await?;
     let mut exchanges: Vec<&str> = endpoint.bindings.iter().map(|binding| binding.exchange).collect();
     exchanges.push(JOBS_EXCHANGE);
-    declare_exchanges(channel, &exchanges).await?;
+    declare_exchanges(&channel, &exchanges).await?;
+    let direct = endpoint.direct_exchange();
+    channel
+        .exchange_declare(
+            direct.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
+            FieldTable::default(),
+        )
+        .await?;
     // Neither parking nor the intake has a dead-letter target, so neither may ever reach a limit.
-    declare_queue(channel, &endpoint.parking_queue(), keeping()).await?;
+    let parking = endpoint.parking_queue();
     let dead_lettered = endpoint.dead_lettered_queue();
-    declare_queue(channel, &dead_lettered, keeping()).await?;
+    for queue in [&parking, &dead_lettered] {
+        declare_queue(&channel, queue, keeping()).await?;
+        bind_by_name(&channel, &direct, queue).await?;
+    }
 
-    // Dead letters of the work queue (delivery limit exceeded) go to the intake through the default
-    // exchange, by queue name. At-least-once dead-lettering needs `reject-publish` overflow: with the
-    // default overflow the broker silently falls back to at-most-once.
-    let mut work = dead_lettering_to(&dead_lettered);
+    // Dead letters of the work queue (delivery limit exceeded) go to the intake.
+    let mut work = quorum();
     work.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(i64::from(endpoint.delivery_limit)));
-    declare_queue(channel, endpoint.name, work).await?;
+    let dead_letters = DeadLetters { connection, exchange: &direct };
+    dead_letters.declare(&mut channel, endpoint.name, work, &dead_lettered).await?;
     for binding in &endpoint.bindings {
         channel
             .queue_bind(
@@ -232,20 +264,73 @@ pub async fn declare_endpoint(channel: &Channel, endpoint: &Endpoint, policy: &R
             )
             .await?;
     }
+    bind_by_name(&channel, &direct, endpoint.name).await?;
 
     // Wait queues have no consumer: the queue-level TTL expires each message back into the work
-    // queue by name. Queue-level (not per-message) TTL, so one long wait never holds up a short
-    // one behind it; and by name, never through the shared exchange, which would hand every other
-    // consumer of that routing key a duplicate.
+    // queue, through the direct exchange. Queue-level (not per-message) TTL, so one long wait
+    // never holds up a short one behind it; and never through the shared exchange, which would
+    // hand every other consumer of that routing key a duplicate.
     let mut delays = policy.delays().to_vec();
     delays.dedup();
     for delay in delays {
-        let mut wait = dead_lettering_to(endpoint.name);
+        let mut wait = quorum();
         let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
         wait.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
-        declare_queue(channel, &endpoint.wait_queue(delay), wait).await?;
+        let queue = endpoint.wait_queue(delay);
+        dead_letters.declare(&mut channel, &queue, wait, endpoint.name).await?;
+        bind_by_name(&channel, &direct, &queue).await?;
     }
+    let _ = channel.close(200, "declared".into()).await;
     Ok(())
+}
+
+/// Bind `queue` to the direct `exchange` under its own name.
+async fn bind_by_name(channel: &Channel, exchange: &str, queue: &str) -> lapin::Result<()> {
+    channel
+        .queue_bind(queue.into(), exchange.into(), queue.into(), QueueBindOptions::default(), FieldTable::default())
+        .await
+}
+
+/// How an endpoint's queues dead-letter: through its direct exchange, at least once.
+struct DeadLetters<'a> {
+    connection: &'a Connection,
+    exchange: &'a str,
+}
+
+impl DeadLetters<'_> {
+    /// Declare `queue` with `arguments`, dead-lettering into `target`. RabbitMQ checks, at every
+    /// declaration, that the declaring user may write to the dead-letter exchange, so it is the
+    /// endpoint's own (decision 0021). A queue declared by an earlier release dead-letters through
+    /// the default exchange, and the broker refuses to change a queue's arguments
+    /// (`PRECONDITION_FAILED`, which closes the channel): that queue is declared as it is, on a
+    /// fresh channel, and its user still needs write on `amq.default` until it is moved.
+    async fn declare(
+        &self,
+        channel: &mut Channel,
+        queue: &str,
+        arguments: FieldTable,
+        target: &str,
+    ) -> lapin::Result<()> {
+        let own = dead_lettering(arguments.clone(), self.exchange, target);
+        match declare_queue(channel, queue, own).await {
+            Err(error) if is_precondition_failed(&error) => {
+                *channel = self.connection.create_channel().await?;
+                declare_queue(channel, queue, dead_lettering(arguments, "", target)).await?;
+                tracing::warn!(
+                    queue,
+                    "declared before decision 0021: it dead-letters through the default exchange, so this service's \
+                     broker user needs write on amq.default until the queue is moved"
+                );
+                Ok(())
+            }
+            declared => declared,
+        }
+    }
+}
+
+fn is_precondition_failed(error: &lapin::Error) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED))
 }
 
 fn quorum() -> FieldTable {
@@ -261,10 +346,11 @@ fn keeping() -> FieldTable {
     arguments
 }
 
-/// Quorum queue arguments that dead-letter, at least once, into `target` by name.
-fn dead_lettering_to(target: &str) -> FieldTable {
-    let mut arguments = quorum();
-    arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+/// `arguments` and dead-lettering, at least once, into `target` through `exchange` (direct, or
+/// the default exchange). At-least-once dead-lettering needs `reject-publish` overflow: with the
+/// default overflow the broker silently falls back to at-most-once.
+fn dead_lettering(mut arguments: FieldTable, exchange: &str, target: &str) -> FieldTable {
+    arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(exchange.into()));
     arguments.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(target.into()));
     arguments.insert("x-dead-letter-strategy".into(), AMQPValue::LongString("at-least-once".into()));
     arguments.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
@@ -296,6 +382,7 @@ mod tests {
         assert_eq!(endpoint.parking_queue(), "status.parking");
         assert_eq!(endpoint.dead_lettered_queue(), "status.dead-lettered");
         assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "status.wait.5s");
+        assert_eq!(endpoint.direct_exchange(), "status.direct");
         assert!(endpoint.check("job.quarantined", 1).is_ok());
         assert!(endpoint.check("job.quarantined", 2).is_err());
         assert!(endpoint.check("job.cancelled", 1).is_err());

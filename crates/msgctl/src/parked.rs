@@ -26,6 +26,7 @@ use messaging::{
         duration::{format_duration, parse_duration},
         failpoint, http,
     },
+    topology,
 };
 use regex::Regex;
 use uuid::Uuid;
@@ -435,10 +436,12 @@ async fn redrive_held(
         // the copy's result ends it; the other way round, a kill in between left the job in
         // progress for good, with no copy on its way (found by docs/model/jobs.pml).
         let properties = envelope::redriven(&parked.delivery.properties, redrive_count);
-        if let Err(error) = publisher.publish("", &held.endpoint, &parked.delivery.data, properties).await {
+        // Through the endpoint's own exchange, declared and bound by its consumer at start-up.
+        let exchange = topology::direct_exchange_of(&held.endpoint);
+        if let Err(error) = publisher.publish(&exchange, &held.endpoint, &parked.delivery.data, properties).await {
             // Nothing was sent: the message stays parked, its job quarantined.
             return Err(Failure::Described(format!(
-                "cannot send {} back to `{}`: {error}",
+                "cannot send {} back to `{}` through `{exchange}` (its consumer declares it when it starts): {error}",
                 parked.line(),
                 held.endpoint
             )));

@@ -199,8 +199,7 @@ impl TestEnv {
         policy: &messaging::topology::RetryPolicy,
     ) {
         let connection = self.amqp().await;
-        let channel = connection.create_channel().await.expect("channel");
-        messaging::topology::declare_endpoint(&channel, endpoint, policy).await.expect("declare");
+        messaging::topology::declare_endpoint(&connection, endpoint, policy).await.expect("declare");
         let _ = connection.close(200, "bye".into()).await;
     }
 

@@ -132,10 +132,9 @@ fn text(value: &AMQPValue) -> String {
 async fn a_parked_message_survives_100_nacks_100_rejects_and_100_channel_closes_with_its_headers() {
     let env = TestEnv::new().await;
     let connection = env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
     // The parking queue exactly as the runtime declares it.
     let endpoint = Endpoint::new("pinned.endpoint");
-    topology::declare_endpoint(&channel, &endpoint, &RetryPolicy::new(vec![Duration::from_secs(1)], 3))
+    topology::declare_endpoint(&connection, &endpoint, &RetryPolicy::new(vec![Duration::from_secs(1)], 3))
         .await
         .expect("declare endpoint");
     let parking = endpoint.parking_queue();
@@ -309,6 +308,37 @@ async fn x_delivery_count_is_set_by_3x_on_every_delivery_and_passed_through_as_p
         4.. => assert_eq!(count, Some(7), "4.x: the published header, untouched"),
         _ => assert_eq!(count, Some(0), "3.x: the broker's own count"),
     }
+}
+
+#[tokio::test]
+async fn queues_declared_before_the_endpoint_s_direct_exchange_are_kept_and_still_dead_letter() {
+    // Decision 0021: queues dead-letter through the endpoint's own direct exchange; the work and
+    // wait queues of an earlier release dead-letter through the default exchange, and the broker
+    // refuses to change that. The endpoint's declaration keeps them as they are, binds them, and
+    // a copy sent through the direct exchange still comes back from the wait queue.
+    let env = TestEnv::new().await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let endpoint = Endpoint::new("earlier.endpoint");
+    let tier = Duration::from_secs(1);
+    let wait = endpoint.wait_queue(tier);
+    let mut earlier_wait = limited_to(i64::from(KEEP_DELIVERY_LIMIT), endpoint.name).to_vec();
+    earlier_wait[0] = ("x-message-ttl", AMQPValue::LongLongInt(1000));
+    declare(&channel, &wait, &earlier_wait).await;
+    let earlier_work = limited_to(i64::from(endpoint.delivery_limit), &endpoint.dead_lettered_queue());
+    declare(&channel, endpoint.name, &earlier_work).await;
+
+    topology::declare_endpoint(&connection, &endpoint, &RetryPolicy::new(vec![tier], 3))
+        .await
+        .expect("an earlier release's queues are kept");
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    let properties = BasicProperties::default().with_message_id("earlier-1".into());
+    publisher.publish(&endpoint.direct_exchange(), &wait, b"{}", properties).await.expect("routed to the wait queue");
+    eventually("the copy back in the work queue", WAIT, || async {
+        (env.queue_depth(endpoint.name).await == Some(1)).then_some(())
+    })
+    .await;
+    assert_eq!(env.queue_depth(&wait).await, Some(0));
 }
 
 #[tokio::test]

@@ -3,10 +3,11 @@
 //! order flow works, and each account can do only what its service needs.
 
 use lapin::{
+    BasicProperties,
     options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions},
     types::FieldTable,
 };
-use messaging::runtime::config::SecretUrl;
+use messaging::{publisher::Publisher, runtime::config::SecretUrl};
 use sqlx::Connection;
 use testkit::{
     process,
@@ -64,7 +65,7 @@ async fn the_inventory_role_cannot_reach_the_orders_database_nor_change_its_own_
 }
 
 #[tokio::test]
-async fn the_inventory_user_cannot_consume_declare_purge_or_delete_billing_queues() {
+async fn the_inventory_user_cannot_consume_declare_purge_delete_or_write_into_billing_queues() {
     let shop = least_privilege_shop().await;
     let user = format!("t-{}-inventory-worker", shop.env.id());
     let url = SecretUrl::new(as_user(&shop.env.amqp_url(), &user, None));
@@ -90,9 +91,25 @@ async fn the_inventory_user_cannot_consume_declare_purge_or_delete_billing_queue
     assert!(channel.queue_purge(billing.into(), QueuePurgeOptions::default()).await.is_err(), "purge is refused");
     let channel = connection.create_channel().await.expect("channel");
     assert!(channel.queue_delete(billing.into(), QueueDeleteOptions::default()).await.is_err(), "delete is refused");
+    // Nor put a message into billing's queues: not by name through the default exchange, not
+    // through billing's own exchange. Its own exchange takes a copy for its own parking queue.
+    let copy = || BasicProperties::default().with_message_id(uuid::Uuid::new_v4().to_string().into());
+    for (exchange, queue) in
+        [("", billing.to_owned()), ("billing.inventory-reserved.direct", format!("{billing}.parking"))]
+    {
+        let publisher = Publisher::open(&connection).await.expect("publisher");
+        let sent = publisher.publish(exchange, &queue, b"{}", copy()).await;
+        assert!(sent.is_err(), "a publish into {queue} through {exchange:?} is refused");
+    }
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    let own = "inventory.order-placed.parking";
+    publisher.publish("inventory.order-placed.direct", own, b"{}", copy()).await.expect("its own parking");
     let _ = connection.close(200, "bye".into()).await;
+    assert_eq!(shop.env.queue_depth(own).await, Some(1), "its own copy arrived");
+    for queue in [billing.to_owned(), format!("{billing}.parking")] {
+        assert_eq!(shop.env.queue_depth(&queue).await, Some(0), "nothing reached {queue}");
+    }
     // Its own queue it may consume, and billing's is still there.
-    assert!(shop.env.queue_depth(billing).await.is_some(), "billing's queue is intact");
     assert!(shop.env.queues().await.iter().all(|queue| !queue.ends_with(".extra")), "nothing was declared");
     shop.stop().await;
 }

@@ -108,7 +108,7 @@ impl<H: Handler> Runtime<H> {
             &raw.properties,
             &[(envelope::HEADER_DEFERRALS, AMQPValue::LongLongInt(i64::from(deferrals)))],
         );
-        publisher.send("", &endpoint.wait_queue(delay), &raw.data, properties).await?.confirmed().await?;
+        publisher.publish(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &raw.data, properties).await?;
         delivery.ack().await?;
         self.count(Handled::Deferred);
         tracing::info!(next, ?delay, deferrals, "waits for an earlier message of its key");

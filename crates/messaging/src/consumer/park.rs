@@ -18,7 +18,7 @@ use crate::{
 
 impl<H: Handler> Runtime<H> {
     /// Re-publish a copy to the wait tier for `delay`, then ack the original. The copy goes to the
-    /// wait queue by name and comes back to this endpoint's work queue only.
+    /// wait queue through the endpoint's own exchange and comes back to its work queue only.
     pub(super) async fn retry(
         &self,
         delivery: InFlight,
@@ -33,7 +33,9 @@ impl<H: Handler> Runtime<H> {
             &delivery.delivery().properties,
             &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
         );
-        let copy = publisher.send("", &endpoint.wait_queue(delay), &delivery.delivery().data, properties).await?;
+        let copy = publisher
+            .send(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &delivery.delivery().data, properties)
+            .await?;
         let reported = message.correlation_id.filter(|_| !contracts::is_job_event(&message.message_type));
         let event = reported.map(|job_id| JobRetryScheduled {
             job_id,
@@ -78,8 +80,9 @@ impl<H: Handler> Runtime<H> {
                 (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
             ],
         );
-        let parked =
-            publisher.send("", &endpoint.parking_queue(), &delivery.delivery().data, parked_properties).await?;
+        let parked = publisher
+            .send(&endpoint.direct_exchange(), &endpoint.parking_queue(), &delivery.delivery().data, parked_properties)
+            .await?;
         let job_event = properties.kind().as_ref().is_some_and(|kind| contracts::is_job_event(kind.as_str()));
         let reported = envelope::correlation_id(properties).filter(|_| !job_event);
         let event = reported.map(|job_id| JobQuarantined {

@@ -134,9 +134,9 @@ impl<H: Handler> Runtime<H> {
     /// `node` first), and start both consumers.
     async fn open(&self, connection: &Connection, node: usize) -> lapin::Result<Opened> {
         let endpoint = &self.settings.endpoint;
+        topology::declare_endpoint(connection, endpoint, &self.settings.policy).await?;
         let channel = connection.create_channel().await?;
         channel.basic_qos(self.settings.prefetch, BasicQosOptions::default()).await?;
-        topology::declare_endpoint(&channel, endpoint, &self.settings.policy).await?;
         let (publishing, _) = broker::connect_any(&self.settings.amqp_url, node, &self.publishing_flag()).await?;
         let publisher = Publisher::open(&publishing).await?.with_confirm_timeout(self.settings.confirm_timeout);
         let tag = format!("{}-{}", endpoint.name, Uuid::new_v4());
