@@ -19,13 +19,15 @@ chaos orders="5000" kills="24" cuts="12":
 
 # The soak on the three-node cluster of .ci/rabbitmq-cluster (started here; needs root for its
 # network namespaces): two instances of every service, and each node fault (the leader of a work
-# queue killed, a node stopped, a node partitioned) `faults` times besides the service faults.
+# queue killed, a node stopped, a node partitioned) `faults` times besides the service faults;
+# `outages` times two nodes of three killed (one back after 10 to 20 s) and a memory alarm held.
 # Prints the ledger and how long each kind of fault took to ride out.
-chaos-cluster orders="20000" faults="20" rate="7":
+chaos-cluster orders="20000" faults="20" rate="7" outages="5":
     cargo build --bins
     bash .ci/rabbitmq-cluster start
     eval "$(bash .ci/rabbitmq-cluster env)" && cargo run -p testkit --bin chaos -- --orders {{orders}} --rate {{rate}} \
-        --instances 2 --kills 24 --cuts 12 --node-kills {{faults}} --node-stops {{faults}} --partitions {{faults}}
+        --instances 2 --kills 24 --cuts 12 --node-kills {{faults}} --node-stops {{faults}} --partitions {{faults}} \
+        --quorum-losses {{outages}} --alarms {{outages}}
 
 # The benchmark: the servers' limits and every stage, in one run, on release builds.
 bench *args:

@@ -79,6 +79,12 @@ impl Cluster {
         self.run(&["partition", &node.to_string()]).await;
     }
 
+    /// Start node `node` (1 to 3) alone, if it is down, and wait until it runs (and heal every
+    /// partition).
+    pub async fn start(&self, node: usize) {
+        self.run(&["start", &node.to_string()]).await;
+    }
+
     /// Heal every partition, start every node that is down, and wait until all three run in one
     /// cluster again.
     pub async fn restore(&self) {

@@ -13,7 +13,12 @@
 //!
 //! Then two nodes of three are killed: every quorum queue loses its majority, the node left takes
 //! publishes and confirms none. The relay's confirms time out and it reconnects, again and again;
-//! `/readyz` says not ready throughout, and once the nodes are back every order completes.
+//! `/readyz` says not ready throughout, and once one node is back (a majority again, the third
+//! still down) every order completes. A consumer that has to reconnect meanwhile is refused
+//! (`basic.consume` answered by a connection close, 541 `nodedown`) and reads not ready until it
+//! consumes again; one whose session outlived the loss on the remaining node stays registered and
+//! ready, and is given nothing: no error reaches it, and nothing tells it from an idle queue. The
+//! relay is the one that says the shop cannot move.
 //!
 //! Ignored in the normal run, which has one node: `.ci/run` starts the cluster and runs it with
 //! `eval "$(.ci/rabbitmq-cluster env)"; cargo test -p testkit --test cluster -- --ignored`.
@@ -74,7 +79,7 @@ const CONFIRM_TIMEOUT: &str = "3s";
 
 #[tokio::test]
 #[ignore = "needs the three-node cluster of .ci/rabbitmq-cluster; .ci/run runs it"]
-async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_completes_once_they_return() {
+async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_completes_once_one_returns() {
     let _cluster = CLUSTER.lock().await;
     let cluster = cluster().await;
     let options = Options { relay_env: vec![("CONFIRM_TIMEOUT", CONFIRM_TIMEOUT.to_owned())], ..Options::default() };
@@ -108,18 +113,26 @@ async fn with_two_nodes_of_three_down_the_relay_says_not_ready_and_everything_co
     let ledger = shop.ledger().await;
     assert!(ledger.stuck > 0, "orders went through without a majority:\n{ledger}");
 
-    let back = Instant::now();
-    cluster.restore().await;
-    if let Err(ledger) = shop.try_settle(RIDE_OUT).await {
-        panic!("the books did not settle within {RIDE_OUT:?} of the nodes' return:\n{ledger}");
+    // What the consumers said meanwhile (not asserted: see the module's comment).
+    for service in [Service::Inventory, Service::Billing, Service::Api] {
+        let status = shop.readyz(service).await.map(|response| response.status);
+        println!("cluster: two nodes down; {service:?} /readyz {status:?}");
     }
-    println!("cluster: the two nodes restarted; every order settled {:?} after the restart began", back.elapsed());
+
+    // One node back is a majority again: everything completes without the third.
+    let back = Instant::now();
+    cluster.start(2).await;
+    if let Err(ledger) = shop.try_settle(RIDE_OUT).await {
+        panic!("the books did not settle within {RIDE_OUT:?} of one node's return:\n{ledger}");
+    }
+    println!("cluster: one node restarted; every order settled {:?} after its restart began", back.elapsed());
     shop.assert_books_balance().await;
     for service in Service::ALL {
         shop.wait_ready(service).await;
     }
     let response = shop.readyz(Service::Relay).await.expect("/readyz");
     assert!(!overdue(&response.json()), "confirms still overdue: {:?}", response.json());
+    cluster.restore().await;
 }
 
 /// Take node `node` (1 to 3) down by `how` (`kill`: `kill -9`, `stop`, or `partition`) mid-burst,

@@ -13,7 +13,10 @@
 //! a cut takes one instance. On the three-node cluster of `.ci/rabbitmq-cluster`
 //! (`TEST_CLUSTER_CTL` set, as its `env` prints), `--node-kills` kill the node leading a work
 //! queue, `--node-stops` stop a node as an operator would, and `--partitions` cut a node off from
-//! the other two and from every client for half a minute (`just chaos-cluster`). After each fault
+//! the other two and from every client for half a minute, `--quorum-losses` kill two nodes of three
+//! (every quorum queue loses its majority) and start one of them again after 10 to 20 s, and
+//! `--alarms` raise a memory alarm on one node for 10 to 20 s, which blocks every publisher of
+//! the cluster (`just chaos-cluster`). After each fault
 //! the soak waits until every order accepted before it ended has settled, and reports how long
 //! that took (the fault's ride-out) for each kind of fault.
 //!
@@ -77,6 +80,13 @@ struct Args {
     /// 35 s (cluster).
     #[arg(long, default_value_t = 0)]
     partitions: usize,
+    /// Kills of two broker nodes of three (every quorum queue loses its majority), one of them
+    /// started again after 10 to 20 s, the other once the orders settled (cluster).
+    #[arg(long, default_value_t = 0)]
+    quorum_losses: usize,
+    /// Memory alarms raised on a broker node for 10 to 20 s (cluster).
+    #[arg(long, default_value_t = 0)]
+    alarms: usize,
     /// A fault not ridden out (every order accepted before it ended settled) within this many
     /// seconds fails the run.
     #[arg(long, default_value_t = 180)]
@@ -99,6 +109,10 @@ enum Fault {
     NodeStop,
     /// A broker node cut off from the other nodes and every client for 25 to 35 s.
     Partition,
+    /// Two broker nodes of three killed; one started again after 10 to 20 s.
+    QuorumLoss,
+    /// A memory alarm on one broker node for 10 to 20 s: every publisher of the cluster blocked.
+    Alarm,
 }
 
 impl Fault {
@@ -109,6 +123,8 @@ impl Fault {
             Self::NodeKill => "node kill (queue leader)",
             Self::NodeStop => "node stop",
             Self::Partition => "node partition",
+            Self::QuorumLoss => "two nodes of three killed",
+            Self::Alarm => "memory alarm",
         }
     }
 }
@@ -222,13 +238,13 @@ async fn main() -> ExitCode {
     let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
     fastrand::seed(seed);
     let cluster = Cluster::from_env().await;
-    if args.node_kills + args.node_stops + args.partitions > 0 && cluster.is_none() {
+    if args.node_kills + args.node_stops + args.partitions + args.quorum_losses + args.alarms > 0 && cluster.is_none() {
         eprintln!("chaos: node faults need the cluster: eval \"$(.ci/rabbitmq-cluster env)\" first");
         return ExitCode::from(2);
     }
     println!(
         "chaos: {} orders at {}/s, {} instance(s) of each service; {} kills, {} cuts, {} node kills, {} node stops, \
-         {} partitions; seed {seed}",
+         {} partitions, {} quorum losses, {} alarms; seed {seed}",
         args.orders,
         args.rate,
         args.instances,
@@ -236,7 +252,9 @@ async fn main() -> ExitCode {
         args.cuts,
         args.node_kills,
         args.node_stops,
-        args.partitions
+        args.partitions,
+        args.quorum_losses,
+        args.alarms
     );
 
     let options = Options {
@@ -475,6 +493,8 @@ async fn wreak(shop: &mut Shop, args: &Args, cluster: Option<&Cluster>, end: Ins
         (Fault::NodeKill, args.node_kills),
         (Fault::NodeStop, args.node_stops),
         (Fault::Partition, args.partitions),
+        (Fault::QuorumLoss, args.quorum_losses),
+        (Fault::Alarm, args.alarms),
     ];
     let mut faults: Vec<Fault> = counts.into_iter().flat_map(|(fault, n)| std::iter::repeat_n(fault, n)).collect();
     fastrand::shuffle(&mut faults);
@@ -500,6 +520,10 @@ async fn wreak(shop: &mut Shop, args: &Args, cluster: Option<&Cluster>, end: Ins
         }
         let upto = accepted.lock().expect("accepted ids").clone();
         havoc.ride_out(shop, fault, began, &upto, limit).await;
+        if let (Fault::QuorumLoss, Some(cluster)) = (fault, cluster) {
+            // The majority came back with one node; the other one now, for the next fault.
+            havoc.supervise_until(shop, restore(cluster)).await;
+        }
     }
     havoc.supervise(shop).await;
     havoc
@@ -521,9 +545,15 @@ async fn cut(shop: &mut Shop, instance: Instance, havoc: &mut Havoc) {
 }
 
 /// Take a broker node down (kill the leader of a random work queue, stop a random node, or cut
-/// one off), supervise the services meanwhile, then bring the cluster back whole.
+/// one off), supervise the services meanwhile, then bring the cluster back whole. Or take two
+/// down and bring one back, or raise a memory alarm and clear it.
 async fn node_fault(shop: &mut Shop, cluster: &Cluster, fault: Fault, havoc: &mut Havoc) {
     let random_node = || 1 + fastrand::usize(..cluster.len());
+    match fault {
+        Fault::QuorumLoss => return quorum_loss(shop, cluster, havoc).await,
+        Fault::Alarm => return alarm(shop, cluster, random_node(), havoc).await,
+        _ => {}
+    }
     let (node, down_for) = match fault {
         Fault::NodeKill => {
             let queue = WORK_QUEUES[fastrand::usize(..WORK_QUEUES.len())];
@@ -542,12 +572,51 @@ async fn node_fault(shop: &mut Shop, cluster: &Cluster, fault: Fault, havoc: &mu
             (node, fastrand::u64(25..35))
         }
         Fault::Kill | Fault::Cut => unreachable!("a service fault"),
+        Fault::QuorumLoss | Fault::Alarm => unreachable!("handled above"),
     };
     println!("chaos: {} of {} for {down_for} s", fault.name(), cluster.name(node));
     havoc.supervise_for(shop, Duration::from_secs(down_for)).await;
-    let restore = tokio::spawn({
+    havoc.supervise_until(shop, restore(cluster)).await;
+}
+
+/// Bring the cluster back whole, in a task (the services are supervised meanwhile).
+fn restore(cluster: &Cluster) -> tokio::task::JoinHandle<()> {
+    let cluster = cluster.clone();
+    tokio::spawn(async move { cluster.restore().await })
+}
+
+/// Kill two nodes of three, and start one of them again after 10 to 20 s: the majority is back,
+/// the third node still down.
+async fn quorum_loss(shop: &mut Shop, cluster: &Cluster, havoc: &mut Havoc) {
+    let mut nodes: Vec<usize> = (1..=cluster.len()).collect();
+    fastrand::shuffle(&mut nodes);
+    let (first, second) = (nodes[0], nodes[1]);
+    cluster.kill(first).await;
+    cluster.kill(second).await;
+    let down_for = fastrand::u64(10..20);
+    println!(
+        "chaos: {} and {} killed; {} back after {down_for} s",
+        cluster.name(first),
+        cluster.name(second),
+        cluster.name(first)
+    );
+    havoc.supervise_for(shop, Duration::from_secs(down_for)).await;
+    let start = tokio::spawn({
         let cluster = cluster.clone();
-        async move { cluster.restore().await }
+        async move { cluster.start(first).await }
     });
-    havoc.supervise_until(shop, restore).await;
+    havoc.supervise_until(shop, start).await;
+}
+
+/// A memory alarm on `node` for 10 to 20 s, its watermark put back as it was.
+async fn alarm(shop: &mut Shop, cluster: &Cluster, node: usize, havoc: &mut Havoc) {
+    let node_arg = node.to_string();
+    let before =
+        cluster.run(&["ctl", &node_arg, "-q", "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."]).await;
+    cluster.run(&["ctl", &node_arg, "set_vm_memory_high_watermark", "0.0000001"]).await;
+    let held = fastrand::u64(10..20);
+    println!("chaos: memory alarm on {} for {held} s", cluster.name(node));
+    havoc.supervise_for(shop, Duration::from_secs(held)).await;
+    let restore = format!("vm_memory_monitor:set_vm_memory_high_watermark({before}).");
+    cluster.run(&["ctl", &node_arg, "-q", "eval", &restore]).await;
 }
