@@ -15,8 +15,8 @@
 #
 # What the regular expressions allow (RabbitMQ's configure / write / read, on queue and exchange
 # names): each consumer declares, binds, consumes and deletes only its endpoint's queues (`NAME`
-# and `NAME.*`: work, wait tiers, parking, dead-lettered intake), declares the exchanges it binds
-# to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
+# and `NAME.*`: work, wait tiers, parking, dead-lettered intake, probe), declares the exchanges
+# it binds to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
 # its endpoint's own direct exchange (`NAME.direct`: retries and parking go to its own queues
 # through it). Nobody may write to the default exchange (`amq.default`), on which RabbitMQ cannot
 # tell one queue from another, so no consumer's user can put a message into another service's

@@ -188,6 +188,13 @@ impl Endpoint {
         direct_exchange_of(self.name)
     }
 
+    /// `<endpoint>.probe`: a quorum queue that keeps only its newest message, where each consumer
+    /// session publishes every few seconds to learn that the broker can still take a write for
+    /// this endpoint (a majority of the queue's members), which nothing else would tell it.
+    pub fn probe_queue(&self) -> String {
+        format!("{}.probe", self.name)
+    }
+
     /// `<endpoint>.wait.<delay>`, e.g. `accounts.user-registered.wait.5s`. The delay is part of the
     /// name, so a changed tier list declares new queues instead of clashing with old arguments.
     pub fn wait_queue(&self, delay: Duration) -> String {
@@ -219,8 +226,8 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
 
 /// Declare an endpoint's queues and bindings, on a channel of its own on `connection`: the
 /// exchanges it binds to and the job events' exchange it publishes to, its own direct exchange,
-/// parking, the intake of dead letters, the work queue, and one wait queue per retry tier, each
-/// of its queues bound to the direct exchange under its own name.
+/// parking, the intake of dead letters, the probe queue, the work queue, and one wait queue per
+/// retry tier, each of its queues bound to the direct exchange under its own name.
 ///
 /// A queue that already exists with other arguments (declared by a release before decision 0005)
 /// makes this fail with `PRECONDITION_FAILED`; the decision record says how to move it. One
@@ -247,6 +254,12 @@ pub async fn declare_endpoint(connection: &Connection, endpoint: &Endpoint, poli
         declare_queue(&channel, queue, keeping()).await?;
         bind_by_name(&channel, &direct, queue).await?;
     }
+    let probe = endpoint.probe_queue();
+    let mut newest_only = quorum();
+    newest_only.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+    newest_only.insert("x-overflow".into(), AMQPValue::LongString("drop-head".into()));
+    declare_queue(&channel, &probe, newest_only).await?;
+    bind_by_name(&channel, &direct, &probe).await?;
 
     // Dead letters of the work queue (delivery limit exceeded) go to the intake.
     let mut work = quorum();
@@ -383,6 +396,7 @@ mod tests {
         assert_eq!(endpoint.dead_lettered_queue(), "status.dead-lettered");
         assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "status.wait.5s");
         assert_eq!(endpoint.direct_exchange(), "status.direct");
+        assert_eq!(endpoint.probe_queue(), "status.probe");
         assert!(endpoint.check("job.quarantined", 1).is_ok());
         assert!(endpoint.check("job.quarantined", 2).is_err());
         assert!(endpoint.check("job.cancelled", 1).is_err());

@@ -41,6 +41,7 @@ mod apply;
 mod crashes;
 mod ordering;
 mod park;
+mod probe;
 mod scheduler;
 mod session;
 mod settle;

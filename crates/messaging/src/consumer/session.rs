@@ -29,6 +29,7 @@ use uuid::Uuid;
 use super::{
     Handler, Runtime,
     acks::{Acks, InFlight},
+    probe,
     scheduler::{Scheduler, Start},
 };
 use crate::{
@@ -88,8 +89,8 @@ struct Opened {
     intake: Arc<Acks>,
     dead_letters: lapin::Consumer,
     publisher: Publisher,
-    /// The connection `publisher` is on: not the consuming one.
-    publishing: Connection,
+    /// The connection `publisher` and the probe ([`probe`]) are on: not the consuming one.
+    publishing: Arc<Connection>,
     tag: String,
 }
 
@@ -116,8 +117,13 @@ impl<H: Handler> Runtime<H> {
         let io = Io { publisher: opened.publisher.clone(), ended, held: Arc::default() };
         let mut tasks = JoinSet::new();
         let watching = broker::watch_blocked(&opened.publishing, self.publishing_flag(), &self.health.readiness);
+        let settings = &self.settings;
+        let (readiness, flag) = (Arc::clone(&self.health.readiness), self.flag.clone());
+        let probing =
+            probe::spawn(Arc::clone(&opened.publishing), &settings.endpoint, settings.confirm_timeout, readiness, flag);
         let end = self.consume(&mut opened, &io, &mut tasks).await;
         end_session.trigger();
+        probing.abort();
         self.wind_down(opened, tasks, &io).await;
         watching.abort();
         self.health.readiness.set_blocked(&self.publishing_flag(), None);
@@ -159,7 +165,7 @@ impl<H: Handler> Runtime<H> {
             intake: Acks::new(intake),
             dead_letters,
             publisher,
-            publishing,
+            publishing: Arc::new(publishing),
             tag,
         })
     }
