@@ -1,7 +1,8 @@
 # Sourced by .ci/rabbitmq4 and .ci/postgres17: one Debian root file system per suite (trixie, sid),
 # kept outside the clone so later runs reuse it, with packages added on demand. Only Debian
 # packages are downloaded. Servers run from it share the host's network (loopback ports of their
-# own) and its epmd.
+# own) and its epmd. Each root has the host's /proc, /sys and /dev bind-mounted into it: delete
+# the roots with .ci/clean, which unmounts them first, never with `rm -rf`.
 
 debian_roots="${DEBIAN_ROOTS:-$HOME/.cache/reliable-orders/roots}"
 # The Debian mirror apt already uses here (debootstrap needs one spelled out).
