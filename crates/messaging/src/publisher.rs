@@ -243,8 +243,9 @@ enum Outcome {
 impl Confirms {
     /// Enter a publish just put on the wire; its sequence number.
     fn track(&self, message_id: Option<String>, confirm: PublisherConfirm) -> u64 {
-        let resolved = self.wakeups.take_resolved();
+        // The ledger first: see `poll_outcome`.
         let mut ledger = lock(&self.ledger);
+        let resolved = self.wakeups.take_resolved();
         let seq = ledger.next;
         ledger.next += 1;
         let waker = Waker::from(Arc::new(Resolution { seq, wakeups: Arc::clone(&self.wakeups) }));
@@ -259,9 +260,14 @@ impl Confirms {
 
     /// The outcome of publish `seq`, once it and every publish before it are resolved.
     fn poll_outcome(&self, seq: u64, cx: &mut Context<'_>) -> Poll<Result<(), PublishError>> {
+        // The resolutions are taken and collected under the ledger's lock, so that whoever holds it
+        // next sees them. Taken before it, by another task, a resolution could be collected only
+        // after this task had looked and registered: its wake spent, this task would sleep until
+        // its deadline although every publish up to its own had resolved (a lost wakeup, seen in
+        // CI as a retry left unacked, when confirms for two queues came out of publish order).
+        let mut ledger = lock(&self.ledger);
         // Registered before looking, so that a resolution after the look wakes this task.
         let resolved = self.wakeups.wait(seq, cx.waker());
-        let mut ledger = lock(&self.ledger);
         ledger.collect_all(resolved);
         if ledger.unresolved.first().is_some_and(|&first| first <= seq) {
             return Poll::Pending;

@@ -437,6 +437,51 @@ async fn delayed_retry_arguments_hold_a_rejected_message_back_on_4_3_and_are_sil
 /// confirm "carries" a return is not the broker's to say. Unroutable messages pipelined among
 /// messages to a quorum queue (whose confirms come later) must each be reported as returned, and
 /// only they: a return pinned on a neighbour would fail a delivered message and pass a lost one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_waiter_on_a_shared_publisher_gets_its_confirm_when_confirms_come_out_of_order() {
+    // A quorum queue confirms after its commit, a classic queue at once: publishes to both,
+    // interleaved, are confirmed out of publish order. Many tasks on several threads each send
+    // to both and wait, as a consumer's held settlements do (a copy, then its job event). A
+    // resolution one task collects must still wake the others it unblocks: lost, a task sleeps
+    // until its deadline although its confirm came long ago.
+    let env = TestEnv::new().await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    declare(&channel, "confirms.quorum", &[]).await;
+    channel
+        .queue_declare("confirms.classic".into(), QueueDeclareOptions::durable(), FieldTable::default())
+        .await
+        .expect("declare");
+    // A deadline far beyond the test's wait: a lost wakeup is then a task that never wakes, not
+    // one the deadline's timer wakes to find its confirm there all along (before the mend, rounds
+    // took 10 s, a 10 s deadline, rather than a few milliseconds).
+    let publisher =
+        Publisher::open(&connection).await.expect("publisher").with_confirm_timeout(Duration::from_secs(3600));
+    for round in 0..30 {
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..16 {
+            let publisher = publisher.clone();
+            tasks.spawn(async move {
+                let properties =
+                    |k: u8| BasicProperties::default().with_message_id(format!("c-{round}-{i}-{k}").into());
+                let quorum = publisher.send("", "confirms.quorum", b"{}", properties(0)).await?;
+                let classic = publisher.send("", "confirms.classic", b"{}", properties(1)).await?;
+                let (quorum, classic) = tokio::join!(quorum.confirmed(), classic.confirmed());
+                quorum.and(classic)
+            });
+        }
+        let joined = tokio::time::timeout(WAIT, async {
+            while let Some(joined) = tasks.join_next().await {
+                joined.expect("a task").unwrap_or_else(|error| panic!("round {round}: {error}"));
+            }
+        });
+        joined
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: a confirm the broker sent was not seen within {WAIT:?}"));
+    }
+    let _ = connection.close(200, "bye".into()).await;
+}
+
 #[tokio::test]
 async fn pipelined_publishes_report_exactly_the_unroutable_ones_as_returned() {
     let env = TestEnv::new().await;
