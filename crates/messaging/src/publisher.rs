@@ -373,7 +373,9 @@ struct WakeupsInner {
 }
 
 impl Wakeups {
-    /// Register `waker` for publish `seq`; the resolutions recorded since the last look.
+    /// Register `waker` for publish `seq`; the resolutions recorded since the last look. Called
+    /// with the ledger's lock held, as is [`Self::take_resolved`]: what it takes is collected
+    /// before anyone else looks.
     fn wait(&self, seq: u64, waker: &Waker) -> Vec<u64> {
         let mut inner = lock(&self.0);
         match inner.waiting.get_mut(&seq) {
