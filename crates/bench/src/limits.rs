@@ -101,7 +101,7 @@ pub async fn order_transaction(url: &str, concurrency: usize, count: usize) -> f
         async move {
             let mut conn = pool.acquire().await.expect("connection");
             let ids = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-            let order = NewOrder::new(ids, &valid_order(i), None);
+            let order = NewOrder::new(ids, &valid_order(i), None, deadline());
             insert_orders(&mut conn, &[&order]).await.expect("insert order");
         }
     })
@@ -122,7 +122,8 @@ pub async fn smallest_order_transaction(pool: &PgPool, concurrency: usize, count
     run_concurrently(concurrency, count, move |i| {
         let pool = pool.clone();
         async move {
-            let placed = valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() });
+            let placed =
+                valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() }, deadline());
             let mut tx = pool.begin().await.expect("begin");
             sqlx::query("insert into smallest_orders (id, customer_id, lines) values ($1, $2, $3)")
                 .bind(placed.order_id)
@@ -230,7 +231,9 @@ fn incoming<C: Contract>(message: &C) -> Incoming {
 /// `order.placed` of `count` fresh orders of the hot catalog: what inventory receives.
 pub fn orders_placed(count: usize) -> Vec<Incoming> {
     (0..count)
-        .map(|i| incoming(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() })))
+        .map(|i| {
+            incoming(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() }, deadline()))
+        })
         .collect()
 }
 
@@ -241,13 +244,16 @@ fn reserved(placed: &OrderPlaced) -> Incoming {
         job_id: placed.job_id,
         reservation_id: Uuid::now_v7(),
         lines: placed.lines.clone(),
+        deadline: placed.deadline,
     })
 }
 
 /// `inventory.reserved` of `count` fresh orders of the hot catalog: what billing receives.
 pub fn inventory_reserved(count: usize) -> Vec<Incoming> {
     (0..count)
-        .map(|i| reserved(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() })))
+        .map(|i| {
+            reserved(&valid_order(i).placed(&Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() }, deadline()))
+        })
         .collect()
 }
 
@@ -256,7 +262,14 @@ pub fn inventory_reserved(count: usize) -> Vec<Incoming> {
 /// accepted first, in `pool` (the orders service's tables), as the API accepts them.
 pub async fn order_outcomes(pool: &PgPool, count: usize) -> Vec<Incoming> {
     let orders: Vec<NewOrder> = (0..count)
-        .map(|i| NewOrder::new(Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() }, &valid_order(i), None))
+        .map(|i| {
+            NewOrder::new(
+                Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() },
+                &valid_order(i),
+                None,
+                deadline(),
+            )
+        })
         .collect();
     let mut conn = pool.acquire().await.expect("connection");
     for chunk in orders.chunks(500) {
@@ -320,4 +333,9 @@ pub async fn consumer_transactions<H: Handler>(
     .await;
     let used = window.finish();
     (rate * count as f64 / total as f64, used)
+}
+
+/// An order's deadline at the default `ORDER_DEADLINE` (30 min): never reached in a bench.
+fn deadline() -> chrono::DateTime<chrono::Utc> {
+    chrono::Utc::now() + chrono::TimeDelta::minutes(30)
 }

@@ -1,34 +1,38 @@
-//! Billing: consumes `inventory.reserved` (endpoint `billing.inventory-reserved`), writes the
-//! invoice priced from its own `prices` table, and announces `invoice.created` through its outbox,
-//! all in the runtime's one transaction.
+//! Billing: consumes `inventory.reserved` and `order.ended` (endpoint
+//! `billing.inventory-reserved`). It writes the invoice of a reserved order, priced from its own
+//! `prices` table, and announces `invoice.created`, or declines the order (`payment.declined`);
+//! when an order ends otherwise than invoiced, it voids its invoice and announces
+//! `invoice.voided`. Each in the runtime's one transaction.
 
 use std::{collections::HashMap, sync::LazyLock};
 
+use chrono::Utc;
 use messaging::prelude::*;
-use shop::{InventoryReserved, InvoiceCreated, demo::DemoFaults};
+use shop::{End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined, demo::DemoFaults};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
 /// This service's own migrations (`migrations/billing`), applied after messaging's.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
 
-/// The worker: consumes `inventory.reserved` on endpoint `billing.inventory-reserved`.
+/// The worker: consumes `inventory.reserved` and `order.ended` on endpoint
+/// `billing.inventory-reserved`.
 pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
     Worker {
         name: "billing-worker",
-        about: "Invoices reserved orders.",
+        about: "Invoices reserved orders, and voids the invoices of orders that end otherwise.",
         version: env!("CARGO_PKG_VERSION"),
         database: "billing",
         http_addr: "127.0.0.1:8082",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>(),
+        endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>(),
         handler: |faults| handler(*faults),
     }
 }
 
-/// The endpoint's handler: `inventory.reserved` to [`CreateInvoice`].
+/// The endpoint's handler: `inventory.reserved` and `order.ended` to [`CreateInvoice`].
 pub fn handler(faults: DemoFaults) -> Routes<CreateInvoice> {
-    Routes::new(CreateInvoice { faults }).on::<InventoryReserved>()
+    Routes::new(CreateInvoice { faults }).on::<InventoryReserved>().on::<OrderEnded>()
 }
 
 /// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is
@@ -42,7 +46,7 @@ static INSERT_INVOICE: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
     )
 });
 
-/// The `inventory.reserved` handler.
+/// The handler of `inventory.reserved` (invoice or decline) and `order.ended` (void).
 #[derive(Debug, Clone, Default)]
 pub struct CreateInvoice {
     /// The demo's faults, if on.
@@ -56,8 +60,18 @@ impl Handle<InventoryReserved> for CreateInvoice {
         context: &Context,
         tx: &mut PgConnection,
     ) -> Result<(), HandlerError> {
-        self.faults.apply(reserved.lines.iter().map(|line| line.sku.as_str()), context.attempt)?;
         let skus: Vec<&str> = reserved.lines.iter().map(|line| line.sku.as_str()).collect();
+        self.faults.apply(skus.iter().copied(), context.attempt)?;
+        self.faults.apply_in_billing(skus.iter().copied(), context.attempt)?;
+        // An order past its deadline has been cancelled, or is about to be: billing, started late,
+        // invoices nothing for it (decision 0023).
+        let expired = reserved.deadline.is_some_and(|deadline| deadline <= Utc::now());
+        let refusal = if expired { Some(shop::EXPIRED.to_owned()) } else { self.faults.declines(skus.iter().copied()) };
+        if let Some(reason) = refusal {
+            let declined = PaymentDeclined { order_id: reserved.order_id, job_id: reserved.job_id, reason };
+            outbox::enqueue(tx, &declined, context.job_id).await?;
+            return Ok(());
+        }
         let prices: HashMap<String, i64> =
             sqlx::query_as("select sku, unit_price_cents from prices where sku = any($1)")
                 .bind(&skus)
@@ -91,6 +105,35 @@ impl Handle<InventoryReserved> for CreateInvoice {
             )
             .execute(&mut *tx)
             .await?;
+        Ok(())
+    }
+}
+
+// An order that ended otherwise than invoiced has its invoice voided. A void that finds none,
+// because the order's inventory.reserved is late or was never applied, leaves a fence instead, so
+// that the inventory.reserved invoices nothing when it comes: the two are safe in either order.
+impl Handle<OrderEnded> for CreateInvoice {
+    async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        if ended.end == End::Invoiced {
+            return Ok(());
+        }
+        sqlx::query(
+            "with voided as (
+                update invoices set state = 'void', voided_at = now()
+                 where order_id = $2 and state = 'standing'
+                returning id
+             )
+             insert into invoices (id, order_id, job_id, total_cents, lines, state, voided_at)
+             select $1, $2, $3, 0, '[]', 'void', now() where not exists (select from voided)
+             on conflict (order_id) do nothing",
+        )
+        .bind(Uuid::now_v7())
+        .bind(ended.order_id)
+        .bind(ended.job_id)
+        .execute(&mut *tx)
+        .await?;
+        let voided = InvoiceVoided { order_id: ended.order_id, job_id: ended.job_id };
+        outbox::enqueue(tx, &voided, context.job_id).await?;
         Ok(())
     }
 }

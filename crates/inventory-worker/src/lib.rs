@@ -1,6 +1,7 @@
-//! Inventory: consumes `order.placed` (endpoint `inventory.order-placed`) and reserves every line
-//! of the order or none, then announces `inventory.reserved` or `inventory.rejected` through its
-//! outbox, all in the runtime's one transaction.
+//! Inventory: consumes `order.placed` and `order.ended` (endpoint `inventory.order-placed`). It
+//! reserves every line of a placed order or none, and announces `inventory.reserved` or
+//! `inventory.rejected`; when the order ends, it settles the reservation (invoiced) or releases
+//! it and announces `inventory.released` (any other end). Each in the runtime's one transaction.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -8,33 +9,36 @@ use std::{
 };
 
 use messaging::prelude::*;
-use shop::{InventoryRejected, InventoryReserved, OrderLine, OrderPlaced, demo::DemoFaults};
-use sqlx::PgConnection;
+use shop::{
+    End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced, demo::DemoFaults,
+};
+use sqlx::{PgConnection, types::Json};
 use uuid::Uuid;
 
 /// This service's own migrations (`migrations/inventory`), applied after messaging's.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/inventory");
 
-/// The worker: consumes `order.placed` on endpoint `inventory.order-placed`.
+/// The worker: consumes `order.placed` and `order.ended` on endpoint `inventory.order-placed`.
 pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
     Worker {
         name: "inventory-worker",
-        about: "Reserves stock for placed orders.",
+        about: "Reserves stock for placed orders, and settles or releases it when they end.",
         version: env!("CARGO_PKG_VERSION"),
         database: "inventory",
         http_addr: "127.0.0.1:8081",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>(),
+        endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>().consume::<OrderEnded>(),
         handler: |faults| handler(*faults),
     }
 }
 
-/// The endpoint's handler: `order.placed` to [`ReserveStock`], a batch's stock rows locked first.
+/// The endpoint's handler: `order.placed` and `order.ended` to [`ReserveStock`], a batch's stock
+/// rows for its placed orders locked first.
 pub fn handler(faults: DemoFaults) -> Routes<ReserveStock> {
-    Routes::new(ReserveStock { faults }).on::<OrderPlaced>().lock_batches::<OrderPlaced>()
+    Routes::new(ReserveStock { faults }).on::<OrderPlaced>().on::<OrderEnded>().lock_batches::<OrderPlaced>()
 }
 
-/// The `order.placed` handler.
+/// The handler of `order.placed` (reserve) and `order.ended` (settle or release).
 #[derive(Debug, Clone, Default)]
 pub struct ReserveStock {
     /// The demo's faults, if on.
@@ -65,6 +69,86 @@ impl Handle<OrderPlaced> for ReserveStock {
         }
         Ok(())
     }
+}
+
+// The order's end, as the orders service decided it: the held reservation is settled (the stock
+// is sold) or released (the stock is back). A release that finds no reservation, because its
+// order.placed is late or was never applied, leaves a fence instead, so that the order.placed
+// reserves nothing when it comes: the two are safe in either order.
+impl Handle<OrderEnded> for ReserveStock {
+    async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        match ended.end {
+            End::Invoiced => {
+                end_reservation(tx, ended.order_id, Ending::Settled).await?;
+            }
+            End::Declined | End::Cancelled => {
+                if !end_reservation(tx, ended.order_id, Ending::Released).await? {
+                    sqlx::query(
+                        "insert into reservations (id, order_id, job_id, lines, state, ended_at)
+                         values ($1, $2, $3, '[]', 'released', now())
+                         on conflict (order_id) do nothing",
+                    )
+                    .bind(Uuid::now_v7())
+                    .bind(ended.order_id)
+                    .bind(ended.job_id)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                let released = InventoryReleased { order_id: ended.order_id, job_id: ended.job_id };
+                outbox::enqueue(tx, &released, context.job_id).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a held reservation becomes when its order ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Invoiced: its stock moves from `reserved` to `settled`.
+    Settled,
+    /// Any other end: its stock moves from `reserved` back to `available`.
+    Released,
+}
+
+/// End the order's held reservation as `ending` says, and move its stock: whether the order had a
+/// held reservation (none: never reserved, already ended, or a fence).
+async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) -> Result<bool, sqlx::Error> {
+    let state = match ending {
+        Ending::Settled => "settled",
+        Ending::Released => "released",
+    };
+    let lines: Option<Json<Vec<OrderLine>>> = sqlx::query_scalar(
+        "update reservations set state = $2, ended_at = now() where order_id = $1 and state = 'held' returning lines",
+    )
+    .bind(order_id)
+    .bind(state)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(Json(lines)) = lines else {
+        return Ok(false);
+    };
+    // The reservation's lines are one per SKU, in SKU order (see `reserve`): its rows are locked in
+    // that order, as every order's are.
+    let skus: Vec<&str> = lines.iter().map(|line| line.sku.as_str()).collect();
+    let quantities: Vec<i32> = lines.iter().map(|line| line.quantity).collect();
+    sqlx::query("select 1 from stock where sku = any($1) order by sku for update")
+        .bind(&skus)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "update stock set reserved = reserved - taken.quantity,
+                available = available + case when $3 then taken.quantity else 0 end,
+                settled = settled + case when $3 then 0 else taken.quantity end
+           from unnest($1::text[], $2::int[]) as taken (sku, quantity)
+          where stock.sku = taken.sku",
+    )
+    .bind(&skus)
+    .bind(&quantities)
+    .bind(ending == Ending::Released)
+    .execute(&mut *tx)
+    .await?;
+    Ok(true)
 }
 
 /// Stock rows are locked in SKU order, one order at a time, and orders share SKUs: two batches
@@ -137,13 +221,12 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
         job_id: order.job_id,
         reservation_id,
         lines: order.lines.clone(),
+        deadline: order.deadline,
     };
     let announced = outbox::Outgoing::of(&reserved, job_id);
     let written = INSERT_RESERVATION
         .query(
-            |effect| {
-                effect.bind(reservation_id).bind(order.order_id).bind(order.job_id).bind(sqlx::types::Json(&lines))
-            },
+            |effect| effect.bind(reservation_id).bind(order.order_id).bind(order.job_id).bind(Json(&lines)),
             announced,
         )
         .execute(&mut *tx)

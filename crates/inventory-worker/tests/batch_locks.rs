@@ -19,6 +19,7 @@ fn order(sku: &str) -> OrderPlaced {
         job_id: Uuid::now_v7(),
         customer_id: "crossing".to_owned(),
         lines: vec![line],
+        deadline: None,
     }
 }
 

@@ -75,7 +75,7 @@ macro_rules! contract {
 /// report, and the next, without end. The list is every `impl JobEvent` below: a new job event
 /// goes in it too.
 pub fn is_job_event(message_type: &str) -> bool {
-    [JobRetryScheduled::TYPE, JobQuarantined::TYPE, JobRedriven::TYPE].contains(&message_type)
+    [JobRetryScheduled::TYPE, JobQuarantined::TYPE, JobRedriven::TYPE, JobAbandoned::TYPE].contains(&message_type)
 }
 
 /// An event about a job, published by the consumer runtime with the job id as its correlation id.
@@ -168,6 +168,29 @@ pub struct JobRedriven {
 contract!(JobRedriven, "job.redriven", JOBS_EXCHANGE);
 
 impl JobEvent for JobRedriven {
+    fn job_id(&self) -> Uuid {
+        self.job_id
+    }
+}
+
+/// An operator ended a job whose step's message is parked (`msgctl parked abandon`): the service
+/// that owns the job ends it for good and undoes what its steps did. Published, confirmed, before
+/// the parked message is acked, so that the job is never left parked by nobody.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobAbandoned {
+    /// The job (the message's correlation id).
+    pub job_id: Uuid,
+    /// The endpoint whose parking queue held the message.
+    pub endpoint: String,
+    /// The message.
+    pub message_id: Uuid,
+    /// Why, for people (the operator's `--reason`).
+    pub reason: String,
+}
+contract!(JobAbandoned, "job.abandoned", JOBS_EXCHANGE);
+
+impl JobEvent for JobAbandoned {
     fn job_id(&self) -> Uuid {
         self.job_id
     }

@@ -61,11 +61,20 @@ impl serde_json::ser::Formatter for JsonbText {
     }
 }
 
-static INSERT: LazyLock<String> =
-    LazyLock::new(|| format!("insert into outbox ({COLUMNS}) values ($1, $2, $3, $4, $5, $6)"));
+static INSERT: LazyLock<String> = LazyLock::new(|| {
+    format!("insert into outbox ({COLUMNS}, {SCHEDULE}) values ($1, $2, $3, $4, $5, $6, {})", schedule_values(7))
+});
 
 /// The outbox columns a new message fills, in [`Outgoing`]'s order.
 const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
+
+/// The columns of a message's deliver-at time ([`Outgoing::at`]), after [`COLUMNS`].
+const SCHEDULE: &str = "available_at, scheduled";
+
+/// [`SCHEDULE`]'s values from one bound `timestamptz` parameter, `$n`: null means now.
+fn schedule_values(n: usize) -> String {
+    format!("coalesce(${n}::timestamptz, now()), ${n}::timestamptz is not null")
+}
 
 /// A Postgres query with its arguments, as [`WithEffect::query`] hands it to be bound.
 pub type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
@@ -105,8 +114,11 @@ impl WithEffect {
         let first = highest_parameter(effect) + 1;
         let values: Vec<String> = (first..first + 6).map(|n| format!("${n}")).collect();
         let values = values.join(", ");
-        let sql =
-            format!("with effect as ({effect}) insert into outbox ({COLUMNS}) select {values} from effect limit 1");
+        let schedule = schedule_values(first + 6);
+        let sql = format!(
+            "with effect as ({effect}) insert into outbox ({COLUMNS}, {SCHEDULE}) select {values}, {schedule} from effect \
+             limit 1"
+        );
         // Built from the caller's statement text and our own column list and placeholders: no
         // value is ever spliced in, every value is bound. Held shared, so each query clones a
         // pointer, not the text.
@@ -152,16 +164,22 @@ pub struct Selected<'a> {
     pub payload: &'a str,
     /// The headers ([`Headers`]), `jsonb`.
     pub headers: &'a str,
+    /// When each is due, `timestamptz` ([`Outgoing::at`]); `None`: at once.
+    pub deliver_at: Option<&'a str>,
 }
 
 impl Selected<'_> {
     /// The `insert` statement, selecting from `from` (which may carry `where` and `order by`:
     /// the rows are published in the order they are inserted).
     pub fn insert_from(&self, from: &str) -> String {
-        let Self { message_id, message_type, exchange, routing_key, payload, headers } = self;
+        let Self { message_id, message_type, exchange, routing_key, payload, headers, deliver_at } = self;
+        let (columns, schedule) = match deliver_at {
+            Some(at) => (format!("{COLUMNS}, {SCHEDULE}"), format!(", {at}, true")),
+            None => (COLUMNS.to_owned(), String::new()),
+        };
         format!(
-            "insert into outbox ({COLUMNS}) select {message_id}, {message_type}, {exchange}, {routing_key}, {payload}, \
-             {headers} from {from}"
+            "insert into outbox ({columns}) select {message_id}, {message_type}, {exchange}, {routing_key}, {payload}, \
+             {headers}{schedule} from {from}"
         )
     }
 }
@@ -183,6 +201,8 @@ pub struct Outgoing<'a, C> {
     pub payload: Json<&'a C>,
     /// Correlation id, traceparent, version.
     pub headers: Json<Headers>,
+    /// When it is due ([`Outgoing::at`]); `None`: at once.
+    pub deliver_at: Option<DateTime<Utc>>,
 }
 
 impl<'a, C: Contract> Outgoing<'a, C> {
@@ -195,7 +215,16 @@ impl<'a, C: Contract> Outgoing<'a, C> {
             routing_key: C::TYPE,
             payload: Json(body),
             headers: Json(Headers::of::<C>(correlation_id)),
+            deliver_at: None,
         }
+    }
+
+    /// The same message, published no earlier than `when` (a deadline, a reminder): the relay
+    /// claims a row only once it is due, within its poll interval (1 s) of it. Such a row waits in
+    /// an index of its own, so it slows no claim while it waits, however long. A scheduled message
+    /// should carry no ordering key: the key's later messages would wait for it.
+    pub fn at(self, when: DateTime<Utc>) -> Self {
+        Self { deliver_at: Some(when), ..self }
     }
 
     /// The same message, of ordering key `key`: an endpoint ordered by key applies the messages
@@ -212,7 +241,8 @@ impl<'a, C: Contract> Outgoing<'a, C> {
         Ok(message_id)
     }
 
-    /// Bind its six values, in the outbox columns' order, as the next parameters of `query`.
+    /// Bind its seven values, in the outbox columns' order and its deliver-at time, as the next
+    /// parameters of `query`.
     fn bind_to(self, query: Query<'a>) -> Query<'a> {
         query
             .bind(self.message_id)
@@ -221,6 +251,7 @@ impl<'a, C: Contract> Outgoing<'a, C> {
             .bind(self.routing_key)
             .bind(self.payload)
             .bind(self.headers)
+            .bind(self.deliver_at)
     }
 }
 
@@ -259,15 +290,26 @@ impl OutboxRow {
 /// Lock up to `limit` unpublished rows that are due, oldest first, skipping rows another relay
 /// holds and parked rows ([`park`]): several relays can run against one database without
 /// publishing a row twice in steady state. The locks last until the caller's transaction ends.
+/// Scheduled rows ([`Outgoing::at`]) are looked up apart, by due time, in their own index.
 pub async fn claim_unpublished(conn: &mut PgConnection, limit: i64) -> sqlx::Result<Vec<OutboxRow>> {
     sqlx::query_as(
-        "select id, message_id, message_type, exchange, routing_key, payload::text as payload,
+        "with due as (
+            select id from outbox
+             where published_at is null and not scheduled and parked_at is null and available_at <= now()
+             order by id limit $1
+               for update skip locked
+         ), due_scheduled as (
+            select id from outbox
+             where published_at is null and scheduled and parked_at is null and available_at <= now()
+             order by available_at limit $1
+               for update skip locked
+         )
+         select id, message_id, message_type, exchange, routing_key, payload::text as payload,
                 headers, created_at, attempts, refusals
            from outbox
-          where published_at is null and parked_at is null and available_at <= now()
+          where id in (select id from due union all select id from due_scheduled)
           order by id
-          limit $1
-            for update skip locked",
+          limit $1",
     )
     .bind(limit)
     .fetch_all(conn)
@@ -357,18 +399,22 @@ pub async fn delete_published_before<'e>(
 }
 
 /// The outbox's state for `/metrics`, read with queries whose cost does not grow with the rows
-/// already published: each walks the partial index of unpublished rows (`outbox_unpublished`),
-/// so an outbox that keeps 50 million published rows for its retention costs what an empty one
-/// does. (`count(*)` over the table took over the scrape's 2 s there, and the age gauge, the one
-/// the paging alert reads, vanished exactly when it mattered.)
+/// already published: each walks a partial index of unpublished rows (`outbox_unpublished`,
+/// `outbox_scheduled`), so an outbox that keeps 50 million published rows for its retention costs
+/// what an empty one does. (`count(*)` over the table took over the scrape's 2 s there, and the
+/// age gauge, the one the paging alert reads, vanished exactly when it mattered.)
 #[derive(Debug, Clone, Copy, PartialEq, sqlx::FromRow)]
 pub struct OutboxGauges {
-    /// Rows waiting to be published (parked rows aside), counted up to [`COUNT_CAP`].
+    /// Rows waiting to be published (parked rows, and scheduled rows not yet due, aside), counted
+    /// up to [`COUNT_CAP`] of each kind.
     pub unpublished: i64,
-    /// Rows parked ([`park`]), counted among the first [`COUNT_CAP`] unpublished rows.
+    /// Rows parked ([`park`]), counted among the first [`COUNT_CAP`] unpublished rows of each kind.
     pub parked: i64,
+    /// Scheduled rows ([`Outgoing::at`]) not yet due, counted up to [`COUNT_CAP`]: they wait by
+    /// design, and count in neither the backlog nor its age.
+    pub scheduled: i64,
     /// How long the oldest row waiting to be published (parked rows aside) has waited, in
-    /// seconds (0 when none waits).
+    /// seconds (0 when none waits): a scheduled row waits from its due time.
     pub oldest_unpublished_age_seconds: f64,
 }
 
@@ -376,20 +422,35 @@ pub struct OutboxGauges {
 /// age gauge says how far behind it is). Counting it costs about a millisecond per 10,000 rows.
 pub const COUNT_CAP: i64 = 100_000;
 
-/// [`gauges`]' counts: rows waiting and rows parked, among the first `$1` unpublished.
-pub const COUNT_UNPUBLISHED: &str =
-    "select count(*) filter (where parked_at is null), count(*) filter (where parked_at is not null)
-       from (select parked_at from outbox where published_at is null order by id limit $1) as waiting";
+/// [`gauges`]' counts: rows waiting and rows parked, among the first `$1` unpublished; then rows
+/// due, parked and not yet due among the first `$1` scheduled.
+pub const COUNT_UNPUBLISHED: &str = "with waiting as (
+            select parked_at from outbox where published_at is null and not scheduled order by id limit $1
+         ), timed as (
+            select parked_at, available_at from outbox where published_at is null and scheduled
+             order by available_at limit $1
+         )
+         select (select count(*) from waiting where parked_at is null)
+                  + (select count(*) from timed where parked_at is null and available_at <= now()),
+                (select count(*) from waiting where parked_at is not null)
+                  + (select count(*) from timed where parked_at is not null),
+                (select count(*) from timed where parked_at is null and available_at > now())";
 
-/// [`gauges`]' age: that of the first row waiting to be published.
-pub const OLDEST_UNPUBLISHED: &str = "select extract(epoch from now() - created_at)::float8
-       from outbox where published_at is null and parked_at is null order by id limit 1";
+/// [`gauges`]' age: that of the first row waiting to be published, a scheduled one counted from
+/// its due time.
+pub const OLDEST_UNPUBLISHED: &str = "select extract(epoch from now() - least(
+        (select created_at from outbox where published_at is null and not scheduled and parked_at is null
+          order by id limit 1),
+        (select available_at from outbox
+          where published_at is null and scheduled and parked_at is null and available_at <= now()
+          order by available_at limit 1)))::float8";
 
-/// Read [`OutboxGauges`]: two index scans of the unpublished rows, bounded by [`COUNT_CAP`].
+/// Read [`OutboxGauges`]: index scans of the unpublished rows, bounded by [`COUNT_CAP`].
 pub async fn gauges(pool: &PgPool) -> sqlx::Result<OutboxGauges> {
-    let (unpublished, parked): (i64, i64) = sqlx::query_as(COUNT_UNPUBLISHED).bind(COUNT_CAP).fetch_one(pool).await?;
-    let oldest: Option<f64> = sqlx::query_scalar(OLDEST_UNPUBLISHED).fetch_optional(pool).await?;
-    Ok(OutboxGauges { unpublished, parked, oldest_unpublished_age_seconds: oldest.unwrap_or(0.0).max(0.0) })
+    let (unpublished, parked, scheduled): (i64, i64, i64) =
+        sqlx::query_as(COUNT_UNPUBLISHED).bind(COUNT_CAP).fetch_one(pool).await?;
+    let oldest: Option<f64> = sqlx::query_scalar(OLDEST_UNPUBLISHED).fetch_one(pool).await?;
+    Ok(OutboxGauges { unpublished, parked, scheduled, oldest_unpublished_age_seconds: oldest.unwrap_or(0.0).max(0.0) })
 }
 
 #[cfg(test)]
@@ -403,7 +464,10 @@ mod tests {
         assert_eq!(highest_parameter("select 1"), 0);
         let statement = WithEffect::new("insert into t (a) values ($1) returning a");
         assert!(
-            statement.sql.as_str().ends_with("select $2, $3, $4, $5, $6, $7 from effect limit 1"),
+            statement.sql.as_str().ends_with(
+                "select $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()), $8::timestamptz is not null \
+                 from effect limit 1"
+            ),
             "{:?}",
             statement.sql
         );
@@ -418,11 +482,18 @@ mod tests {
             routing_key: "$1",
             payload: "p",
             headers: "h",
+            deliver_at: None,
         };
         assert_eq!(
             columns.insert_from("go order by n"),
             "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers) \
              select m, $1, $2, $1, p, h from go order by n"
+        );
+        let scheduled = Selected { deliver_at: Some("at"), ..columns };
+        assert_eq!(
+            scheduled.insert_from("go"),
+            "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers, available_at, \
+             scheduled) select m, $1, $2, $1, p, h, at, true from go"
         );
     }
 }

@@ -17,7 +17,7 @@ use lapin::{
     types::FieldTable,
 };
 use messaging::{
-    contracts::{JobEvent, JobRedriven},
+    contracts::{Contract, JobAbandoned, JobEvent, JobRedriven},
     envelope,
     publisher::{PublishError, Publisher},
     runtime::{
@@ -73,13 +73,29 @@ pub enum Action {
         #[arg(long)]
         force: bool,
     },
-    /// Delete the selected parked messages for good.
+    /// Delete the selected parked messages for good. A message of a job is abandoned as by
+    /// `abandon`: its job's owner ends the job and undoes what its steps did.
     Purge {
         #[command(flatten)]
         filter: Filter,
         /// Yes, delete them.
         #[arg(long)]
         yes: bool,
+    },
+    /// End a quarantined job for good: for each of its parked messages, send a confirmed
+    /// `job.abandoned` (its owner cancels the job and undoes what its steps did), then delete the
+    /// message. Nothing is deleted unless the event was taken.
+    Abandon {
+        /// The job (`GET /jobs/{id}`, or `list`'s job id).
+        #[arg(long)]
+        job: Uuid,
+        /// The endpoint whose parking holds its messages; repeat for several. Default: every
+        /// endpoint.
+        #[arg(long)]
+        endpoint: Vec<String>,
+        /// Why, for the job's record.
+        #[arg(long, default_value = "abandoned with msgctl")]
+        note: String,
     },
 }
 
@@ -103,6 +119,9 @@ pub struct Filter {
     /// At most this many messages (the first ones in parking order).
     #[arg(long)]
     limit: Option<usize>,
+    /// Only messages of this job (their correlation id).
+    #[arg(long)]
+    job: Option<Uuid>,
 }
 
 /// A parked message, read from its delivery.
@@ -165,8 +184,14 @@ impl Parked {
 }
 
 impl Filter {
+    /// Every message of `job` at `endpoint`.
+    fn of_job(job: Uuid, endpoint: Vec<String>) -> Self {
+        Self { endpoint, message_type: None, reason: None, since: None, limit: None, job: Some(job) }
+    }
+
     fn matches(&self, parked: &Parked, now: DateTime<Utc>) -> bool {
         self.message_type.as_ref().is_none_or(|wanted| parked.message_type.as_ref() == Some(wanted))
+            && self.job.is_none_or(|job| parked.job_id == Some(job))
             && self.reason.as_ref().is_none_or(|reason| reason.is_match(&parked.reason))
             && self.since.is_none_or(|since| {
                 parked.parked_at.is_some_and(|at| now.signed_duration_since(at).to_std().unwrap_or_default() <= since)
@@ -267,6 +292,10 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
             Action::Purge { mut filter, yes } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
                 purge(&connection, &filter, yes).await
+            }
+            Action::Abandon { job, endpoint, note } => {
+                let filter = Filter::of_job(job, endpoints(broker, node, endpoint).await?);
+                abandon(&connection, &filter, &note).await
             }
         }
     }
@@ -473,6 +502,7 @@ async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C) -> Result
 }
 
 async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<(), Failure> {
+    let publisher = Publisher::open(connection).await?;
     let mut purged = 0;
     for endpoint in &filter.endpoint {
         let held = Held::read(connection, endpoint).await?;
@@ -484,16 +514,81 @@ async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<()
                 selected.len()
             )));
         }
-        for index in selected {
-            held.ack(index).await?;
-            println!("purged {endpoint}  {}", held.messages[index].line());
-            purged += 1;
-        }
+        let outcome = end_held(&held, &selected, "purged with msgctl", &publisher, Unroutable::Warn).await;
         held.give_back().await?;
+        purged += outcome?;
     }
+    publisher.close().await;
     if purged == 0 {
         return Err(Failure::Described("nothing selected".into()));
     }
     println!("{purged} message(s) purged");
     Ok(())
+}
+
+async fn abandon(connection: &Connection, filter: &Filter, note: &str) -> Result<(), Failure> {
+    let publisher = Publisher::open(connection).await?;
+    let mut abandoned = 0;
+    for endpoint in &filter.endpoint {
+        let held = Held::read(connection, endpoint).await?;
+        let selected = held.selected(filter);
+        let outcome = end_held(&held, &selected, note, &publisher, Unroutable::Refuse).await;
+        held.give_back().await?;
+        abandoned += outcome?;
+    }
+    publisher.close().await;
+    if abandoned == 0 {
+        return Err(Failure::Described("no parked message of this job".into()));
+    }
+    println!("{abandoned} message(s) abandoned");
+    Ok(())
+}
+
+/// What to do when a `job.abandoned` reaches no queue (no status consumer is bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unroutable {
+    /// Warn, and delete the message anyway (`purge`).
+    Warn,
+    /// Keep the message parked: nothing would end its job (`abandon`).
+    Refuse,
+}
+
+/// Delete the `selected` messages of `held`. For each message of a job, a `job.abandoned` is sent
+/// and confirmed first, so that the job is ended (and compensated) by its owner: deleted first, a
+/// crash in between would leave the job quarantined with nothing parked to act on. How many were
+/// deleted.
+async fn end_held(
+    held: &Held,
+    selected: &[usize],
+    note: &str,
+    publisher: &Publisher,
+    unroutable: Unroutable,
+) -> Result<usize, Failure> {
+    let mut ended = 0;
+    for &index in selected {
+        let parked = &held.messages[index];
+        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
+            let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
+            let (body, properties) = event.message()?;
+            match publisher.publish(JobAbandoned::EXCHANGE, JobAbandoned::TYPE, &body, properties).await {
+                Ok(()) => {}
+                Err(PublishError::Returned(reason)) if unroutable == Unroutable::Warn => {
+                    eprintln!("msgctl: warning: job.abandoned for job {job_id} went nowhere ({reason})");
+                }
+                Err(error) => {
+                    return Err(Failure::Described(format!(
+                        "cannot send job.abandoned for {}: {error}; it stays parked",
+                        parked.line()
+                    )));
+                }
+            }
+        } else if unroutable == Unroutable::Refuse {
+            continue;
+        }
+        held.ack(index).await?;
+        let verb = if unroutable == Unroutable::Refuse { "abandoned" } else { "purged" };
+        println!("{verb} {}  {}", held.endpoint, parked.line());
+        ended += 1;
+    }
+    Ok(ended)
 }

@@ -24,6 +24,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
+    jobs,
     order::{Accepted, CustomerId, IdempotencyKey, Line, OrderStatus, Quantity, Sku, ValidOrder},
     problem::{ApiError, Problem},
     writer::{Claim, NewOrder, Writers},
@@ -39,11 +40,14 @@ pub struct Limits {
     /// a message over its `max_message_size` (16 MiB by default on 4.x), and an order whose message
     /// it refuses could never proceed: it is refused here, with 413, before anything is written.
     pub max_message_bytes: usize,
+    /// How long an order may take (`ORDER_DEADLINE`): one that has not ended by then is cancelled,
+    /// and what it took is given back.
+    pub order_deadline: std::time::Duration,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { max_message_bytes: 1024 * 1024 }
+        Self { max_message_bytes: 1024 * 1024, order_deadline: std::time::Duration::from_secs(30 * 60) }
     }
 }
 
@@ -52,6 +56,7 @@ pub fn router(pool: PgPool, writers: Writers, limits: Limits) -> Router {
     Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{order_id}", get(get_order))
+        .route("/orders/{order_id}/cancel", post(cancel_order))
         .route("/jobs/{job_id}", get(get_job))
         .with_state(ApiState { pool, writers, limits })
 }
@@ -171,7 +176,12 @@ pub(crate) async fn place_order(
     let order = request.parse()?;
     // Its ids do not change its size: every UUID is written with the same length.
     let placeholder = Accepted { job_id: Uuid::nil(), order_id: Uuid::nil() };
-    let message_bytes = outbox::published_size(&order.placed(&placeholder)).map_err(ApiError::internal)?;
+    // In microseconds, as Postgres keeps it: the row's due time and order.placed's say the same.
+    let deadline = chrono::SubsecRound::trunc_subsecs(
+        chrono::Utc::now() + chrono::TimeDelta::from_std(limits.order_deadline).map_err(ApiError::internal)?,
+        6,
+    );
+    let message_bytes = outbox::published_size(&order.placed(&placeholder, deadline)).map_err(ApiError::internal)?;
     if message_bytes > limits.max_message_bytes {
         return Err(ApiError::MessageTooLarge { size: message_bytes, limit: limits.max_message_bytes });
     }
@@ -199,7 +209,8 @@ pub(crate) async fn place_order(
     context.record_on(&span);
     // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
     // the request for the kernel's TCP timeout.
-    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim)).instrument(span.clone());
+    let accepted =
+        db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim, deadline)).instrument(span.clone());
     let accepted = trace::scope(context, accepted).await.inspect_err(|_| {
         span.record("otel.status_code", "error");
     })?;
@@ -236,9 +247,10 @@ async fn accept(
     writers: &Writers,
     order: &ValidOrder,
     claim: Option<Claim>,
+    deadline: chrono::DateTime<chrono::Utc>,
 ) -> Result<Accepted, ApiError> {
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-    if writers.write(NewOrder::new(accepted.clone(), order, claim.clone())).await? {
+    if writers.write(NewOrder::new(accepted.clone(), order, claim.clone(), deadline)).await? {
         return Ok(accepted);
     }
     // The key was claimed before (or just now, by a concurrent request, which this one waited
@@ -363,6 +375,73 @@ pub(crate) async fn get_order(
     let order =
         db::within(QUERY_DEADLINE, order).await?.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
     Ok(Json(order))
+}
+
+/// Why a customer's cancel ended an order.
+pub const CANCELLED_BY_CUSTOMER: &str = "cancelled by the customer";
+
+/// How cancelling an order can fail, beyond a lookup (OpenAPI only).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+enum CancelFailure {
+    /// The order has ended otherwise (invoiced, rejected, declined): it can no longer be cancelled.
+    #[response(status = 409, content_type = "application/problem+json")]
+    Ended(Problem),
+}
+
+/// Cancel an order that has not ended: it ends `cancelled`, and what it took (reserved stock, an
+/// invoice) is given back; its job shows `compensating` until then, and `cancelled` after.
+/// Idempotent: cancelling a cancelled order answers 202 again.
+#[utoipa::path(
+    post,
+    path = "/orders/{orderId}/cancel",
+    tag = "orders",
+    params(("orderId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
+    responses(
+        (status = 202, description = "Cancelled, or cancelled before: poll the job.", body = Accepted,
+         headers(("Location" = String, description = "The job: `/jobs/{jobId}`"))),
+        CancelFailure,
+        LookupFailure,
+    )
+)]
+pub(crate) async fn cancel_order(
+    State(pool): State<PgPool>,
+    Path(order_id): Path<String>,
+) -> Result<Response, ApiError> {
+    let order_id = parse_id("order", &order_id)?;
+    let accepted = db::within(QUERY_DEADLINE, cancel(&pool, order_id)).await?;
+    let location = format!("/jobs/{}", accepted.job_id);
+    Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
+}
+
+/// Decide the order's end, `cancelled`, and announce it, in one transaction ([`jobs::decide`]).
+async fn cancel(pool: &PgPool, order_id: Uuid) -> Result<Accepted, ApiError> {
+    let mut tx = pool.begin().await?;
+    let job_id: Option<Uuid> =
+        sqlx::query_scalar("select id from jobs where order_id = $1").bind(order_id).fetch_optional(&mut *tx).await?;
+    let job_id = job_id.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    let accepted = Accepted { job_id, order_id };
+    match jobs::decide(&mut tx, job_id, shop::End::Cancelled, Some(CANCELLED_BY_CUSTOMER), None).await? {
+        jobs::Decided::Now(..) => {
+            tx.commit().await?;
+            Ok(accepted)
+        }
+        jobs::Decided::UnknownJob => Err(ApiError::NotFound(format!("no order {order_id}"))),
+        jobs::Decided::Before => {
+            // Decided before, by this route or otherwise: which end?
+            let status: String = sqlx::query_scalar("select status from orders where id = $1")
+                .bind(order_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            match OrderStatus::try_from(status).map_err(ApiError::internal)? {
+                OrderStatus::Cancelled => Ok(accepted),
+                ended => Err(ApiError::Conflict(format!(
+                    "order {order_id} has ended {}: it can no longer be cancelled",
+                    ended.as_str()
+                ))),
+            }
+        }
+    }
 }
 
 fn parse_id(what: &str, raw: &str) -> Result<Uuid, ApiError> {

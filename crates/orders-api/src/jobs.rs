@@ -4,32 +4,35 @@
 //! queued ──(order.placed confirmed: outbox trigger, or a later step's result)──▶ published
 //! queued | published | retry_wait ──(a step's retry scheduled)──▶ retry_wait
 //! retry_wait ──(that same step succeeds)──▶ published
-//! any non-terminal ──▶ succeeded | rejected | quarantined
+//! any undecided ──▶ quarantined (a step's message was parked)
 //! quarantined ──(job.redriven: an operator sent the message back, `msgctl parked redrive`,
 //!               and no other step's message of the job is parked)──▶ published
-//! quarantined ──(a step's result arrives after all)──▶ succeeded | rejected
+//! any undecided ──(inventory.rejected)──▶ rejected
+//! any undecided ──(invoice.created: the order's end is decided, `decide`)──▶ succeeded
+//! any undecided ──(payment.declined, a cancel, the deadline, job.abandoned: `decide`)──▶ compensating
+//! compensating ──(inventory.released and invoice.voided both in)──▶ declined | cancelled
 //! ```
 //!
-//! Every move is monotonic, so late or reordered events are harmless: `succeeded` and `rejected`
-//! never change, `quarantined` only by a redrive or by a result that proves the step was applied
-//! after all (a redriven copy, or one the broker parked after its commit), attempt numbers only
-//! grow, and a late retry event of a step that has already succeeded changes nothing. Which
-//! step's message is parked, and how often it was redriven, is kept per step (`job_steps`), so a
-//! redrive of one step's message neither reopens a job that another step's parked message holds
-//! nor loses to a redrive of another step. `docs/model/jobs.pml` checks these moves against every
-//! order of events. The move to `published` made by the broker's confirm is the outbox trigger of
-//! migration 0007 (one UPDATE of `jobs` per relay batch), keyed on the job's
-//! `order_placed_message_id` column.
+//! Undecided is every state but [`JobState::DECIDED`]'s; quarantined is among them. Every move is
+//! monotonic, so late or reordered events are harmless: a decided job never takes another end,
+//! `quarantined` changes only by a redrive or an end, attempt numbers only grow, and a late retry
+//! event of a step that has already succeeded changes nothing. Which step's message is parked,
+//! and how often it was redriven, is kept per step (`job_steps`), so a redrive of one step's
+//! message neither reopens a job that another step's parked message holds nor loses to a redrive
+//! of another step. `docs/model/jobs.pml` checks these moves against every order of events. The
+//! move to `published` made by the broker's confirm is the outbox trigger of migration 0007 (one
+//! UPDATE of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
 
 use chrono::{DateTime, Utc};
-use messaging::contracts::JobRetryScheduled;
+use messaging::{contracts::JobRetryScheduled, outbox};
 use serde::{Deserialize, Serialize};
+use shop::{End, OrderEnded};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::order::OrderStatus;
 
-/// The state of a job (DESIGN §7).
+/// The state of a job (DESIGN §7, decision 0023).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
@@ -39,22 +42,44 @@ pub enum JobState {
     Published,
     /// A step failed and waits in a retry tier.
     RetryWait,
-    /// Invoiced (terminal).
+    /// Invoiced (final).
     Succeeded,
-    /// Refused by inventory (terminal).
+    /// Refused by inventory (final).
     Rejected,
-    /// A step's message was parked: terminal until an operator redrives it.
+    /// A step's message was parked: nothing moves it on but an operator, who may redrive the
+    /// message or abandon the job (`msgctl parked abandon`), or the customer's cancel.
     Quarantined,
+    /// The order ended `declined` or `cancelled`, and inventory and billing are undoing what they
+    /// did; the job then takes the order's end.
+    Compensating,
+    /// Refused by billing, and compensated (final).
+    Declined,
+    /// Cancelled by the customer, its deadline or an operator, and compensated (final).
+    Cancelled,
 }
 
 impl JobState {
     /// Every state.
-    pub const ALL: [Self; 6] =
-        [Self::Queued, Self::Published, Self::RetryWait, Self::Succeeded, Self::Rejected, Self::Quarantined];
-    /// The states a job ends in: nothing moves it on by itself.
-    pub const TERMINAL: [Self; 3] = [Self::Succeeded, Self::Rejected, Self::Quarantined];
+    pub const ALL: [Self; 9] = [
+        Self::Queued,
+        Self::Published,
+        Self::RetryWait,
+        Self::Succeeded,
+        Self::Rejected,
+        Self::Quarantined,
+        Self::Compensating,
+        Self::Declined,
+        Self::Cancelled,
+    ];
     /// The outcomes that never change again.
-    pub const FINAL: [Self; 2] = [Self::Succeeded, Self::Rejected];
+    pub const FINAL: [Self; 4] = [Self::Succeeded, Self::Rejected, Self::Declined, Self::Cancelled];
+    /// The states in which the order's end is decided: no step's event moves the job any more,
+    /// only the compensations' answers.
+    pub const DECIDED: [Self; 5] =
+        [Self::Succeeded, Self::Rejected, Self::Declined, Self::Cancelled, Self::Compensating];
+    /// The states no step's retry or parking moves the job out of.
+    pub const SETTLED: [Self; 6] =
+        [Self::Succeeded, Self::Rejected, Self::Declined, Self::Cancelled, Self::Compensating, Self::Quarantined];
 
     /// The name stored in `jobs.state` and shown by the API.
     pub fn as_str(self) -> &'static str {
@@ -65,12 +90,15 @@ impl JobState {
             Self::Succeeded => "succeeded",
             Self::Rejected => "rejected",
             Self::Quarantined => "quarantined",
+            Self::Compensating => "compensating",
+            Self::Declined => "declined",
+            Self::Cancelled => "cancelled",
         }
     }
 
-    /// Whether the job has ended (see [`JobState::TERMINAL`]).
-    pub fn is_terminal(self) -> bool {
-        Self::TERMINAL.contains(&self)
+    /// Whether the job has ended for good (see [`JobState::FINAL`]).
+    pub fn is_final(self) -> bool {
+        Self::FINAL.contains(&self)
     }
 }
 
@@ -81,14 +109,8 @@ impl TryFrom<String> for JobState {
     }
 }
 
-/// The terminal states' names, for `state <> all($n)`.
-fn terminal() -> Vec<&'static str> {
-    JobState::TERMINAL.map(JobState::as_str).to_vec()
-}
-
-/// The final states' names, for `state <> all($n)`.
-fn final_states() -> Vec<&'static str> {
-    JobState::FINAL.map(JobState::as_str).to_vec()
+fn names(states: &[JobState]) -> Vec<&'static str> {
+    states.iter().map(|state| state.as_str()).collect()
 }
 
 /// The order's status move that goes with a job's move: `order_id` takes `to` if its status is
@@ -170,7 +192,7 @@ pub async fn retry_scheduled(
     .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
     .bind(&event.error)
     .bind(JobState::RetryWait.as_str())
-    .bind(terminal())
+    .bind(names(&JobState::SETTLED))
     .bind(done_step)
     .bind(OrderStatus::Accepted.as_str())
     .fetch_one(tx)
@@ -237,7 +259,7 @@ pub async fn quarantined(
     .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
     .bind(error)
     .bind(JobState::Quarantined.as_str())
-    .bind(terminal())
+    .bind(names(&JobState::SETTLED))
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .fetch_optional(tx)
@@ -245,9 +267,9 @@ pub async fn quarantined(
     Ok(Applied::Job(ended))
 }
 
-/// The job ended with an outcome (`Succeeded` with its invoice, or `Rejected` with the reason),
-/// unless it already has one; a quarantined job takes it (its step was applied after all). The
-/// order moves as `order` says.
+/// The job ended with an outcome that needs no compensation (`Rejected`, with the reason: inventory
+/// took nothing), unless its order's end is decided already; a quarantined job takes it (its step
+/// was applied after all). The order moves as `order` says.
 pub async fn ended(
     tx: &mut PgConnection,
     job_id: Uuid,
@@ -256,7 +278,7 @@ pub async fn ended(
     error: Option<&str>,
     order: OrderMove,
 ) -> Result<Applied, sqlx::Error> {
-    debug_assert!(outcome.is_terminal(), "{outcome:?} is no outcome");
+    debug_assert!(matches!(outcome, JobState::Rejected), "{outcome:?} is decided by `decide`");
     let (known, ended): (bool, Ended) = sqlx::query_as(
         "with order_moved as (
             update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
@@ -272,13 +294,154 @@ pub async fn ended(
     .bind(outcome.as_str())
     .bind(result_key)
     .bind(error)
-    .bind(final_states())
+    .bind(names(&JobState::DECIDED))
     .bind(order.order_id)
     .bind(order.to.as_str())
     .bind(order.to.moves_from_names())
     .fetch_one(tx)
     .await?;
     Ok(Applied::known(known, ended))
+}
+
+/// What deciding an order's end found ([`decide`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decided {
+    /// This database has no such job (see [`Applied::UnknownJob`]).
+    UnknownJob,
+    /// The order had ended already, or its end was being undone: nothing changed.
+    Before,
+    /// The order ends now; the job's `created_at`, and its order.
+    Now(DateTime<Utc>, Uuid),
+}
+
+/// Decide how the job's order ends, if it has not ended (decision 0023): one guarded update of the
+/// order, which is then final, so that no later message reverses it, and with it the job:
+/// `succeeded` for `Invoiced` (with its invoice, `result_key`), else `compensating` towards the
+/// end, with `reason` as its last error. A decision made now is announced in the same
+/// transaction: `order.ended`, through the outbox, for inventory and billing to settle or undo.
+pub async fn decide(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    end: End,
+    reason: Option<&str>,
+    result_key: Option<&str>,
+) -> Result<Decided, sqlx::Error> {
+    let (status, state, ending) = match end {
+        End::Invoiced => (OrderStatus::Invoiced, JobState::Succeeded, None),
+        End::Declined => (OrderStatus::Declined, JobState::Compensating, Some(end.as_str())),
+        End::Cancelled => (OrderStatus::Cancelled, JobState::Compensating, Some(end.as_str())),
+    };
+    let (known, created_at, order_id): (bool, Option<DateTime<Utc>>, Option<Uuid>) = sqlx::query_as(
+        "with decided as (
+            update orders set status = $2, updated_at = now()
+             where id = (select order_id from jobs where id = $1) and status = any($3)
+            returning id
+         ), moved as (
+            update jobs set state = $4, ending = $5, result_key = coalesce($6, result_key),
+                   last_error = coalesce($7, last_error), retry_endpoint = null,
+                   published_at = coalesce(published_at, now()), updated_at = now()
+             where id = $1 and exists (select from decided)
+            returning created_at, order_id
+         )
+         select exists (select from jobs where id = $1), (select created_at from moved), (select order_id from moved)",
+    )
+    .bind(job_id)
+    .bind(status.as_str())
+    .bind(status.moves_from_names())
+    .bind(state.as_str())
+    .bind(ending)
+    .bind(result_key)
+    .bind(reason)
+    .fetch_one(&mut *tx)
+    .await?;
+    let decided = match (known, created_at.zip(order_id)) {
+        (false, _) => Decided::UnknownJob,
+        (true, None) => Decided::Before,
+        (true, Some((created_at, order_id))) => Decided::Now(created_at, order_id),
+    };
+    if let Decided::Now(_, order_id) = decided {
+        let ended = OrderEnded { order_id, job_id, end, reason: reason.map(str::to_owned) };
+        outbox::enqueue(tx, &ended, Some(job_id)).await?;
+    }
+    Ok(decided)
+}
+
+/// An answer a compensating job waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undone {
+    /// `inventory.released`: the stock is back.
+    Released,
+    /// `invoice.voided`: no invoice stands.
+    Voided,
+}
+
+/// What a compensation's answer found ([`compensated`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compensated {
+    /// This database has no such job (see [`Applied::UnknownJob`]).
+    UnknownJob,
+    /// Stamped; the job still waits for the other answer (or was not compensating).
+    Waiting,
+    /// The job has just taken its end; when it was created.
+    Ended(JobState, DateTime<Utc>),
+}
+
+/// A job's compensation as its row holds it.
+#[derive(Debug, sqlx::FromRow)]
+struct Compensation {
+    state: String,
+    ending: Option<String>,
+    released: bool,
+    voided: bool,
+    created_at: DateTime<Utc>,
+}
+
+/// A compensation's answer came: it is stamped on the job, and a compensating job that now has
+/// both takes its end (`declined` or `cancelled`).
+pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) -> Result<Compensated, sqlx::Error> {
+    // Both answers may be applied at once: the row is locked and read, then moved.
+    let row: Option<Compensation> = sqlx::query_as(
+        "select state, ending, released_at is not null as released, voided_at is not null as voided, created_at
+           from jobs where id = $1 for update",
+    )
+    .bind(job_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(Compensation { state, ending, released, voided, created_at }) = row else {
+        return Ok(Compensated::UnknownJob);
+    };
+    let (released, voided) = (released || undone == Undone::Released, voided || undone == Undone::Voided);
+    let ends = match ending {
+        Some(ending) if state == JobState::Compensating.as_str() && released && voided => {
+            Some(JobState::try_from(ending).map_err(|e| sqlx::Error::Decode(e.into()))?)
+        }
+        _ => None,
+    };
+    sqlx::query(
+        "update jobs set state = coalesce($2, state),
+                released_at = case when $3 then coalesce(released_at, now()) end,
+                voided_at = case when $4 then coalesce(voided_at, now()) end,
+                updated_at = now()
+          where id = $1",
+    )
+    .bind(job_id)
+    .bind(ends.map(JobState::as_str))
+    .bind(released)
+    .bind(voided)
+    .execute(tx)
+    .await?;
+    Ok(ends.map_or(Compensated::Waiting, |state| Compensated::Ended(state, created_at)))
+}
+
+/// An operator abandoned the parked message of the job's step `endpoint` (`job.abandoned`): it is
+/// no longer parked.
+pub async fn step_abandoned(tx: &mut PgConnection, job_id: Uuid, endpoint: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("update job_steps set parked = false where job_id = $1 and endpoint = $2")
+        .bind(job_id)
+        .bind(endpoint)
+        .execute(tx)
+        .await
+        .map(drop)
 }
 
 /// An operator sent the parked message of the job's step `endpoint` back (`job.redriven`, its
@@ -331,6 +494,9 @@ mod tests {
             assert_eq!(serde_json::to_value(state).expect("json"), state.as_str());
         }
         assert!(JobState::try_from("done".to_owned()).is_err());
-        assert_eq!(JobState::ALL.into_iter().filter(|state| state.is_terminal()).count(), 3);
+        assert_eq!(JobState::ALL.into_iter().filter(|state| state.is_final()).count(), 4);
+        for state in JobState::FINAL {
+            assert!(JobState::DECIDED.contains(&state) && JobState::SETTLED.contains(&state), "{state:?}");
+        }
     }
 }

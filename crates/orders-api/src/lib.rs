@@ -74,6 +74,11 @@ pub struct Config {
     /// RabbitMQ 4.x), which would refuse the message for good.
     #[arg(long, env = "MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u32).range(256..))]
     pub max_message_bytes: u32,
+    /// How long an order may take: one that has not ended by then (invoiced, rejected or
+    /// declined) is cancelled and compensated (`order.deadline`, decision 0023). Billing declines
+    /// a reservation that reaches it after the deadline.
+    #[arg(long, env = "ORDER_DEADLINE", default_value = "30m", value_parser = messaging::runtime::duration::parse_duration)]
+    pub order_deadline: std::time::Duration,
     /// The other services' /metrics, comma-separated, for the live page's per-endpoint counts and
     /// outbox backlogs (this service's own are always included).
     #[arg(long, env = "SHOP_METRICS_URLS", value_delimiter = ',')]
@@ -146,7 +151,8 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         )
     });
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
-    let limits = api::Limits { max_message_bytes: config.max_message_bytes as usize };
+    let limits =
+        api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
     let served = service.routes(app(pool.clone(), writers, limits, health, page)).run(listener, &config.http).await;
     pool.close().await;
     served?;

@@ -23,6 +23,7 @@ use crate::{api, jobs, order, overview, problem};
         api::place_order,
         api::get_job,
         api::get_order,
+        api::cancel_order,
         overview_page,
         overview_data,
         healthz,

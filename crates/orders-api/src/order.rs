@@ -168,9 +168,10 @@ impl ValidOrder {
         &self.lines
     }
 
-    /// This order's `order.placed` body, under `ids`.
-    pub fn placed(&self, ids: &Accepted) -> shop::OrderPlaced {
+    /// This order's `order.placed` body, under `ids`, cancelled at `deadline` if not ended by then.
+    pub fn placed(&self, ids: &Accepted, deadline: chrono::DateTime<chrono::Utc>) -> shop::OrderPlaced {
         shop::OrderPlaced {
+            deadline: Some(deadline),
             order_id: ids.order_id,
             job_id: ids.job_id,
             customer_id: self.customer_id.as_str().to_owned(),
@@ -197,9 +198,9 @@ pub struct Accepted {
 ///
 /// ```text
 /// accepted ──(inventory reserved it)──▶ reserved
-/// accepted | reserved ──▶ invoiced | rejected | failed (a step's message was parked)
+/// accepted | reserved ──▶ failed (a step's message was parked)
 /// failed ──(the parked message was redriven)──▶ accepted
-/// failed ──(a step's result arrives after all)──▶ invoiced | rejected
+/// accepted | reserved | failed ──▶ invoiced | rejected | declined | cancelled (the ends)
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -212,13 +213,21 @@ pub enum OrderStatus {
     Invoiced,
     /// Inventory refused it (final).
     Rejected,
-    /// A step's message was parked; a redrive starts it over.
+    /// A step's message was parked; a redrive starts it over. Not final: an operator may still
+    /// redrive the message or abandon the order, and the customer may cancel it.
     Failed,
+    /// Billing refused it (final): what it took is given back.
+    Declined,
+    /// Cancelled by the customer, its deadline or an operator (final): what it took is given back.
+    Cancelled,
 }
 
 impl OrderStatus {
     /// Every status.
-    pub const ALL: [Self; 5] = [Self::Accepted, Self::Reserved, Self::Invoiced, Self::Rejected, Self::Failed];
+    pub const ALL: [Self; 7] =
+        [Self::Accepted, Self::Reserved, Self::Invoiced, Self::Rejected, Self::Failed, Self::Declined, Self::Cancelled];
+    /// The ends: an order in one never moves again (decision 0023).
+    pub const FINAL: [Self; 4] = [Self::Invoiced, Self::Rejected, Self::Declined, Self::Cancelled];
 
     /// The name stored in `orders.status` and shown by the API.
     pub fn as_str(self) -> &'static str {
@@ -228,6 +237,8 @@ impl OrderStatus {
             Self::Invoiced => "invoiced",
             Self::Rejected => "rejected",
             Self::Failed => "failed",
+            Self::Declined => "declined",
+            Self::Cancelled => "cancelled",
         }
     }
 
@@ -240,7 +251,9 @@ impl OrderStatus {
             // An outcome proves its step was applied, even after its job was quarantined (a copy
             // the broker parked after its commit, or a redriven one): the order takes it, as its
             // job does (`jobs::ended`).
-            Self::Invoiced | Self::Rejected => &[Self::Accepted, Self::Reserved, Self::Failed],
+            Self::Invoiced | Self::Rejected | Self::Declined | Self::Cancelled => {
+                &[Self::Accepted, Self::Reserved, Self::Failed]
+            }
             Self::Failed => &[Self::Accepted, Self::Reserved],
         }
     }
@@ -275,19 +288,25 @@ mod tests {
     }
 
     #[test]
-    fn final_statuses_are_left_by_nothing_and_failed_by_a_redrive_or_an_outcome() {
+    fn final_statuses_are_left_by_nothing_and_failed_by_a_redrive_or_an_end() {
         for status in OrderStatus::ALL {
             for from in status.moves_from() {
                 assert_ne!(*from, status, "{status:?} moves from itself");
-                assert!(
-                    !matches!(from, OrderStatus::Invoiced | OrderStatus::Rejected),
-                    "{status:?} leaves a final one"
-                );
+                assert!(!OrderStatus::FINAL.contains(from), "{status:?} leaves a final one");
             }
         }
         let from_failed: Vec<_> =
             OrderStatus::ALL.into_iter().filter(|s| s.moves_from().contains(&OrderStatus::Failed)).collect();
-        assert_eq!(from_failed, [OrderStatus::Accepted, OrderStatus::Invoiced, OrderStatus::Rejected]);
+        assert_eq!(
+            from_failed,
+            [
+                OrderStatus::Accepted,
+                OrderStatus::Invoiced,
+                OrderStatus::Rejected,
+                OrderStatus::Declined,
+                OrderStatus::Cancelled
+            ]
+        );
     }
 
     #[test]

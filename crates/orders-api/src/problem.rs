@@ -39,6 +39,9 @@ pub enum ApiError {
     /// No such resource (404).
     #[error("{0}")]
     NotFound(String),
+    /// The resource's state forbids the request: an order that has ended cannot be cancelled (409).
+    #[error("{0}")]
+    Conflict(String),
     /// Idempotency key reused with a different request (422).
     #[error("Idempotency-Key was already used with a different request body")]
     IdempotencyMismatch,
@@ -98,6 +101,7 @@ impl ApiError {
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge(_) | Self::MessageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Conflict(_) => StatusCode::CONFLICT,
             Self::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

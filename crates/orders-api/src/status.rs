@@ -1,37 +1,51 @@
 //! The orders status consumer (endpoint `orders.status`): moves jobs and orders along as the other
-//! services report. Updates are monotonic: a terminal state (succeeded, rejected, quarantined)
-//! never changes again and attempt numbers only grow, so late or reordered events are harmless.
+//! services report, and decides each order's end (decision 0023). Updates are monotonic: an
+//! order's end never changes once decided, and attempt numbers only grow, so late or reordered
+//! events are harmless.
 
 use messaging::{
     consumer::{Context, Handle, HandlerError, Routes},
-    contracts::{JOBS_EXCHANGE, JobQuarantined, JobRedriven, JobRetryScheduled},
+    contracts::{JOBS_EXCHANGE, JobAbandoned, JobQuarantined, JobRedriven, JobRetryScheduled},
     topology::Endpoint,
 };
-use shop::{InventoryRejected, InventoryReserved, InvoiceCreated};
+use shop::{
+    End, InventoryRejected, InventoryReleased, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderDeadline,
+    PaymentDeclined,
+};
 use std::sync::Arc;
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use messaging::runtime::metrics::Metrics;
 use sqlx::PgConnection;
+use uuid::Uuid;
 
 use crate::{
-    jobs::{self, Applied, JobState, OrderMove},
+    jobs::{self, Applied, Compensated, Decided, JobState, OrderMove, Undone},
     order::OrderStatus,
 };
 
 /// The endpoint of inventory's step (it consumes `order.placed`).
 const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
 
-/// The endpoint: every outcome of every step, and the runtime's job events.
+/// Why an order whose deadline came was cancelled.
+pub const DEADLINE_REASON: &str = "cancelled: the order's deadline passed before it ended";
+
+/// The endpoint: every outcome of every step, the compensations' answers, the orders' own
+/// deadlines, and the runtime's job events.
 pub fn endpoint() -> Endpoint {
     Endpoint::new("orders.status")
         .consume::<InventoryReserved>()
         .consume::<InventoryRejected>()
+        .consume::<InventoryReleased>()
         .consume::<InvoiceCreated>()
+        .consume::<PaymentDeclined>()
+        .consume::<InvoiceVoided>()
+        .consume::<OrderDeadline>()
         .bind(JOBS_EXCHANGE, "job.#")
         .accept::<JobRetryScheduled>()
         .accept::<JobQuarantined>()
         .accept::<JobRedriven>()
+        .accept::<JobAbandoned>()
 }
 
 /// The endpoint's handler: every contract it accepts to [`JobStatus`].
@@ -39,10 +53,15 @@ pub fn handler(status: JobStatus) -> Routes<JobStatus> {
     Routes::new(status)
         .on::<InventoryReserved>()
         .on::<InventoryRejected>()
+        .on::<InventoryReleased>()
         .on::<InvoiceCreated>()
+        .on::<PaymentDeclined>()
+        .on::<InvoiceVoided>()
+        .on::<OrderDeadline>()
         .on::<JobRetryScheduled>()
         .on::<JobQuarantined>()
         .on::<JobRedriven>()
+        .on::<JobAbandoned>()
 }
 
 /// The handler: one `Handle` per contract.
@@ -58,6 +77,40 @@ impl JobStatus {
         if let Some(created_at) = created_at {
             let seconds = (Utc::now() - created_at).to_std().unwrap_or_default().as_secs_f64();
             self.metrics.job_ended(state.as_str(), seconds);
+        }
+    }
+
+    /// Decide the job's order's end ([`jobs::decide`]), unless it has one. A job that succeeds is
+    /// recorded as ended; one that compensates, once its compensations have answered.
+    async fn decide(
+        &self,
+        tx: &mut PgConnection,
+        job_id: Uuid,
+        end: End,
+        reason: Option<&str>,
+        result_key: Option<&str>,
+    ) -> Result<(), HandlerError> {
+        match jobs::decide(tx, job_id, end, reason, result_key).await? {
+            Decided::UnknownJob => Err(unknown_job(job_id)),
+            Decided::Before => Ok(()),
+            Decided::Now(created_at, _) => {
+                if end == End::Invoiced {
+                    self.ended(JobState::Succeeded, Some(created_at));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A compensation answered ([`jobs::compensated`]).
+    async fn compensated(&self, tx: &mut PgConnection, job_id: Uuid, undone: Undone) -> Result<(), HandlerError> {
+        match jobs::compensated(tx, job_id, undone).await? {
+            Compensated::UnknownJob => Err(unknown_job(job_id)),
+            Compensated::Waiting => Ok(()),
+            Compensated::Ended(state, created_at) => {
+                self.ended(state, Some::<DateTime<Utc>>(created_at));
+                Ok(())
+            }
         }
     }
 }
@@ -103,14 +156,37 @@ impl Handle<InventoryRejected> for JobStatus {
     }
 }
 
+// The invoice decides the order's end, unless it has one: an order cancelled meanwhile stays
+// cancelled, and billing voids the invoice when it gets the order's `order.ended`.
 impl Handle<InvoiceCreated> for JobStatus {
     async fn handle(&self, event: InvoiceCreated, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let invoice_id = event.invoice_id.to_string();
-        let order = OrderMove { order_id: event.order_id, to: OrderStatus::Invoiced };
-        let applied = jobs::ended(tx, event.job_id, JobState::Succeeded, Some(&invoice_id), None, order).await?;
-        let ended = known(event.job_id, applied)?;
-        self.ended(JobState::Succeeded, ended);
-        Ok(())
+        self.decide(tx, event.job_id, End::Invoiced, None, Some(&invoice_id)).await
+    }
+}
+
+impl Handle<PaymentDeclined> for JobStatus {
+    async fn handle(&self, event: PaymentDeclined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.decide(tx, event.job_id, End::Declined, Some(&event.reason), None).await
+    }
+}
+
+// A deadline that comes after the order ended finds it decided, and does nothing.
+impl Handle<OrderDeadline> for JobStatus {
+    async fn handle(&self, event: OrderDeadline, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.decide(tx, event.job_id, End::Cancelled, Some(DEADLINE_REASON), None).await
+    }
+}
+
+impl Handle<InventoryReleased> for JobStatus {
+    async fn handle(&self, event: InventoryReleased, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.compensated(tx, event.job_id, Undone::Released).await
+    }
+}
+
+impl Handle<InvoiceVoided> for JobStatus {
+    async fn handle(&self, event: InvoiceVoided, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.compensated(tx, event.job_id, Undone::Voided).await
     }
 }
 
@@ -129,6 +205,17 @@ impl Handle<JobQuarantined> for JobStatus {
         let ended = known(event.job_id, applied)?;
         self.ended(JobState::Quarantined, ended);
         jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
+        Ok(())
+    }
+}
+
+// An operator gave up on the job's parked message: the order is cancelled (unless it ended) and
+// compensated, and the step's message is no longer parked (it was acked after this was confirmed).
+impl Handle<JobAbandoned> for JobStatus {
+    async fn handle(&self, event: JobAbandoned, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let reason = format!("abandoned by an operator: {}", event.reason);
+        self.decide(tx, event.job_id, End::Cancelled, Some(&reason), None).await?;
+        jobs::step_abandoned(tx, event.job_id, &event.endpoint).await?;
         Ok(())
     }
 }

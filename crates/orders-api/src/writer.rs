@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 
+use chrono::{DateTime, Utc};
 use messaging::{
     contracts::Contract,
     envelope::Headers,
@@ -29,7 +30,7 @@ use messaging::{
     },
 };
 use prometheus_client::metrics::{counter::Counter, family::Family};
-use shop::OrderPlaced;
+use shop::{OrderDeadline, OrderPlaced};
 use sqlx::{PgConnection, PgPool, types::Json};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
@@ -72,23 +73,45 @@ pub struct NewOrder {
     /// The outbox row's headers: the job as correlation id, and the trace context current when
     /// the order was made (the request's span).
     pub headers: Headers,
+    /// Its `order.deadline`, scheduled for `deadline`: a second outbox row, delivered to the
+    /// orders service itself then.
+    pub deadline: ScheduledDeadline,
+}
+
+/// An order's `order.deadline` outbox row, due at the order's deadline.
+#[derive(Debug)]
+pub struct ScheduledDeadline {
+    /// The body.
+    pub body: OrderDeadline,
+    /// When it is due.
+    pub at: DateTime<Utc>,
+    /// The row's id.
+    pub message_id: Uuid,
+    /// The row's headers (as [`NewOrder::headers`]).
+    pub headers: Headers,
 }
 
 impl NewOrder {
-    /// `order` under `ids`, with the current trace context.
-    pub fn new(ids: Accepted, order: &ValidOrder, claim: Option<Claim>) -> Self {
-        let placed = order.placed(&ids);
+    /// `order` under `ids`, to be cancelled at `deadline` if it has not ended, with the current
+    /// trace context.
+    pub fn new(ids: Accepted, order: &ValidOrder, claim: Option<Claim>, deadline: DateTime<Utc>) -> Self {
+        let placed = order.placed(&ids, deadline);
         // The job names its order.placed row, so that the row's confirm marks it `published`.
         let outbox::Outgoing { message_id, headers: Json(headers), .. } =
             outbox::Outgoing::of(&placed, Some(ids.job_id));
-        Self { ids, placed, claim, message_id, headers }
+        let body = OrderDeadline { order_id: ids.order_id, job_id: ids.job_id };
+        let outbox::Outgoing { message_id: deadline_id, headers: Json(deadline_headers), .. } =
+            outbox::Outgoing::of(&body, Some(ids.job_id));
+        let deadline = ScheduledDeadline { body, at: deadline, message_id: deadline_id, headers: deadline_headers };
+        Self { ids, placed, claim, message_id, headers, deadline }
     }
 }
 
 /// Everything the accepted `orders` write, in one statement and so one round trip, all or
 /// nothing: for each, the idempotency claim (if a key is given: claimed first, in key order, so
 /// that a concurrent request with the same key waits on it until this commits, then finds it
-/// taken), the order, its lines, its job and its `order.placed` outbox row. Returns the jobs of
+/// taken), the order, its lines, its job, its `order.placed` outbox row and its `order.deadline`
+/// row, scheduled ([`outbox::Outgoing::at`]). Returns the jobs of
 /// the orders written; an order whose key was already claimed is not among them, and nothing of
 /// it was written.
 pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Result<Vec<Uuid>, sqlx::Error> {
@@ -116,6 +139,12 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
         .bind(lines.3)
         .bind(OrderPlaced::TYPE)
         .bind(OrderPlaced::EXCHANGE)
+        .bind(orders.iter().map(|o| o.deadline.message_id).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| Json(&o.deadline.body)).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| Json(&o.deadline.headers)).collect::<Vec<_>>())
+        .bind(orders.iter().map(|o| o.deadline.at).collect::<Vec<_>>())
+        .bind(OrderDeadline::TYPE)
+        .bind(OrderDeadline::EXCHANGE)
         .fetch_all(conn)
         .await
 }
@@ -127,9 +156,11 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
     format!(
         "with input as (
              select * from unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::uuid[],
-                                  $7::jsonb[], $8::jsonb[])
+                                  $7::jsonb[], $8::jsonb[], $15::uuid[], $16::jsonb[], $17::jsonb[],
+                                  $18::timestamptz[])
                  with ordinality as input (order_id, job_id, customer_id, key, request, message_id,
-                                           payload, headers, n)
+                                           payload, headers, deadline_id, deadline_payload,
+                                           deadline_headers, deadline_at, n)
          ), claim as (
              insert into idempotency_keys (key, request, job_id, order_id)
              select key, request, job_id, order_id from input where key is not null order by key
@@ -148,6 +179,8 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
              insert into jobs (id, order_id, order_placed_message_id) select job_id, order_id, message_id from go
          ), new_messages as (
              {}
+         ), new_deadlines as (
+             {}
          )
          select job_id from go",
         outbox::Selected {
@@ -157,8 +190,19 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
             routing_key: "$13",
             payload: "payload",
             headers: "headers",
+            deliver_at: None,
         }
-        .insert_from("go order by n")
+        .insert_from("go order by n"),
+        outbox::Selected {
+            message_id: "deadline_id",
+            message_type: "$19",
+            exchange: "$20",
+            routing_key: "$19",
+            payload: "deadline_payload",
+            headers: "deadline_headers",
+            deliver_at: Some("deadline_at"),
+        }
+        .insert_from("go order by n"),
     )
 });
 

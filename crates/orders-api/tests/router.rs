@@ -17,7 +17,8 @@ use testkit::TestEnv;
 use tower::ServiceExt;
 
 /// The test's `MAX_MESSAGE_BYTES`: an order of 100 lines of 40-character SKUs is over it.
-const LIMITS: orders_api::api::Limits = orders_api::api::Limits { max_message_bytes: 4096 };
+const LIMITS: orders_api::api::Limits =
+    orders_api::api::Limits { max_message_bytes: 4096, order_deadline: std::time::Duration::from_secs(30 * 60) };
 
 /// The API's router on the test's own `orders` database.
 async fn api(env: &TestEnv) -> (Router, PgPool) {
@@ -184,15 +185,31 @@ async fn an_accepted_order_is_written_whole_and_reads_back_as_queued_and_accepte
     assert_eq!(count(&pool, "orders").await, 1);
     assert_eq!(count(&pool, "order_lines").await, 2);
     let (message_type, correlation): (String, Option<String>) =
-        sqlx::query_as("select message_type, headers ->> 'correlation_id' from outbox")
+        sqlx::query_as("select message_type, headers ->> 'correlation_id' from outbox where not scheduled")
             .fetch_one(&pool)
             .await
             .expect("row");
     assert_eq!(message_type, "order.placed");
     assert_eq!(correlation.as_deref(), Some(job_id));
+    // Its deadline is scheduled beside it, ORDER_DEADLINE ahead, and order.placed carries it.
+    let (message_type, correlation, ahead, placed_deadline): (String, Option<String>, f64, bool) = sqlx::query_as(
+        "select d.message_type, d.headers ->> 'correlation_id', extract(epoch from d.available_at - d.created_at)::float8,
+                (p.payload ->> 'deadline')::timestamptz = d.available_at
+           from outbox d, outbox p where d.scheduled and not p.scheduled",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("the deadline's row");
+    assert_eq!(message_type, "order.deadline");
+    assert_eq!(correlation.as_deref(), Some(job_id));
+    assert!((ahead - LIMITS.order_deadline.as_secs_f64()).abs() < 10.0, "due {ahead} s after it was written");
+    assert!(placed_deadline, "order.placed carries another deadline than its row's");
     // The size the API checks against MAX_MESSAGE_BYTES is the size of the body the relay sends.
     let (payload, sent): (Value, i32) =
-        sqlx::query_as("select payload, octet_length(payload::text) from outbox").fetch_one(&pool).await.expect("row");
+        sqlx::query_as("select payload, octet_length(payload::text) from outbox where not scheduled")
+            .fetch_one(&pool)
+            .await
+            .expect("row");
     assert_eq!(messaging::outbox::published_size(&payload).expect("serializes"), sent as usize);
 }
 
@@ -233,7 +250,8 @@ async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
     let b = post(&app, body, &[]).await.body;
     assert_ne!(a["jobId"], b["jobId"], "no key: a new job each time");
     assert_eq!(count(&pool, "orders").await, 4);
-    assert_eq!(count(&pool, "outbox").await, 4);
+    // Each order's order.placed and its scheduled order.deadline.
+    assert_eq!(count(&pool, "outbox").await, 8);
 }
 
 #[tokio::test]

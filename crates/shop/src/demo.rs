@@ -2,7 +2,10 @@
 //! SKU starts with `FLAKY` fails transiently on the first two attempts; one starting with `POISON`
 //! fails on every attempt (a simulated handler bug), so its message is parked after
 //! `MAX_ATTEMPTS`; one starting with `CRASH` makes the process exit at once, every time (a handler
-//! that crashes), so its message is parked by the crash bound (`MAX_CRASHES`).
+//! that crashes), so its message is parked by the crash bound (`MAX_CRASHES`). Two fire in billing
+//! alone, after inventory has reserved the order: billing declines an order with a `DECLINE` line
+//! (a business refusal, `payment.declined`), and fails on every attempt at one with a
+//! `BILLPOISON` line.
 
 use messaging::consumer::HandlerError;
 
@@ -14,7 +17,8 @@ pub const CRASH_EXIT_CODE: i32 = 70;
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct DemoFaults {
     /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
-    /// process exit (1/0, true/false).
+    /// process exit; in billing, DECLINE* SKUs are declined and BILLPOISON* SKUs always fail
+    /// (1/0, true/false).
     #[arg(long = "demo-faults", env = "DEMO_FAULTS", value_name = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
           value_parser = clap::builder::BoolishValueParser::new())]
     pub enabled: bool,
@@ -45,5 +49,27 @@ impl DemoFaults {
             }
         }
         Ok(())
+    }
+
+    /// In billing: the fault of the first `BILLPOISON` SKU among `skus`, if faults are on. It fails
+    /// every attempt, so the message is parked after `MAX_ATTEMPTS`, with the order's stock held.
+    pub fn apply_in_billing<'a>(
+        self,
+        skus: impl IntoIterator<Item = &'a str>,
+        attempt: u32,
+    ) -> Result<(), HandlerError> {
+        match skus.into_iter().find(|sku| sku.starts_with("BILLPOISON")) {
+            Some(sku) if self.enabled => Err(HandlerError::Transient(
+                format!("demo fault: {sku} always fails in billing (attempt {attempt})").into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// In billing: why the payment for `skus` is declined, if faults are on and one is a
+    /// `DECLINE` SKU. A refusal is an outcome, not an error.
+    pub fn declines<'a>(self, skus: impl IntoIterator<Item = &'a str>) -> Option<String> {
+        let sku = skus.into_iter().find(|sku| sku.starts_with("DECLINE")).filter(|_| self.enabled)?;
+        Some(format!("payment declined (demo fault: {sku} is always declined)"))
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod demo;
 
+use chrono::{DateTime, Utc};
 use messaging::contracts::Contract;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -16,11 +17,11 @@ use uuid::Uuid;
 /// publishes to one declares it. The consumer runtime's job events go to `messaging`'s own
 /// exchange ([`messaging::contracts::JOBS_EXCHANGE`]).
 pub mod exchanges {
-    /// `order.placed`.
+    /// `order.placed`, `order.ended`, `order.deadline`.
     pub const ORDERS: &str = "orders";
-    /// `inventory.reserved`, `inventory.rejected`.
+    /// `inventory.reserved`, `inventory.rejected`, `inventory.released`.
     pub const INVENTORY: &str = "inventory";
-    /// `invoice.created`.
+    /// `invoice.created`, `payment.declined`, `invoice.voided`.
     pub const BILLING: &str = "billing";
 }
 
@@ -46,6 +47,10 @@ pub struct OrderPlaced {
     pub customer_id: String,
     /// What was ordered.
     pub lines: Vec<OrderLine>,
+    /// When the order is cancelled if it has not ended (`ORDER_DEADLINE` after it was accepted).
+    /// Optional: a minor, compatible addition (decision 0023).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
 }
 impl Contract for OrderPlaced {
     const TYPE: &'static str = "order.placed";
@@ -68,6 +73,11 @@ pub struct InventoryReserved {
     pub reservation_id: Uuid,
     /// What was reserved (what billing prices).
     pub lines: Vec<OrderLine>,
+    /// The order's deadline, copied from `order.placed`: billing declines a reservation it
+    /// receives after it (reason [`EXPIRED`]), so that billing, started late, invoices nothing for
+    /// an order the orders service has cancelled at its deadline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DateTime<Utc>>,
 }
 impl Contract for InventoryReserved {
     const TYPE: &'static str = "inventory.reserved";
@@ -113,6 +123,134 @@ pub struct InvoiceCreated {
 }
 impl Contract for InvoiceCreated {
     const TYPE: &'static str = "invoice.created";
+    const EXCHANGE: &'static str = exchanges::BILLING;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
+}
+
+/// The reason billing gives when it declines a reservation received after the order's deadline.
+pub const EXPIRED: &str = "expired: the order's deadline passed before billing";
+
+/// Billing refused the order: a business outcome (a declined payment, an expired order), not an
+/// error. The orders service ends the order `declined` and compensates it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PaymentDeclined {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+    /// Why, for people.
+    pub reason: String,
+}
+impl Contract for PaymentDeclined {
+    const TYPE: &'static str = "payment.declined";
+    const EXCHANGE: &'static str = exchanges::BILLING;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
+}
+
+/// How an order ended, as the orders service decided it (decision 0023).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum End {
+    /// Billing invoiced it: inventory settles the reservation (and answers nothing: no one waits).
+    Invoiced,
+    /// Billing refused it: inventory releases the reservation, billing voids any invoice.
+    Declined,
+    /// The customer, the deadline or an operator ended it: as `Declined`.
+    Cancelled,
+}
+
+impl End {
+    /// The name in `order.ended` and in the orders database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Invoiced => "invoiced",
+            Self::Declined => "declined",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The orders service decided how an order ends; the decision is final. Every service that did
+/// something for the order keeps it (`invoiced`) or undoes it (any other end), and answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderEnded {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+    /// How it ended.
+    pub end: End,
+    /// Why, for people (none for `invoiced`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+impl Contract for OrderEnded {
+    const TYPE: &'static str = "order.ended";
+    const EXCHANGE: &'static str = exchanges::ORDERS;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
+}
+
+/// An order's deadline: scheduled by the orders service when it accepts the order, delivered to
+/// itself at the deadline. An order that has not ended by then is cancelled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderDeadline {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+}
+impl Contract for OrderDeadline {
+    const TYPE: &'static str = "order.deadline";
+    const EXCHANGE: &'static str = exchanges::ORDERS;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
+}
+
+/// Inventory gave an ended order's stock back (or found none taken, and fenced the order so that a
+/// late `order.placed` takes none).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryReleased {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+}
+impl Contract for InventoryReleased {
+    const TYPE: &'static str = "inventory.released";
+    const EXCHANGE: &'static str = exchanges::INVENTORY;
+
+    fn job(&self) -> Option<Uuid> {
+        Some(self.job_id)
+    }
+}
+
+/// Billing voided an ended order's invoice (or found none, and fenced the order so that a late
+/// `inventory.reserved` invoices nothing).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InvoiceVoided {
+    /// The order.
+    pub order_id: Uuid,
+    /// The job tracking it.
+    pub job_id: Uuid,
+}
+impl Contract for InvoiceVoided {
+    const TYPE: &'static str = "invoice.voided";
     const EXCHANGE: &'static str = exchanges::BILLING;
 
     fn job(&self) -> Option<Uuid> {

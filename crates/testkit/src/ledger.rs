@@ -6,9 +6,10 @@ use std::{collections::BTreeMap, fmt};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-/// `available + reserved` per SKU, taken before the load starts.
+/// `available + reserved + settled` per SKU (`reserved` is what reservations hold), taken before
+/// the load starts.
 pub async fn stock_totals(inventory: &PgPool) -> BTreeMap<String, i64> {
-    sqlx::query_as::<_, (String, i64)>("select sku, (available + reserved)::bigint from stock")
+    sqlx::query_as::<_, (String, i64)>("select sku, (available + reserved + settled)::bigint from stock")
         .fetch_all(inventory)
         .await
         .expect("read stock")
@@ -27,14 +28,21 @@ pub struct Ledger {
     pub succeeded: i64,
     /// Refused for stock or SKU.
     pub rejected: i64,
+    /// Refused by billing, and compensated.
+    pub declined: i64,
+    /// Cancelled (by the customer, the deadline or an operator), and compensated.
+    pub cancelled: i64,
     /// Parked after retries or as poison.
     pub quarantined: i64,
-    /// Accepted but not in a terminal state.
+    /// Accepted but neither final nor quarantined (compensating included).
     pub stuck: i64,
-    /// Reservations and invoices beyond one per order, reserved quantities beyond the
-    /// reservations' lines, and effects on orders that were rejected.
+    /// Reservations and invoices beyond one per order, reserved or settled quantities beyond the
+    /// held or settled reservations' lines, and effects on orders that were rejected.
     pub duplicated_effects: i64,
-    /// SKUs where `available + reserved` differs from the start.
+    /// Reservations still held by orders that have ended: the stock an ended order did not give
+    /// back (or, for an invoiced one, has not settled yet).
+    pub held_by_ended: i64,
+    /// SKUs where `available + reserved + settled` differs from the start.
     pub stock_not_conserved: Vec<String>,
     /// Outbox rows, in the three databases, that the relay has not marked published: a settled
     /// shop has none (a relay that cannot mark republishes its rows for ever, which the inboxes
@@ -42,7 +50,8 @@ pub struct Ledger {
     pub unpublished: i64,
     /// Invoices written.
     pub invoices: i64,
-    /// Succeeded orders without an invoice, plus invoices for orders that did not succeed.
+    /// Succeeded orders without a standing invoice, plus standing invoices for orders that did
+    /// not succeed (a declined or cancelled order's invoice must be void).
     pub invoice_mismatches: i64,
 }
 
@@ -68,22 +77,32 @@ impl Ledger {
             .into_iter()
             .collect();
         let state = |name: &str| states.get(name).copied().unwrap_or(0);
-        let stuck = state("queued") + state("published") + state("retry_wait");
+        let stuck = state("queued") + state("published") + state("retry_wait") + state("compensating");
 
         let succeeded_orders = order_ids(orders, "select order_id from jobs where state = 'succeeded'").await;
         let rejected_orders = order_ids(orders, "select order_id from jobs where state = 'rejected'").await;
-        let invoiced = order_ids(billing, "select order_id from invoices").await;
-        let reserved = order_ids(inventory, "select order_id from reservations").await;
+        let invoiced = order_ids(billing, "select order_id from invoices where state = 'standing'").await;
+        let ended = order_ids(
+            orders,
+            "select order_id from jobs where state in ('succeeded', 'rejected', 'declined', 'cancelled')",
+        )
+        .await;
+        let held = order_ids(inventory, "select order_id from reservations where state = 'held'").await;
+        let held_by_ended = held.iter().filter(|id| ended.contains(id)).count() as i64;
+        let reserved = order_ids(inventory, "select order_id from reservations where state <> 'released'").await;
 
         let mut duplicated_effects =
             extra_rows(inventory, "reservations").await + extra_rows(billing, "invoices").await;
-        // Stock reserved must be exactly what the reservations list: a reservation applied twice
-        // shows here even if its row was written once.
+        // Stock reserved (settled) must be exactly what the held (settled) reservations list: a
+        // reservation applied, released or settled twice shows here even if its row was written
+        // once.
         let over_reserved: i64 = sqlx::query_scalar(
-            "select coalesce(sum(abs(s.reserved - coalesce(r.quantity, 0))), 0)::bigint
+            "select coalesce(sum(abs(s.reserved - coalesce(r.held, 0)) + abs(s.settled - coalesce(r.settled, 0))), 0)::bigint
              from stock s
-             left join (select line->>'sku' as sku, sum((line->>'quantity')::bigint) as quantity
-                        from reservations, jsonb_array_elements(lines) as line group by 1) r on r.sku = s.sku",
+             left join (select line->>'sku' as sku,
+                               sum((line->>'quantity')::bigint) filter (where state = 'held') as held,
+                               sum((line->>'quantity')::bigint) filter (where state = 'settled') as settled
+                          from reservations, jsonb_array_elements(lines) as line group by 1) r on r.sku = s.sku",
         )
         .fetch_one(inventory)
         .await
@@ -101,10 +120,13 @@ impl Ledger {
 
         let mut unpublished = 0;
         for pool in [orders, inventory, billing] {
-            let rows: i64 = sqlx::query_scalar("select count(*) from outbox where published_at is null")
-                .fetch_one(pool)
-                .await
-                .expect("count unpublished outbox rows");
+            // A scheduled row (an order's deadline) waits by design until it is due.
+            let rows: i64 = sqlx::query_scalar(
+                "select count(*) from outbox where published_at is null and (not scheduled or available_at <= now())",
+            )
+            .fetch_one(pool)
+            .await
+            .expect("count unpublished outbox rows");
             unpublished += rows;
         }
 
@@ -116,9 +138,12 @@ impl Ledger {
             lost: accepted.len().saturating_sub(usize::try_from(found).unwrap_or(0)),
             succeeded: state("succeeded"),
             rejected: state("rejected"),
+            declined: state("declined"),
+            cancelled: state("cancelled"),
             quarantined: state("quarantined"),
             stuck,
             duplicated_effects,
+            held_by_ended,
             stock_not_conserved,
             unpublished,
             invoices: invoiced.len() as i64,
@@ -126,11 +151,13 @@ impl Ledger {
         }
     }
 
-    /// Nothing lost, stuck or applied twice; stock conserved; one invoice per succeeded order.
+    /// Nothing lost, stuck or applied twice; no stock held by an ended order; stock conserved; one
+    /// standing invoice per succeeded order and none for any other.
     pub fn is_clean(&self) -> bool {
         self.lost == 0
             && self.stuck == 0
             && self.duplicated_effects == 0
+            && self.held_by_ended == 0
             && self.stock_not_conserved.is_empty()
             && self.unpublished == 0
             && self.invoice_mismatches == 0
@@ -158,10 +185,13 @@ impl fmt::Display for Ledger {
         writeln!(f, "accepted            {:>8}", self.accepted)?;
         writeln!(f, "  succeeded         {:>8}", self.succeeded)?;
         writeln!(f, "  rejected          {:>8}", self.rejected)?;
+        writeln!(f, "  declined          {:>8}", self.declined)?;
+        writeln!(f, "  cancelled         {:>8}", self.cancelled)?;
         writeln!(f, "  quarantined       {:>8}", self.quarantined)?;
         writeln!(f, "  stuck             {:>8}", self.stuck)?;
         writeln!(f, "lost                {:>8}", self.lost)?;
         writeln!(f, "duplicated effects  {:>8}", self.duplicated_effects)?;
+        writeln!(f, "held by ended       {:>8}", self.held_by_ended)?;
         writeln!(f, "outbox unpublished  {:>8}", self.unpublished)?;
         writeln!(
             f,

@@ -16,6 +16,7 @@ fn one_line_order(customer_id: &str, sku: &str, quantity: i32) -> OrderPlaced {
         job_id: Uuid::now_v7(),
         customer_id: customer_id.into(),
         lines: vec![OrderLine { sku: sku.into(), quantity }],
+        deadline: None,
     }
 }
 
@@ -46,8 +47,18 @@ async fn valid_order_succeeds_with_invoice_and_exact_stock_change() {
     assert_eq!(job["attempt"], 1);
     assert!(job["publishedAt"].is_string(), "{job}");
 
-    assert_eq!(stock(&shop, "SKU-1").await, (sku1_before - 3, 3));
-    assert_eq!(stock(&shop, "SKU-3").await, (sku3_before - 1, 1));
+    // Invoiced, the order's reservation is settled: the stock is sold, none is held.
+    shop.settle(WAIT).await;
+    assert_eq!(stock(&shop, "SKU-1").await, (sku1_before - 3, 0));
+    assert_eq!(stock(&shop, "SKU-3").await, (sku3_before - 1, 0));
+    let settled: (i32, i32, String) = sqlx::query_as(
+        "select (select settled from stock where sku = 'SKU-1'), (select settled from stock where sku = 'SKU-3'),
+                (select state from reservations)",
+    )
+    .fetch_one(&shop.inventory)
+    .await
+    .expect("settled stock");
+    assert_eq!(settled, (3, 1, "settled".to_owned()));
     let order_url = format!("{}/orders/{}", shop.http(Service::Api), job["orderId"].as_str().expect("orderId"));
     let order = testkit::http::request("GET", &order_url, &[], None).await.expect("GET order").json();
     assert_eq!(order["status"], "invoiced", "{order}");
@@ -116,6 +127,7 @@ async fn duplicate_inventory_reserved_invoices_once() {
         job_id: Uuid::now_v7(),
         reservation_id: Uuid::now_v7(),
         lines: vec![OrderLine { sku: "SKU-4".into(), quantity: 2 }],
+        deadline: None,
     };
     shop.env.publish(&reserved, reserved.job_id, 2).await;
 
@@ -143,6 +155,7 @@ async fn one_order_under_two_message_ids_is_reserved_invoiced_and_announced_once
         job_id: Uuid::now_v7(),
         reservation_id: Uuid::now_v7(),
         lines: vec![OrderLine { sku: "SKU-4".into(), quantity: 3 }],
+        deadline: None,
     };
     for _ in 0..2 {
         shop.env.publish(&placed, placed.job_id, 1).await;

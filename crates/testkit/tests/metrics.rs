@@ -11,14 +11,17 @@ async fn histograms_fill_with_traffic_and_the_outbox_age_grows_while_the_relay_i
     let mut shop = Shop::start(Options::default()).await;
     let job = shop.place(&[("SKU-1", 1)]).await;
     shop.wait_for_state(job, "succeeded").await;
+    // Its reservation settled too (order.ended: invoiced).
+    shop.settle(WAIT).await;
 
     let handled = "message_handling_duration_seconds_count{endpoint=\"inventory.order-placed\",outcome=\"succeeded\"}";
-    assert_eq!(shop.metric(Service::Inventory, handled).await, 1, "one message handled by inventory");
+    assert_eq!(shop.metric(Service::Inventory, handled).await, 2, "order.placed and order.ended, by inventory");
     let billed =
         "message_handling_duration_seconds_count{endpoint=\"billing.inventory-reserved\",outcome=\"succeeded\"}";
-    assert_eq!(shop.metric(Service::Billing, billed).await, 1);
-    // order.placed, inventory.reserved and invoice.created: three rows, each confirmed once.
-    assert_eq!(shop.metric(Service::Relay, "outbox_publish_lag_seconds_count").await, 3);
+    assert_eq!(shop.metric(Service::Billing, billed).await, 2, "inventory.reserved and order.ended, by billing");
+    // order.placed, inventory.reserved, invoice.created and order.ended: four rows, each confirmed
+    // once (the order's deadline is not due).
+    assert_eq!(shop.metric(Service::Relay, "outbox_publish_lag_seconds_count").await, 4);
     let lag = shop.metric_value(Service::Relay, "outbox_publish_lag_seconds_sum").await;
     assert!(lag > 0.0 && lag < 30.0, "commit -> confirm lag {lag} s");
     let ended = "job_duration_seconds_count{state=\"succeeded\"}";
@@ -63,6 +66,13 @@ async fn the_outbox_gauges_read_the_unpublished_rows_index_not_the_table() {
         .execute(&pool)
         .await
         .expect("one unpublished row");
+    sqlx::query(
+        "insert into outbox (message_id, message_type, exchange, routing_key, payload, available_at, scheduled)
+         values (gen_random_uuid(), 'probe', 'probe', 'probe', '{}', now() + interval '1 hour', true)",
+    )
+    .execute(&pool)
+    .await
+    .expect("one row scheduled for later");
     sqlx::query("analyze outbox").execute(&pool).await.expect("analyze");
 
     for (name, sql) in [("count", messaging::outbox::COUNT_UNPUBLISHED), ("age", messaging::outbox::OLDEST_UNPUBLISHED)]
@@ -73,7 +83,9 @@ async fn the_outbox_gauges_read_the_unpublished_rows_index_not_the_table() {
         let plan = plan.to_string();
         assert!(!plan.contains("Seq Scan"), "the {name} gauge reads the whole outbox: {plan}");
         assert!(plan.contains("outbox_unpublished"), "the {name} gauge does not use the index: {plan}");
+        assert!(plan.contains("outbox_scheduled"), "the {name} gauge does not use the scheduled rows' index: {plan}");
     }
     let gauges = messaging::outbox::gauges(&pool).await.expect("gauges");
-    assert_eq!((gauges.unpublished, gauges.parked), (1, 0));
+    assert_eq!((gauges.unpublished, gauges.parked, gauges.scheduled), (1, 0, 1));
+    assert!(gauges.oldest_unpublished_age_seconds < 60.0, "the scheduled row counts as late: {gauges:?}");
 }

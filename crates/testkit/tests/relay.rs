@@ -35,6 +35,7 @@ async fn fill_outbox(pool: &PgPool, n: usize, per_tx: usize) -> Vec<Uuid> {
                 job_id: Uuid::now_v7(),
                 customer_id: format!("c-{i}"),
                 lines: vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }],
+                deadline: None,
             };
             ids.push(outbox::enqueue(&mut tx, &body, Some(body.job_id)).await.expect("enqueue"));
         }
@@ -213,10 +214,10 @@ async fn in_one_batch_only_the_unroutable_rows_are_refused_and_the_others_are_ma
         let (order_id, job_id) = (Uuid::now_v7(), Uuid::now_v7());
         let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
         if i % 6 == 5 {
-            let body = InventoryReserved { order_id, job_id, reservation_id: Uuid::now_v7(), lines };
+            let body = InventoryReserved { order_id, job_id, reservation_id: Uuid::now_v7(), lines, deadline: None };
             outbox::enqueue(&mut tx, &body, Some(job_id)).await.expect("enqueue");
         } else {
-            let body = OrderPlaced { order_id, job_id, customer_id: format!("c-{i}"), lines };
+            let body = OrderPlaced { order_id, job_id, customer_id: format!("c-{i}"), lines, deadline: None };
             expected.insert(outbox::enqueue(&mut tx, &body, Some(job_id)).await.expect("enqueue"));
         }
     }

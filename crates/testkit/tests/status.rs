@@ -94,7 +94,8 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     assert_eq!((seen["state"].as_str(), seen["attempt"].as_i64()), (Some("retry_wait"), Some(2)), "{seen}");
 
     let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
-    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines }).await;
+    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines, deadline: None })
+        .await;
     let seen = api.job(&job_id).await;
     assert_eq!(seen["state"], "published", "inventory's step succeeded: no longer waiting on it: {seen}");
     assert_eq!(seen["attempt"], 2, "{seen}");
@@ -118,7 +119,8 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
         .await
         .expect("reset");
     let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
-    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines }).await;
+    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines, deadline: None })
+        .await;
     assert_eq!(api.job(&job_id).await["state"], "retry_wait", "waiting on billing, not on inventory");
     assert_eq!(api.order_status(order_id).await, "reserved");
 
@@ -212,7 +214,11 @@ async fn start_api_with(
 async fn events_for_a_job_the_database_does_not_have_are_parked_with_the_reason_and_report_nothing() {
     let (api, trigger, task) = start_api().await;
     let (job, order_id) = (Uuid::now_v7(), Uuid::now_v7());
-    api.publish(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines: vec![] }).await;
+    api.publish(
+        job,
+        &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines: vec![], deadline: None },
+    )
+    .await;
     api.publish(job, &InvoiceCreated { order_id, job_id: job, invoice_id: Uuid::now_v7(), total_cents: 1 }).await;
     let quarantined = JobQuarantined {
         job_id: job,

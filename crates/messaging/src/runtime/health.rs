@@ -180,7 +180,9 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
         let by_state = |state: &str| ByDatabaseState { database: name.clone(), state: state.to_owned() };
         match tokio::time::timeout(Duration::from_secs(2), outbox::gauges(pool)).await {
             Ok(Ok(gauges)) => {
-                for (state, rows) in [("unpublished", gauges.unpublished), ("parked", gauges.parked)] {
+                let rows =
+                    [("unpublished", gauges.unpublished), ("parked", gauges.parked), ("scheduled", gauges.scheduled)];
+                for (state, rows) in rows {
                     metrics.outbox_rows.get_or_create(&by_state(state)).set(rows);
                 }
                 metrics.oldest_unpublished.get_or_create(&database).set(gauges.oldest_unpublished_age_seconds);
@@ -188,6 +190,7 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
             _ => {
                 metrics.outbox_rows.remove(&by_state("unpublished"));
                 metrics.outbox_rows.remove(&by_state("parked"));
+                metrics.outbox_rows.remove(&by_state("scheduled"));
                 metrics.oldest_unpublished.remove(&database);
             }
         }

@@ -1,0 +1,255 @@
+//! The saga (issue 41, decision 0023) on the real shop, as processes: every order ends, and an end
+//! other than `invoiced` leaves no stock held and no invoice standing. Billing declines; an
+//! operator abandons a parked order; a customer cancels before the relay publishes, between
+//! reservation and invoice, and after the invoice; a deadline expires while billing is down; and
+//! each undo is safe against the message it undoes arriving late.
+
+use std::process::Output;
+
+use serde_json::Value;
+use shop::{End, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
+use testkit::{
+    TestEnv, eventually, http, process,
+    shop::{Options, Service, Shop, WAIT},
+};
+use uuid::Uuid;
+
+const BILLING: &str = "billing.inventory-reserved";
+
+async fn msgctl(env: &TestEnv, args: &[&str]) -> Output {
+    tokio::process::Command::new(process::binary("msgctl"))
+        .env("AMQP_URL", env.amqp_url())
+        .env("RABBITMQ_MANAGEMENT_URL", env.management_url())
+        .args(args)
+        .output()
+        .await
+        .expect("run msgctl")
+}
+
+/// `POST /orders/{id}/cancel`: its status and body.
+async fn cancel(shop: &Shop, order_id: &str) -> (u16, Value) {
+    let url = format!("{}/orders/{order_id}/cancel", shop.front());
+    let response = http::request("POST", &url, &[], None).await.expect("POST cancel");
+    (response.status, response.json())
+}
+
+/// `(available, reserved, settled)` of `sku`.
+async fn stock(shop: &Shop, sku: &str) -> (i32, i32, i32) {
+    sqlx::query_as("select available, reserved, settled from stock where sku = $1")
+        .bind(sku)
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("stock row")
+}
+
+/// The order's invoices in billing: `(state, total)` of each.
+async fn invoices(shop: &Shop, order_id: Uuid) -> Vec<(String, i64)> {
+    sqlx::query_as("select state, total_cents from invoices where order_id = $1")
+        .bind(order_id)
+        .fetch_all(&shop.billing)
+        .await
+        .expect("invoices")
+}
+
+/// Wait until `pool`'s inbox has applied `message_id`.
+async fn applied(pool: &sqlx::PgPool, message_id: Uuid) {
+    eventually("the message to be applied", WAIT, || async {
+        let applied: bool = sqlx::query_scalar("select exists (select from inbox where message_id = $1)")
+            .bind(message_id)
+            .fetch_one(pool)
+            .await
+            .expect("inbox");
+        applied.then_some(())
+    })
+    .await;
+}
+
+fn order_id(job: &Value) -> Uuid {
+    job["orderId"].as_str().and_then(|id| id.parse().ok()).expect("orderId")
+}
+
+/// Every order ended, every books' rule holds (no stock held by an ended order, no invoice
+/// standing for an order not invoiced), and `sku` is back to where it started, none held.
+async fn assert_given_back(shop: &mut Shop, skus: &[&str]) {
+    let ledger = shop.assert_books_balance().await;
+    assert_eq!(ledger.held_by_ended, 0, "{ledger}");
+    for sku in skus {
+        let initial = shop.initial_stock[*sku];
+        assert_eq!(stock(shop, sku).await, (initial as i32, 0, 0), "{sku} is not back");
+    }
+}
+
+#[tokio::test]
+async fn a_declined_order_ends_declined_with_its_stock_back_and_no_invoice() {
+    let mut shop = Shop::start(Options { demo_faults: true, ..Options::default() }).await;
+    let job_id = shop.place(&[("SKU-1", 1), ("DECLINE-1", 2)]).await;
+    let job = shop.wait_for_state(job_id, "declined").await;
+    assert!(job["lastError"].as_str().is_some_and(|reason| reason.contains("declined")), "{job}");
+    let order_id = order_id(&job);
+    assert_eq!(shop.order_status(job_id).await, "declined");
+    // Billing never invoiced it; its void left a fence.
+    assert_eq!(invoices(&shop, order_id).await, [("void".to_owned(), 0)]);
+    assert_given_back(&mut shop, &["SKU-1", "DECLINE-1"]).await;
+    // Declined, it can no longer be cancelled.
+    let (status, problem) = cancel(&shop, &order_id.to_string()).await;
+    assert_eq!(status, 409, "{problem}");
+}
+
+#[tokio::test]
+async fn a_billing_poison_order_abandoned_by_an_operator_ends_cancelled_and_a_late_copy_changes_nothing() {
+    let options = Options { demo_faults: true, max_attempts: 2, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let job_id = shop.place(&[("SKU-2", 1), ("BILLPOISON-1", 1)]).await;
+    let job = shop.wait_for_state(job_id, "quarantined").await;
+    let order_id = order_id(&job);
+    // Parked in billing, after inventory reserved it: the stock is held, the order is not final.
+    assert_eq!(stock(&shop, "BILLPOISON-1").await.1, 1);
+    assert_eq!(shop.order_status(job_id).await, "failed");
+
+    let job_arg = job_id.to_string();
+    let output = msgctl(&shop.env, &["parked", "abandon", "--job", &job_arg, "--note", "poison"]).await;
+    assert!(output.status.success(), "{output:?}");
+    let job = shop.wait_for_state(job_id, "cancelled").await;
+    assert!(job["lastError"].as_str().is_some_and(|reason| reason.contains("poison")), "{job}");
+    assert_eq!(shop.order_status(job_id).await, "cancelled");
+    assert_eq!(shop.env.queue_depth(&format!("{BILLING}.parking")).await, Some(0), "the message left parking");
+
+    // Nothing is left to redrive of it.
+    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", BILLING, "--job", &job_arg]).await;
+    assert!(!output.status.success(), "something was redriven: {output:?}");
+
+    // A copy of its inventory.reserved arriving now (as a redrive of a copy parked elsewhere would),
+    // with the fault gone, finds the fence: no invoice.
+    shop.kill(Service::Billing).await;
+    shop.restart_with(Service::Billing, &[("DEMO_FAULTS", "false")]).await;
+    let late = InventoryReserved {
+        order_id,
+        job_id,
+        reservation_id: Uuid::now_v7(),
+        lines: vec![OrderLine { sku: "SKU-2".into(), quantity: 1 }],
+        deadline: None,
+    };
+    let copy = shop.env.publish(&late, job_id, 1).await;
+    applied(&shop.billing, copy).await;
+    assert_given_back(&mut shop, &["SKU-2", "BILLPOISON-1"]).await;
+    assert_eq!(invoices(&shop, order_id).await, [("void".to_owned(), 0)]);
+    assert_eq!(shop.job(job_id).await["state"], "cancelled");
+}
+
+#[tokio::test]
+async fn a_cancel_before_the_relay_publishes_ends_the_order_cancelled_and_takes_nothing() {
+    let mut shop = Shop::start(Options::default()).await;
+    shop.kill(Service::Relay).await;
+    let job_id = shop.place(&[("SKU-3", 2)]).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    let (status, body) = cancel(&shop, &order_id.to_string()).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["jobId"].as_str(), Some(job_id.to_string().as_str()));
+    assert_eq!(shop.job(job_id).await["state"], "compensating");
+    // Idempotent.
+    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    shop.restart(Service::Relay).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_given_back(&mut shop, &["SKU-3"]).await;
+    assert!(invoices(&shop, order_id).await.iter().all(|(state, _)| state == "void"));
+}
+
+#[tokio::test]
+async fn a_cancel_between_reservation_and_invoice_voids_the_invoice_billing_makes_late() {
+    let mut shop = Shop::start(Options::default()).await;
+    shop.kill(Service::Billing).await;
+    let job_id = shop.place(&[("SKU-4", 3)]).await;
+    eventually("inventory to reserve it", WAIT, || async {
+        (shop.order_status(job_id).await == "reserved").then_some(())
+    })
+    .await;
+    let order_id = order_id(&shop.job(job_id).await);
+    let (status, body) = cancel(&shop, &order_id.to_string()).await;
+    assert_eq!(status, 202, "{body}");
+    // Inventory has released it; billing is down, so the job waits for the void.
+    eventually("inventory to release it", WAIT, || async { (stock(&shop, "SKU-4").await.1 == 0).then_some(()) }).await;
+    assert_eq!(shop.job(job_id).await["state"], "compensating");
+    // Billing comes back and takes its queue in order: the reservation (an invoice, whose
+    // invoice.created the orders service ignores), then order.ended (the invoice is voided).
+    shop.restart(Service::Billing).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_eq!(shop.order_status(job_id).await, "cancelled");
+    assert_given_back(&mut shop, &["SKU-4"]).await;
+    let invoices = invoices(&shop, order_id).await;
+    assert!(matches!(invoices.as_slice(), [(state, _)] if state == "void"), "{invoices:?}");
+}
+
+#[tokio::test]
+async fn an_invoiced_order_cannot_be_cancelled_and_its_stock_is_settled() {
+    let mut shop = Shop::start(Options::default()).await;
+    let before = stock(&shop, "SKU-1").await;
+    let job_id = shop.place(&[("SKU-1", 2)]).await;
+    let order_id = order_id(&shop.wait_for_state(job_id, "succeeded").await);
+    let (status, problem) = cancel(&shop, &order_id.to_string()).await;
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["status"], 409);
+    assert_eq!(shop.job(job_id).await["state"], "succeeded");
+    let ledger = shop.assert_books_balance().await;
+    assert_eq!(ledger.held_by_ended, 0);
+    assert_eq!(stock(&shop, "SKU-1").await, (before.0 - 2, 0, before.2 + 2));
+    assert_eq!(invoices(&shop, order_id).await.len(), 1);
+    // An unknown order: 404; a malformed id: 400.
+    assert_eq!(cancel(&shop, &Uuid::now_v7().to_string()).await.0, 404);
+    assert_eq!(cancel(&shop, "nope").await.0, 400);
+}
+
+#[tokio::test]
+async fn an_order_whose_deadline_passes_while_billing_is_down_ends_cancelled_and_billing_invoices_nothing() {
+    let options = Options { consumer_env: vec![("ORDER_DEADLINE", "3s".into())], ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    shop.kill(Service::Billing).await;
+    let job_id = shop.place(&[("SKU-5", 2)]).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    // The deadline cancels it; inventory gives the stock back; the void waits for billing.
+    eventually("the deadline to cancel the order", WAIT, || async {
+        (shop.order_status(job_id).await == "cancelled").then_some(())
+    })
+    .await;
+    eventually("inventory to release it", WAIT, || async { (stock(&shop, "SKU-5").await.1 == 0).then_some(()) }).await;
+    assert_eq!(shop.job(job_id).await["state"], "compensating");
+    shop.restart(Service::Billing).await;
+    let job = shop.wait_for_state(job_id, "cancelled").await;
+    assert!(job["lastError"].as_str().is_some_and(|reason| reason.contains("deadline")), "{job}");
+    assert_given_back(&mut shop, &["SKU-5"]).await;
+    // Billing declined the expired reservation and fenced the order: no invoice stood, ever.
+    assert_eq!(invoices(&shop, order_id).await, [("void".to_owned(), 0)]);
+}
+
+#[tokio::test]
+async fn a_release_that_overtakes_its_reservation_leaves_a_fence_and_the_reservation_takes_nothing() {
+    let shop = Shop::start(Options::default()).await;
+    // Messages of an order the orders service does not know, straight to the broker: the status
+    // consumer parks their answers (unknown job), which is not what this test is about.
+    let (order_id, job_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let ended = OrderEnded { order_id, job_id, end: End::Cancelled, reason: Some("test".into()) };
+    let release = shop.env.publish(&ended, job_id, 1).await;
+    applied(&shop.inventory, release).await;
+    let placed = OrderPlaced {
+        order_id,
+        job_id,
+        customer_id: "late".into(),
+        lines: vec![OrderLine { sku: "SKU-2".into(), quantity: 5 }],
+        deadline: None,
+    };
+    let reservation = shop.env.publish(&placed, job_id, 1).await;
+    applied(&shop.inventory, reservation).await;
+    let initial = shop.initial_stock["SKU-2"];
+    assert_eq!(stock(&shop, "SKU-2").await, (initial as i32, 0, 0), "the late reservation took stock");
+    let reservations: i64 = sqlx::query_scalar("select count(*) from reservations where order_id = $1")
+        .bind(order_id)
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("count");
+    assert_eq!(reservations, 1, "the fence only");
+    let fence: (String, Value) = sqlx::query_as("select state, lines from reservations where order_id = $1")
+        .bind(order_id)
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("fence");
+    assert_eq!(fence, ("released".to_owned(), serde_json::json!([])));
+}

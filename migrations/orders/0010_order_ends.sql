@@ -1,0 +1,13 @@
+-- Every order ends (issue 41, decision 0023): invoiced, rejected, declined (billing refused) or
+-- cancelled (by the customer, its deadline or an operator). The orders service decides the end in
+-- one transaction and writes order.ended; while inventory and billing undo what they did, the job
+-- is `compensating`, heading for `ending`, and each answer is stamped when it arrives.
+alter table jobs drop constraint jobs_state_check;
+alter table jobs add constraint jobs_state_check check (state in (
+    'queued', 'published', 'retry_wait', 'succeeded', 'rejected', 'quarantined',
+    'compensating', 'declined', 'cancelled'));
+alter table jobs
+    add column ending      text check (ending in ('declined', 'cancelled')),
+    -- inventory.released and invoice.voided, the two answers a compensation waits for.
+    add column released_at timestamptz,
+    add column voided_at   timestamptz;
