@@ -15,6 +15,9 @@
 --                    TRUNCATE, not superuser, no CREATEDB, no CREATEROLE.
 --   <relay>          LOGIN (default name `relay`), shared by every service's database: CONNECT and
 --                    USAGE here, and SELECT, UPDATE, DELETE on the outbox alone.
+--   <books>          LOGIN (default name `books`), shared by every service's database: CONNECT,
+--                    USAGE and SELECT on the tables, for the orders service's check of the books
+--                    (BOOKS_INVENTORY_URL, BOOKS_BILLING_URL) and `msgctl books`. Reads only.
 --   <service>        the database, owned by <service>_owner; CONNECT revoked from PUBLIC, so no
 --                    other service's role can even connect to it.
 -- Passwords are optional (-v ..._password=...): without one, a role keeps what it has (none,
@@ -42,32 +45,42 @@
 \else
   \set relay_password ''
 \endif
+\if :{?books}
+\else
+  \set books books
+\endif
+\if :{?books_password}
+\else
+  \set books_password ''
+\endif
 \set owner :service'_owner'
 
 -- The roles: logins with nothing more.
 select format('create role %I login nosuperuser nocreatedb nocreaterole', r)
-  from unnest(array[:'owner', :'service', :'relay']) as r
+  from unnest(array[:'owner', :'service', :'relay', :'books']) as r
  where not exists (select from pg_roles where rolname = r)
 \gexec
 select format('alter role %I password %L', r, p)
-  from (values (:'owner', :'owner_password'), (:'service', :'runtime_password'), (:'relay', :'relay_password')) as v(r, p)
+  from (values (:'owner', :'owner_password'), (:'service', :'runtime_password'), (:'relay', :'relay_password'),
+               (:'books', :'books_password')) as v(r, p)
  where p <> ''
 \gexec
 
--- The database, owned by the migrating role; only this service's roles and the relay connect.
+-- The database, owned by the migrating role; only this service's roles, the relay and the books'
+-- reader connect.
 select format('create database %I owner %I', :'service', :'owner')
  where not exists (select from pg_database where datname = :'service')
 \gexec
 select format('revoke all on database %I from public', :'service')
 \gexec
-select format('grant connect on database %I to %I, %I, %I', :'service', :'owner', :'service', :'relay')
+select format('grant connect on database %I to %I, %I, %I, %I', :'service', :'owner', :'service', :'relay', :'books')
 \gexec
 
 \connect :service
 -- Postgres 15 and later: the public schema belongs to the database's owner and PUBLIC may not
 -- create in it. Said again for servers upgraded from older releases.
 revoke create on schema public from public;
-select format('grant usage on schema public to %I, %I', :'service', :'relay')
+select format('grant usage on schema public to %I, %I, %I', :'service', :'relay', :'books')
 \gexec
 -- Every table and sequence the owner creates from now on (the migrations), and those it already
 -- has (a run after the first migration).
@@ -78,6 +91,10 @@ select format('alter default privileges for role %I in schema public grant usage
               :'owner', :'service')
 \gexec
 select format('grant select, insert, update, delete on all tables in schema public to %I', :'service')
+\gexec
+select format('alter default privileges for role %I in schema public grant select on tables to %I', :'owner', :'books')
+\gexec
+select format('grant select on all tables in schema public to %I', :'books')
 \gexec
 select format('grant usage, select on all sequences in schema public to %I', :'service')
 \gexec

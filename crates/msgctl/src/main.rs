@@ -1,10 +1,12 @@
 //! `msgctl`: operate what `messaging` leaves for people. Parked messages (list, show, redrive,
-//! purge) and outbox rows the broker keeps refusing (stuck, retry). See `docs/operations.md`.
+//! purge, abandon), outbox rows the broker keeps refusing (stuck, retry), and the shop's books
+//! checked across its databases. See `docs/operations.md`.
 //!
 //! Nothing is lost if it is killed at any point: parked messages are read unacked and only the ones
 //! it has dealt with are acked, after the broker confirmed their copy; the rest go back to parking
 //! in their order when it ends, or when its connection dies.
 
+mod books;
 mod outbox;
 mod parked;
 
@@ -49,6 +51,9 @@ enum Command {
         #[command(subcommand)]
         action: outbox::Action,
     },
+    /// The shop's books across its three databases: an ended order holding stock, a standing
+    /// invoice of an order not invoiced, a reservation of an unknown order. Exit 1 if any.
+    Books(books::Args),
 }
 
 /// Why a command failed, reported as one line.
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
                 parked::run(action, &broker, cli.inbox_retention).await
             }
             Command::Outbox { action } => outbox::run(action, &cli.database_urls).await,
+            Command::Books(args) => books::run(args).await,
         }
     });
     match outcome {

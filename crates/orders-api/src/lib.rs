@@ -3,6 +3,7 @@
 //! final state. Both live in one process and share the `orders` database.
 
 pub mod api;
+pub mod books;
 pub mod jobs;
 pub mod openapi;
 pub mod order;
@@ -90,6 +91,9 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub consumer: ConsumerArgs,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub books: books::BooksArgs,
 }
 
 /// The whole HTTP surface: API routes, the live page (unless `page` is `None`), health routes,
@@ -133,6 +137,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let mut metrics = Metrics::default();
     let batches = writer::BatchMetrics::register(&mut metrics);
+    let books_metrics = books::BooksMetrics::register(&mut metrics);
     let health = Health {
         databases: vec![("orders".to_owned(), pool.clone())],
         metrics: Arc::new(metrics),
@@ -140,6 +145,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let status = ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
+    books::start(&config.books, pool.clone(), books_metrics, shutdown.clone())?;
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
     let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {

@@ -48,6 +48,11 @@ impl Accounts {
         format!("{}relay", self.role_prefix)
     }
 
+    /// The books' reader's database role (read-only, in every database).
+    pub fn books_role(&self) -> String {
+        format!("{}books", self.role_prefix)
+    }
+
     /// The broker user of `service` (`t-<id>-inventory-worker`).
     pub fn broker_user(&self, service: Service) -> String {
         format!("{}{}", self.user_prefix, service.binary())
@@ -86,7 +91,8 @@ pub async fn provision(env: &TestEnv) -> Accounts {
             .arg(&admin)
             .args(["-q", "-v", &format!("service={service}"), "-v", &format!("owner_password={owner}")])
             .args(["-v", &format!("runtime_password={service}"), "-v", &format!("relay={relay}")])
-            .args(["-v", &format!("relay_password={relay}"), "-f"])
+            .args(["-v", &format!("relay_password={relay}"), "-v", &format!("books={}", accounts.books_role())])
+            .arg("-f")
             .arg(script("ops/postgres/roles.sql"))
             .output()
             .await

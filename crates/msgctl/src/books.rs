@@ -1,0 +1,63 @@
+//! `msgctl books`: the shop's books, checked across its three databases ([`shop::books`]), one
+//! disagreement per line. What the orders service counts in `books_disagreements`, listed.
+
+use std::{str::FromStr, time::Duration};
+
+use messaging::runtime::{config::SecretUrl, duration::parse_duration};
+use shop::books::{Books, Horizon};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::Failure;
+
+/// Where the books are, and how far to look.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The orders database (a read-only role will do: every session is read-only).
+    #[arg(long, env = "BOOKS_ORDERS_URL", hide_env_values = true)]
+    orders_url: SecretUrl,
+    /// The inventory database.
+    #[arg(long, env = "BOOKS_INVENTORY_URL", hide_env_values = true)]
+    inventory_url: SecretUrl,
+    /// The billing database.
+    #[arg(long, env = "BOOKS_BILLING_URL", hide_env_values = true)]
+    billing_url: SecretUrl,
+    /// Rows younger than this are left alone: their messages may still be on their way.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    grace: Duration,
+    /// Reservations and invoices older than this are not read (held reservations always are).
+    #[arg(long, default_value = "1d", value_parser = parse_duration)]
+    window: Duration,
+    /// One JSON object per disagreement, one per line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// List every disagreement; fail if there is one.
+pub async fn run(args: Args) -> Result<(), Failure> {
+    let pool = |url: &SecretUrl| -> Result<sqlx::PgPool, Failure> {
+        let options = PgConnectOptions::from_str(url.expose())?.options([("default_transaction_read_only", "on")]);
+        Ok(PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(10)).connect_lazy_with(options))
+    };
+    let books = Books {
+        orders: pool(&args.orders_url)?,
+        inventory: pool(&args.inventory_url)?,
+        billing: pool(&args.billing_url)?,
+    };
+    let found = books.check(Horizon { grace: args.grace, window: args.window }).await?;
+    for disagreement in &found {
+        if args.json {
+            println!("{}", serde_json::to_string(disagreement)?);
+        } else {
+            println!("{disagreement}");
+        }
+    }
+    match found.len() {
+        0 => {
+            if !args.json {
+                println!("the books agree");
+            }
+            Ok(())
+        }
+        n => Err(Failure::Described(format!("{n} disagreement(s) between the books"))),
+    }
+}

@@ -1,0 +1,103 @@
+//! The books checked in production: every `BOOKS_INTERVAL`, the orders service compares its
+//! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
+//! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`). Off
+//! unless `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each
+//! through a read-only role; every session it opens is read-only besides.
+
+use std::{str::FromStr, time::Duration};
+
+use messaging::runtime::{config::SecretUrl, duration::parse_duration, metrics::Metrics, shutdown::Shutdown};
+use prometheus_client::metrics::{family::Family, gauge::Gauge};
+use shop::books::{Books, Horizon, Kind};
+use sqlx::{
+    PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+
+/// The check's settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BooksArgs {
+    /// The inventory database, through a read-only role: with `BOOKS_BILLING_URL`, the service
+    /// checks the shop's books against it (unset: not checked).
+    #[arg(long, env = "BOOKS_INVENTORY_URL", hide_env_values = true, requires = "books_billing_url")]
+    pub books_inventory_url: Option<SecretUrl>,
+    /// The billing database, through a read-only role (with `BOOKS_INVENTORY_URL`).
+    #[arg(long, env = "BOOKS_BILLING_URL", hide_env_values = true, requires = "books_inventory_url")]
+    pub books_billing_url: Option<SecretUrl>,
+    /// How often the books are checked.
+    #[arg(long, env = "BOOKS_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub books_interval: Duration,
+    /// Rows younger than this are not checked: their messages may still be on their way.
+    #[arg(long, env = "BOOKS_GRACE", default_value = "60s", value_parser = parse_duration)]
+    pub books_grace: Duration,
+}
+
+/// `books_disagreements`, one gauge per kind.
+#[derive(Debug, Clone)]
+pub struct BooksMetrics {
+    disagreements: Family<[(&'static str, &'static str); 1], Gauge>,
+}
+
+impl BooksMetrics {
+    /// Register `books_disagreements` beside the runtime's metrics.
+    pub fn register(metrics: &mut Metrics) -> Self {
+        let disagreements = Family::default();
+        metrics.register(
+            "books_disagreements",
+            "Disagreements between the services' books, by kind, at the last check",
+            disagreements.clone(),
+        );
+        Self { disagreements }
+    }
+}
+
+/// A pool on `url` whose sessions are all read-only.
+fn read_only(url: &SecretUrl) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url.expose())?.options([("default_transaction_read_only", "on")]);
+    Ok(PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5)).connect_lazy_with(options))
+}
+
+/// Check the books every interval until `shutdown`, if the other databases are named.
+pub fn start(args: &BooksArgs, orders: PgPool, metrics: BooksMetrics, shutdown: Shutdown) -> Result<(), sqlx::Error> {
+    let (Some(inventory), Some(billing)) = (&args.books_inventory_url, &args.books_billing_url) else {
+        return Ok(());
+    };
+    let books = Books { orders, inventory: read_only(inventory)?, billing: read_only(billing)? };
+    let horizon = Horizon { grace: args.books_grace, ..Horizon::default() };
+    let interval = args.books_interval;
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = shutdown.triggered() => return,
+            }
+            check(&books, horizon, &metrics).await;
+        }
+    });
+    Ok(())
+}
+
+async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
+    match tokio::time::timeout(Duration::from_secs(30), books.check(horizon)).await {
+        Ok(Ok(found)) => {
+            for (kind, count) in shop::books::counts(&found) {
+                metrics.disagreements.get_or_create(&[("kind", kind.as_str())]).set(count as i64);
+            }
+            if !found.is_empty() {
+                tracing::warn!(disagreements = found.len(), first = %found[0], "the books disagree: msgctl books lists them");
+            }
+        }
+        outcome => {
+            // No figure rather than a stale one: the alert on absent data says the check fails.
+            for kind in Kind::ALL {
+                metrics.disagreements.remove(&[("kind", kind.as_str())]);
+            }
+            let error = match outcome {
+                Ok(Err(error)) => error.to_string(),
+                _ => "no answer within 30 s".to_owned(),
+            };
+            tracing::warn!(%error, "cannot check the books");
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! The shop's books, checked across its three databases (issue 41): what the tests' ledger checks
+//! after a run, asked of a running shop. Each service keeps its own books, and nothing but
+//! messages keeps them in step; this is how an operator learns that they are not.
+//!
+//! Three rules, each over rows older than a grace period (an order ended a second ago may still
+//! be compensating) and, where the table only grows, younger than a window:
+//! - an order that has ended holds no reservation ([`Kind::HeldByEnded`]);
+//! - an invoice that stands belongs to an invoiced order ([`Kind::InvoiceNotInvoiced`]);
+//! - a reservation belongs to an order the orders service knows ([`Kind::UnknownOrder`]).
+//!
+//! The orders service runs it every `BOOKS_INTERVAL` and exports the counts
+//! (`books_disagreements`, alert `BooksDisagree`); `msgctl books` lists them. It only reads: give
+//! it read-only roles, and it opens every session read-only besides.
+
+use std::{collections::HashMap, fmt, time::Duration};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// A kind of disagreement between the services' books.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Inventory holds stock for an order that has ended: its release (or settle) was lost.
+    HeldByEnded,
+    /// Billing has a standing invoice for an order that did not end invoiced: its void was lost.
+    InvoiceNotInvoiced,
+    /// Inventory has a reservation for an order the orders service does not have (a failover that
+    /// lost the order's commit after its message left, or a message from elsewhere).
+    UnknownOrder,
+}
+
+impl Kind {
+    /// Every kind.
+    pub const ALL: [Self; 3] = [Self::HeldByEnded, Self::InvoiceNotInvoiced, Self::UnknownOrder];
+
+    /// Its name, as the metric's `kind` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HeldByEnded => "held_by_ended",
+            Self::InvoiceNotInvoiced => "invoice_not_invoiced",
+            Self::UnknownOrder => "unknown_order",
+        }
+    }
+}
+
+/// One disagreement.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Disagreement {
+    /// What disagrees.
+    pub kind: Kind,
+    /// The order.
+    pub order_id: Uuid,
+    /// The order's status in the orders database (none if it has no such order).
+    pub status: Option<String>,
+    /// When the other service's row was written.
+    pub since: DateTime<Utc>,
+}
+
+impl fmt::Display for Disagreement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.status.as_deref().unwrap_or("unknown");
+        write!(f, "{:<22} order {}  status {status:<10}  since {}", self.kind.as_str(), self.order_id, self.since)
+    }
+}
+
+/// The three databases, each through a read-only role.
+#[derive(Debug, Clone)]
+pub struct Books {
+    /// The orders database.
+    pub orders: PgPool,
+    /// The inventory database.
+    pub inventory: PgPool,
+    /// The billing database.
+    pub billing: PgPool,
+}
+
+/// How far [`Books::check`] looks.
+#[derive(Debug, Clone, Copy)]
+pub struct Horizon {
+    /// Rows younger than this are left alone: their messages may still be on their way.
+    pub grace: Duration,
+    /// Reservations and invoices older than this are not read again (their tables only grow).
+    /// Reservations still held are always read.
+    pub window: Duration,
+}
+
+impl Default for Horizon {
+    fn default() -> Self {
+        Self { grace: Duration::from_secs(60), window: Duration::from_secs(24 * 3600) }
+    }
+}
+
+/// An order's status, and when it last changed.
+type OrderRow = (Uuid, String, DateTime<Utc>);
+
+impl Books {
+    /// Every disagreement, oldest first within each kind.
+    pub async fn check(&self, horizon: Horizon) -> sqlx::Result<Vec<Disagreement>> {
+        let grace = millis(horizon.grace);
+        let window = millis(horizon.window);
+        // Held reservations are few (the running orders'): all of them. The others, in the window.
+        let reservations: Vec<(Uuid, String, DateTime<Utc>)> = sqlx::query_as(
+            "select order_id, state, created_at from reservations
+              where created_at < now() - $1 * interval '1 millisecond'
+                and (state = 'held' or created_at > now() - $2 * interval '1 millisecond')",
+        )
+        .bind(grace)
+        .bind(window)
+        .fetch_all(&self.inventory)
+        .await?;
+        let invoices: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "select order_id, created_at from invoices
+              where state = 'standing' and created_at < now() - $1 * interval '1 millisecond'
+                and created_at > now() - $2 * interval '1 millisecond'",
+        )
+        .bind(grace)
+        .bind(window)
+        .fetch_all(&self.billing)
+        .await?;
+        let ids: Vec<Uuid> =
+            reservations.iter().map(|(id, ..)| *id).chain(invoices.iter().map(|(id, _)| *id)).collect();
+        let orders: HashMap<Uuid, (String, DateTime<Utc>)> =
+            sqlx::query_as::<_, OrderRow>("select id, status, updated_at from orders where id = any($1)")
+                .bind(&ids)
+                .fetch_all(&self.orders)
+                .await?
+                .into_iter()
+                .map(|(id, status, at)| (id, (status, at)))
+                .collect();
+        let settled_before = Utc::now() - chrono::TimeDelta::milliseconds(grace);
+        // An order that changed within the grace period may still be compensating.
+        let ended = |id: &Uuid, end: fn(&str) -> bool| {
+            orders.get(id).filter(|(status, at)| end(status) && *at < settled_before).map(|(status, _)| status.clone())
+        };
+        let mut found = Vec::new();
+        for (order_id, state, since) in &reservations {
+            match orders.get(order_id) {
+                None => found.push(Disagreement {
+                    kind: Kind::UnknownOrder,
+                    order_id: *order_id,
+                    status: None,
+                    since: *since,
+                }),
+                Some(_) if state == "held" => {
+                    if let Some(status) = ended(order_id, is_final) {
+                        found.push(Disagreement {
+                            kind: Kind::HeldByEnded,
+                            order_id: *order_id,
+                            status: Some(status),
+                            since: *since,
+                        });
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+        for (order_id, since) in &invoices {
+            if let Some(status) = ended(order_id, |status| is_final(status) && status != "invoiced") {
+                found.push(Disagreement {
+                    kind: Kind::InvoiceNotInvoiced,
+                    order_id: *order_id,
+                    status: Some(status),
+                    since: *since,
+                });
+            }
+        }
+        found.sort_by_key(|disagreement| (disagreement.kind, disagreement.since));
+        Ok(found)
+    }
+}
+
+/// Whether an order's status is an end (the orders service's `OrderStatus::FINAL`).
+fn is_final(status: &str) -> bool {
+    ["invoiced", "rejected", "declined", "cancelled"].contains(&status)
+}
+
+/// How many of each kind `found` holds, every kind named.
+pub fn counts(found: &[Disagreement]) -> Vec<(Kind, usize)> {
+    Kind::ALL.map(|kind| (kind, found.iter().filter(|found| found.kind == kind).count())).to_vec()
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
