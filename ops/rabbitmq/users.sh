@@ -30,9 +30,9 @@ set -euo pipefail
 # user                configure                                    write                                  read
 permissions() {
     cat <<'TABLE'
-orders-api         ^(orders\.status(\..*)?|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|inventory|billing|jobs)$
+orders-api         ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$
 inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
-billing-worker     ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|inventory|jobs)$
+billing-worker     ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$
 relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
 msgctl             ^$  ^(.*\.direct|jobs)$  ^.*\.parking$
 TABLE

@@ -432,7 +432,8 @@ impl Bench {
         // Relay: drain (a)'s N order.placed rows.
         let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
         let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
-        wait_count(&self.orders, "select count(*) from outbox where published_at is null", 0, WAIT).await;
+        wait_count(&self.orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT)
+            .await;
         let relay_used = window.finish();
         stop(relay).await;
         let relay_rate = rate_from_timestamps(&self.orders, "outbox", "published_at", "true").await;
@@ -567,7 +568,7 @@ impl Bench {
             sqlx::query_scalar("select coalesce(max(id), 0) from outbox").fetch_one(orders).await.expect("max id");
         stages::fill_outbox(orders, template, rows, false).await;
         let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
-        wait_count(orders, "select count(*) from outbox where published_at is null", 0, WAIT).await;
+        wait_count(orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT).await;
         stop(relay).await;
         let rate = rate_from_timestamps(orders, "outbox", "published_at", &format!("id > {first}")).await;
         println!("  ({label})");

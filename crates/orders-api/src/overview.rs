@@ -79,13 +79,15 @@ pub struct Overview {
 pub struct JobRow {
     /// The job.
     pub job_id: Uuid,
+    /// Its order (the page's cancel button posts to `/orders/{orderId}/cancel`).
+    pub order_id: Uuid,
     /// What was ordered, e.g. `2 × SKU-1`.
     pub lines: String,
     /// Its state.
     pub state: String,
     /// The highest attempt any step needed.
     pub attempt: i32,
-    /// Why it was rejected or quarantined.
+    /// Why it was rejected, declined, cancelled or quarantined.
     pub last_error: Option<String>,
     /// Last change.
     pub updated_at: DateTime<Utc>,
@@ -173,7 +175,7 @@ async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiE
 /// The 20 latest jobs, or the 20 latest quarantined ones.
 async fn recent_jobs(pool: &PgPool, quarantined_only: bool) -> Result<Vec<JobRow>, ApiError> {
     let rows = sqlx::query_as(
-        "select j.id as job_id, j.state, j.attempt, j.last_error, j.updated_at,
+        "select j.id as job_id, j.order_id, j.state, j.attempt, j.last_error, j.updated_at,
                 coalesce((select string_agg(l.quantity || ' × ' || l.sku, ', ' order by l.line_no)
                             from order_lines l where l.order_id = j.order_id), '') as lines
            from jobs j where not $1 or j.state = 'quarantined' order by j.created_at desc limit 20",

@@ -151,6 +151,13 @@ impl Ledger {
         }
     }
 
+    /// Whether the shop has come to rest: every accepted order ended or quarantined, its
+    /// compensations done and its reservation settled or released, every outbox drained (the last
+    /// step's events may still be on their way when its job ends).
+    pub fn is_settled(&self) -> bool {
+        self.stuck == 0 && self.lost == 0 && self.unpublished == 0 && self.held_by_ended == 0
+    }
+
     /// Nothing lost, stuck or applied twice; no stock held by an ended order; stock conserved; one
     /// standing invoice per succeeded order and none for any other.
     pub fn is_clean(&self) -> bool {

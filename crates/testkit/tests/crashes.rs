@@ -76,7 +76,7 @@ async fn three_crashing_orders_among_200_are_quarantined_and_no_other_message_is
     let ledger = loop {
         restarts += shop.restart_exited().await;
         let ledger = shop.ledger().await;
-        if ledger.stuck == 0 && ledger.lost == 0 {
+        if ledger.is_settled() {
             break ledger;
         }
         assert!(tokio::time::Instant::now() < deadline, "jobs did not end:\n{ledger}");

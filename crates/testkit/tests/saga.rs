@@ -253,3 +253,78 @@ async fn a_release_that_overtakes_its_reservation_leaves_a_fence_and_the_reserva
         .expect("fence");
     assert_eq!(fence, ("released".to_owned(), serde_json::json!([])));
 }
+
+#[tokio::test]
+async fn purging_a_parked_order_ends_it_cancelled_and_what_it_took_is_given_back() {
+    let options = Options { demo_faults: true, max_attempts: 2, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let job_id = shop.place(&[("SKU-3", 2), ("BILLPOISON-1", 1)]).await;
+    shop.wait_for_state(job_id, "quarantined").await;
+    assert_eq!(stock(&shop, "SKU-3").await.1, 2, "held while parked");
+    let output = msgctl(&shop.env, &["parked", "purge", "--endpoint", BILLING, "--yes"]).await;
+    assert!(output.status.success(), "{output:?}");
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_eq!(shop.env.queue_depth(&format!("{BILLING}.parking")).await, Some(0));
+    assert_given_back(&mut shop, &["SKU-3", "BILLPOISON-1"]).await;
+}
+
+#[tokio::test]
+async fn a_reservation_leaked_by_hand_is_one_disagreement_in_the_metric_and_in_msgctl_books() {
+    let mut shop = Shop::start(Options::default()).await;
+    // The API checks the books against the other two databases, often and with little grace.
+    let vars = [
+        ("BOOKS_INVENTORY_URL", shop.env.database_url("inventory")),
+        ("BOOKS_BILLING_URL", shop.env.database_url("billing")),
+        ("BOOKS_INTERVAL", "200ms".to_owned()),
+        ("BOOKS_GRACE", "100ms".to_owned()),
+    ];
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    shop.kill(Service::Api).await;
+    shop.restart_with(Service::Api, &vars).await;
+
+    let job_id = shop.place(&[("SKU-2", 3)]).await;
+    let order_id = order_id(&shop.wait_for_state(job_id, "succeeded").await);
+    shop.assert_books_balance().await;
+    let held = "books_disagreements{kind=\"held_by_ended\"}";
+    eventually("the books to be checked and agree", WAIT, || async {
+        let text = http::request("GET", &format!("{}/metrics", shop.http(Service::Api)), &[], None).await.ok()?;
+        String::from_utf8_lossy(&text.body).contains(held).then_some(())
+    })
+    .await;
+    assert_eq!(shop.metric(Service::Api, held).await, 0);
+
+    // An invoiced order's reservation put back to held, its stock with it: a lost settle.
+    sqlx::query("update reservations set state = 'held' where order_id = $1")
+        .bind(order_id)
+        .execute(&shop.inventory)
+        .await
+        .expect("leak");
+    sqlx::query("update stock set reserved = reserved + 3, settled = settled - 3 where sku = 'SKU-2'")
+        .execute(&shop.inventory)
+        .await
+        .expect("leak its stock");
+    eventually("the check to count the leak", WAIT, || async {
+        (shop.metric(Service::Api, held).await == 1).then_some(())
+    })
+    .await;
+    let urls = [
+        ("BOOKS_ORDERS_URL", shop.env.database_url("orders")),
+        ("BOOKS_INVENTORY_URL", shop.env.database_url("inventory")),
+        ("BOOKS_BILLING_URL", shop.env.database_url("billing")),
+    ];
+    let output = tokio::process::Command::new(process::binary("msgctl"))
+        .envs(urls)
+        .args(["books", "--grace", "100ms", "--json"])
+        .output()
+        .await
+        .expect("run msgctl");
+    assert!(!output.status.success(), "disagreements exit 1: {output:?}");
+    let listed: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["kind"], "held_by_ended");
+    assert_eq!(listed[0]["orderId"].as_str(), Some(order_id.to_string().as_str()));
+    assert_eq!(listed[0]["status"], "invoiced");
+}

@@ -1,13 +1,15 @@
-//! Shipping, the example of `docs/adding-a-service.md`: consumes `invoice.created` (endpoint
-//! `shipping.invoice-created`), schedules one shipment per order, and announces
-//! `shipment.scheduled` through its outbox, all in the runtime's one transaction.
+//! Shipping, the example of `docs/adding-a-service.md`: consumes `order.ended` (endpoint
+//! `shipping.order-ended`), schedules one shipment per order that ended invoiced, and announces
+//! `shipment.scheduled` through its outbox, all in the runtime's one transaction. It waits for the
+//! order's end, decided by the orders service, rather than the invoice: a customer's cancel can
+//! still win against an invoice, which billing then voids (decision 0023).
 //!
 //! The glue is [`worker`], [`MIGRATOR`] and `main.rs`; the rest is the handler and the contract it
 //! publishes.
 
 use messaging::prelude::*;
 use serde::{Deserialize, Serialize};
-use shop::InvoiceCreated;
+use shop::{End, OrderEnded};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -24,8 +26,8 @@ pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
         database: "shipping",
         http_addr: "127.0.0.1:8084",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("shipping.invoice-created").consume::<InvoiceCreated>(),
-        handler: |_| Routes::new(ScheduleShipment).on::<InvoiceCreated>(),
+        endpoint: Endpoint::new("shipping.order-ended").consume::<OrderEnded>(),
+        handler: |_| Routes::new(ScheduleShipment).on::<OrderEnded>(),
     }
 }
 
@@ -46,30 +48,29 @@ impl Contract for ShipmentScheduled {
     const EXCHANGE: &'static str = "shipping";
 }
 
-/// The `invoice.created` handler.
+/// The `order.ended` handler.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ScheduleShipment;
 
-impl Handle<InvoiceCreated> for ScheduleShipment {
-    async fn handle(
-        &self,
-        invoice: InvoiceCreated,
-        context: &Context,
-        tx: &mut PgConnection,
-    ) -> Result<(), HandlerError> {
+impl Handle<OrderEnded> for ScheduleShipment {
+    async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        // Only an invoiced order ships; every other end is final too, and nothing was done for it.
+        if ended.end != End::Invoiced {
+            return Ok(());
+        }
         let shipment_id = Uuid::now_v7();
         let inserted = sqlx::query(
             "insert into shipments (id, order_id, job_id) values ($1, $2, $3) on conflict (order_id) do nothing",
         )
         .bind(shipment_id)
-        .bind(invoice.order_id)
-        .bind(invoice.job_id)
+        .bind(ended.order_id)
+        .bind(ended.job_id)
         .execute(&mut *tx)
         .await?
         .rows_affected();
         // A redelivery under another message id finds the shipment made, and announces nothing.
         if inserted == 1 {
-            let scheduled = ShipmentScheduled { order_id: invoice.order_id, job_id: invoice.job_id, shipment_id };
+            let scheduled = ShipmentScheduled { order_id: ended.order_id, job_id: ended.job_id, shipment_id };
             outbox::enqueue(tx, &scheduled, context.job_id).await?;
         }
         Ok(())

@@ -1,9 +1,10 @@
 //! The example service as shipped: its binary, started as a process on a test's own database and
-//! vhost, ships each invoiced order once however often its message arrives, and stops cleanly.
+//! vhost, ships each invoiced order once however often its message arrives, ships no cancelled
+//! one, and stops cleanly.
 
 use std::time::Duration;
 
-use shop::InvoiceCreated;
+use shop::{End, OrderEnded};
 use testkit::{TestEnv, eventually, process};
 use uuid::Uuid;
 
@@ -12,7 +13,7 @@ const WAIT: Duration = Duration::from_secs(30);
 testkit::binary_tests!(worker "shipping-worker", []);
 
 #[tokio::test]
-async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_twice() {
+async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_twice_and_a_cancelled_one_never() {
     let env = TestEnv::new().await;
     let port = process::free_port();
     let log_dir = std::env::temp_dir().join(format!("shipping-{}", Uuid::new_v4().simple()));
@@ -32,22 +33,20 @@ async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_t
     testkit::wait_ready(&format!("http://127.0.0.1:{port}"), WAIT, &format!("(log: {})", worker.log_path().display()))
         .await;
 
-    let invoice = InvoiceCreated {
-        order_id: Uuid::now_v7(),
-        job_id: Uuid::now_v7(),
-        invoice_id: Uuid::now_v7(),
-        total_cents: 1299,
-    };
+    let cancelled = OrderEnded { order_id: Uuid::now_v7(), job_id: Uuid::now_v7(), end: End::Cancelled, reason: None };
+    let cancelled_id = env.publish(&cancelled, cancelled.job_id, 1).await;
+    let invoice = OrderEnded { order_id: Uuid::now_v7(), job_id: Uuid::now_v7(), end: End::Invoiced, reason: None };
     let message_id = env.publish(&invoice, invoice.job_id, 2).await;
 
     let pool = env.pool("shipping").await;
+    testkit::wait_processed(&pool, cancelled_id, WAIT).await;
     testkit::wait_processed(&pool, message_id, WAIT).await;
     // The second copy is skipped by the inbox: wait for the worker's count of it.
     eventually("the duplicate to be skipped", WAIT, || async {
         let metrics =
             testkit::http::request("GET", &format!("http://127.0.0.1:{port}/metrics"), &[], None).await.ok()?;
         let text = String::from_utf8_lossy(&metrics.body).into_owned();
-        text.contains("inbox_duplicates_skipped_total{endpoint=\"shipping.invoice-created\"} 1").then_some(())
+        text.contains("inbox_duplicates_skipped_total{endpoint=\"shipping.order-ended\"} 1").then_some(())
     })
     .await;
     let shipments: Vec<Uuid> =

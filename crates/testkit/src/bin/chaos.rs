@@ -135,10 +135,16 @@ type Accepted = Arc<Mutex<Vec<Uuid>>>;
 /// What the client saw.
 #[derive(Debug, Default)]
 struct Driven {
-    /// Accepted orders naming POISON-1 (and not CRASH-1).
+    /// Accepted orders naming POISON-1 (and not CRASH-1), or BILLPOISON-1, not cancelled.
     poison: usize,
-    /// Accepted orders naming CRASH-1. With the poison ones, the only ones that may end
-    /// quarantined.
+    /// Accepted orders naming BILLPOISON-1 (parked in billing, after inventory reserved them).
+    bill_poison: usize,
+    /// Orders whose cancel was answered 202: each must end `cancelled`.
+    cancelled: usize,
+    /// Cancels answered 409: the order had ended otherwise first.
+    too_late: usize,
+    /// Accepted orders naming CRASH-1, not cancelled. With the poison ones, the only ones that may
+    /// end quarantined.
     crashing: usize,
     /// Answers other than 202 (a bug: every order the soak sends is valid).
     refused: usize,
@@ -290,7 +296,7 @@ async fn main() -> ExitCode {
     let ledger = loop {
         havoc.supervise(&mut shop).await;
         let ledger = shop.ledger().await;
-        if (ledger.stuck == 0 && ledger.lost == 0) || Instant::now() >= settle_deadline {
+        if ledger.is_settled() || Instant::now() >= settle_deadline {
             break ledger;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -324,7 +330,14 @@ fn report(driven: &Driven, havoc: &Havoc, duplicates: usize) {
     println!("cuts / stalls        {:>8}  / {}", havoc.cuts, havoc.stalls);
     println!("client retries       {:>8}", driven.retries);
     println!("duplicates skipped   {:>8}  (by the inboxes, from the logs)", duplicates);
-    println!("poison orders        {:>8}  (quarantined after MAX_ATTEMPTS)", driven.poison);
+    println!(
+        "poison orders        {:>8}  (quarantined after MAX_ATTEMPTS; {} of them in billing)",
+        driven.poison, driven.bill_poison
+    );
+    println!(
+        "cancelled orders     {:>8}  (202; {} more cancels came too late: 409)",
+        driven.cancelled, driven.too_late
+    );
     println!("crashing orders      {:>8}  (quarantined by the crash bound)", driven.crashing);
     println!("demo crash exits     {:>8}  (workers restarted)", havoc.crash_exits);
     println!("\n== ride-out: until every order accepted before the fault ended settled, in s ==");
@@ -362,6 +375,10 @@ fn failures(ledger: &Ledger, driven: &Driven, havoc: &Havoc) -> Vec<String> {
     if havoc.crash_exits > driven.crashing * 6 {
         failures.push(format!("{} crash exits for {} crashing orders", havoc.crash_exits, driven.crashing));
     }
+    // A cancel answered 202 decided the order's end: nothing else can have ended it.
+    if ledger.cancelled != driven.cancelled as i64 {
+        failures.push(format!("{} cancelled, but {} cancels answered 202", ledger.cancelled, driven.cancelled));
+    }
     if driven.refused + driven.unanswered > 0 {
         failures.push(format!("{} orders refused, {} unanswered", driven.refused, driven.unanswered));
     }
@@ -388,35 +405,78 @@ async fn drive(api: &str, orders: usize, rate: f64, crashing: usize, seed: u64, 
         ticks.tick().await;
         let crash = crashing > 0 && i % crash_every == crash_every / 2 && i / crash_every < crashing;
         let (body, kind) = if crash { (crash_order(), Kind::Crashing) } else { random_order(&mut rng) };
+        // Three orders in a hundred are cancelled by their customer, at a random moment of their
+        // first two seconds: before the relay publishes, mid-flight, or after the invoice (409).
+        let cancel_after = (rng.u32(0..100) < 3).then(|| Duration::from_millis(rng.u64(0..2000)));
         let key = format!("chaos-{run}-{i}");
-        let url = format!("{api}/orders");
+        let api = api.to_owned();
         let accepted = Arc::clone(accepted);
         tasks.spawn(async move {
-            let placed = place(&url, &body, &key).await;
-            if let (Placed::Accepted(job_id), _) = placed {
+            let placed = place(&format!("{api}/orders"), &body, &key).await;
+            let mut cancelled = None;
+            if let (Placed::Accepted(job_id, order_id), _) = placed {
                 accepted.lock().expect("accepted ids").push(job_id);
+                if let Some(after) = cancel_after {
+                    tokio::time::sleep(after).await;
+                    cancelled = Some(cancel(&format!("{api}/orders/{order_id}/cancel")).await);
+                }
             }
-            (placed, kind)
+            (placed, kind, cancelled)
         });
     }
     while let Some(joined) = tasks.join_next().await {
-        let ((outcome, retries), kind) = joined.expect("order task");
+        let ((outcome, retries), kind, cancelled) = joined.expect("order task");
         driven.retries += retries;
         match outcome {
-            Placed::Accepted(_) => {
-                driven.poison += usize::from(kind == Kind::Poison);
-                driven.crashing += usize::from(kind == Kind::Crashing);
+            Placed::Accepted(..) => {
+                // A cancelled order ends `cancelled`, whatever it would have ended as.
+                let quarantines = cancelled != Some(Cancelled::Yes);
+                driven.poison += usize::from(quarantines && matches!(kind, Kind::Poison | Kind::BillPoison));
+                driven.bill_poison += usize::from(kind == Kind::BillPoison);
+                driven.crashing += usize::from(quarantines && kind == Kind::Crashing);
             }
             Placed::Refused => driven.refused += 1,
             Placed::Unanswered => driven.unanswered += 1,
+        }
+        match cancelled {
+            Some(Cancelled::Yes) => driven.cancelled += 1,
+            Some(Cancelled::TooLate) => driven.too_late += 1,
+            Some(Cancelled::Unanswered) => driven.unanswered += 1,
+            None => {}
         }
     }
     driven.took = started.elapsed();
     driven
 }
 
+/// How a customer's cancel was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cancelled {
+    /// 202: the order ends `cancelled`.
+    Yes,
+    /// 409: it had ended otherwise.
+    TooLate,
+    /// Nothing but 5xx and timeouts for a minute.
+    Unanswered,
+}
+
+/// Cancel, repeating through outages (it is idempotent) until answered.
+async fn cancel(url: &str) -> Cancelled {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = http::request("POST", url, &[], None);
+        match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+            Ok(Ok(response)) if response.status == 202 => return Cancelled::Yes,
+            Ok(Ok(response)) if response.status == 409 => return Cancelled::TooLate,
+            _ if Instant::now() > deadline => return Cancelled::Unanswered,
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
 enum Placed {
-    Accepted(Uuid),
+    /// The job and the order.
+    Accepted(Uuid, Uuid),
     Refused,
     Unanswered,
 }
@@ -429,8 +489,9 @@ async fn place(url: &str, body: &str, key: &str) -> (Placed, usize) {
         let attempt = http::request("POST", url, &headers, Some(body));
         match tokio::time::timeout(Duration::from_secs(5), attempt).await {
             Ok(Ok(response)) if response.status == 202 => {
-                let job_id = response.json()["jobId"].as_str().and_then(|id| id.parse().ok()).expect("jobId");
-                return (Placed::Accepted(job_id), retries);
+                let body = response.json();
+                let id = |name: &str| body[name].as_str().and_then(|id| id.parse().ok()).expect("ids");
+                return (Placed::Accepted(id("jobId"), id("orderId")), retries);
             }
             Ok(Ok(response)) if response.status < 500 => {
                 eprintln!("chaos: {} for {body}: {}", response.status, String::from_utf8_lossy(&response.body));
@@ -454,6 +515,15 @@ enum Kind {
     Poison,
     /// Quarantined by the crash bound.
     Crashing,
+    /// Quarantined in billing after MAX_ATTEMPTS, its stock held.
+    BillPoison,
+}
+
+/// An order that billing fails on every attempt, after inventory has reserved it (no scarce or
+/// unknown SKU beside it, so that inventory always does).
+fn bill_poison_order() -> String {
+    serde_json::json!({"customerId": "chaos", "lines": [{"sku": "SKU-1", "quantity": 1}, {"sku": "BILLPOISON-1", "quantity": 1}]})
+        .to_string()
 }
 
 /// An order whose line makes the inventory worker exit.
@@ -462,8 +532,13 @@ fn crash_order() -> String {
 }
 
 /// One to three lines: mostly everyday SKUs; some SKU-5 (scarce), unknown SKUs (rejected),
-/// FLAKY-1 (succeeds on its third attempt) and POISON-1 (quarantined).
+/// FLAKY-1 (succeeds on its third attempt), POISON-1 (quarantined) and DECLINE-1 (declined by
+/// billing, its stock given back); one order in a hundred is a BILLPOISON order (quarantined in
+/// billing with its stock held).
 fn random_order(rng: &mut fastrand::Rng) -> (String, Kind) {
+    if rng.u32(0..100) == 0 {
+        return (bill_poison_order(), Kind::BillPoison);
+    }
     let mut lines = Vec::new();
     let mut kind = Kind::Plain;
     for _ in 0..rng.usize(1..=3) {
@@ -475,6 +550,7 @@ fn random_order(rng: &mut fastrand::Rng) -> (String, Kind) {
                 "POISON-1"
             }
             6..=9 => "SKU-5",
+            10..=11 => "DECLINE-1",
             n => ["SKU-1", "SKU-2", "SKU-3", "SKU-4"][n as usize % 4],
         };
         lines.push(serde_json::json!({"sku": sku, "quantity": rng.i32(1..=3)}));

@@ -166,8 +166,7 @@ impl Shop {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let ledger = self.ledger().await;
-            // An invoiced order's reservation is settled after its job has succeeded.
-            if ledger.stuck == 0 && ledger.lost == 0 && ledger.unpublished == 0 && ledger.held_by_ended == 0 {
+            if ledger.is_settled() {
                 return Ok(ledger);
             }
             if tokio::time::Instant::now() >= deadline {
