@@ -8,6 +8,3 @@ alter table invoices
 -- Demo catalog (DEMO_FAULTS=1): billing declines DECLINE-1, and fails on BILLPOISON-1 every time.
 insert into prices (sku, unit_price_cents) values ('DECLINE-1', 1000), ('BILLPOISON-1', 1000)
     on conflict (sku) do nothing;
-
--- For the books' check (shop::books): the recent standing invoices.
-create index invoices_standing_created_at on invoices (created_at) where state = 'standing';

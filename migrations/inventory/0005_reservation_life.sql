@@ -14,6 +14,5 @@ alter table stock add column settled integer not null default 0 check (settled >
 -- after inventory has reserved it.
 insert into stock (sku, available) values ('DECLINE-1', 1000), ('BILLPOISON-1', 1000) on conflict (sku) do nothing;
 
--- For the books' check (shop::books): the held reservations, and the recent ones.
+-- For the books' check (shop::books): the held reservations, the running orders' (few).
 create index reservations_held on reservations (created_at) where state = 'held';
-create index reservations_created_at on reservations (created_at);

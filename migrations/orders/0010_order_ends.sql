@@ -11,3 +11,6 @@ alter table jobs
     -- inventory.released and invoice.voided, the two answers a compensation waits for.
     add column released_at timestamptz,
     add column voided_at   timestamptz;
+-- For the books' check (shop::books): the orders that ended otherwise than invoiced (few).
+create index orders_ended_otherwise on orders (updated_at) where status in ('rejected', 'declined', 'cancelled');
+create index jobs_compensating on jobs (updated_at) where state = 'compensating';

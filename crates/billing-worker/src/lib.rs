@@ -111,21 +111,19 @@ impl Handle<InventoryReserved> for CreateInvoice {
 
 // An order that ended otherwise than invoiced has its invoice voided. A void that finds none,
 // because the order's inventory.reserved is late or was never applied, leaves a fence instead, so
-// that the inventory.reserved invoices nothing when it comes: the two are safe in either order.
+// that the inventory.reserved invoices nothing when it comes: the two are safe in either order,
+// and at the same time. One statement does both: the fence's insert, or, on the order's invoice,
+// the void. An invoice being written by another transaction right now is waited for, then voided
+// (`on conflict do update` acts on the row as committed, not as this statement's snapshot saw it).
 impl Handle<OrderEnded> for CreateInvoice {
     async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         if ended.end == End::Invoiced {
             return Ok(());
         }
         sqlx::query(
-            "with voided as (
-                update invoices set state = 'void', voided_at = now()
-                 where order_id = $2 and state = 'standing'
-                returning id
-             )
-             insert into invoices (id, order_id, job_id, total_cents, lines, state, voided_at)
-             select $1, $2, $3, 0, '[]', 'void', now() where not exists (select from voided)
-             on conflict (order_id) do nothing",
+            "insert into invoices (id, order_id, job_id, total_cents, lines, state, voided_at)
+             values ($1, $2, $3, 0, '[]', 'void', now())
+             on conflict (order_id) do update set state = 'void', voided_at = coalesce(invoices.voided_at, now())",
         )
         .bind(Uuid::now_v7())
         .bind(ended.order_id)

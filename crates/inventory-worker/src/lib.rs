@@ -74,25 +74,33 @@ impl Handle<OrderPlaced> for ReserveStock {
 // The order's end, as the orders service decided it: the held reservation is settled (the stock
 // is sold) or released (the stock is back). A release that finds no reservation, because its
 // order.placed is late or was never applied, leaves a fence instead, so that the order.placed
-// reserves nothing when it comes: the two are safe in either order.
+// reserves nothing when it comes: the two are safe in either order, and at the same time.
 impl Handle<OrderEnded> for ReserveStock {
     async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         match ended.end {
             End::Invoiced => {
+                // Invoiced means billing saw inventory.reserved: the reservation has committed.
                 end_reservation(tx, ended.order_id, Ending::Settled).await?;
             }
             End::Declined | End::Cancelled => {
-                if !end_reservation(tx, ended.order_id, Ending::Released).await? {
-                    sqlx::query(
-                        "insert into reservations (id, order_id, job_id, lines, state, ended_at)
-                         values ($1, $2, $3, '[]', 'released', now())
-                         on conflict (order_id) do nothing",
-                    )
-                    .bind(Uuid::now_v7())
-                    .bind(ended.order_id)
-                    .bind(ended.job_id)
-                    .execute(&mut *tx)
-                    .await?;
+                // The fence first. If the order's reservation is being written by another
+                // transaction right now, the insert waits for it to commit and then conflicts; the
+                // release that follows, a statement of its own, sees it (READ COMMITTED takes a
+                // snapshot per statement). Released first instead, it would find nothing, the
+                // fence would conflict, and the stock would stay held.
+                let fenced = sqlx::query(
+                    "insert into reservations (id, order_id, job_id, lines, state, ended_at)
+                     values ($1, $2, $3, '[]', 'released', now())
+                     on conflict (order_id) do nothing",
+                )
+                .bind(Uuid::now_v7())
+                .bind(ended.order_id)
+                .bind(ended.job_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                if fenced == 0 {
+                    end_reservation(tx, ended.order_id, Ending::Released).await?;
                 }
                 let released = InventoryReleased { order_id: ended.order_id, job_id: ended.job_id };
                 outbox::enqueue(tx, &released, context.job_id).await?;

@@ -89,7 +89,10 @@ async fn stuck(pools: &[(String, PgPool)], json: bool) -> Result<(), Failure> {
         let rows: Vec<Stuck> = sqlx::query_as(
             "select id, message_id, message_type, exchange, routing_key, attempts, refusals, last_error, available_at,
                     created_at, parked_at
-               from outbox where published_at is null and attempts > 0 order by id",
+               from outbox
+              where (published_at is null and not scheduled and attempts > 0)
+                 or (published_at is null and scheduled and attempts > 0)
+              order by id",
         )
         .fetch_all(pool)
         .await
@@ -134,11 +137,17 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
     let mut found = Vec::new();
     for (database, pool) in pools {
         let made_due: Vec<Uuid> = sqlx::query_scalar(
+            // Each predicate on one of the partial indexes of unpublished rows (plain, scheduled),
+            // or the message ids' unique index: never the whole table. A scheduled row that has not
+            // failed keeps its due time (an order's deadline is not brought forward).
             "update outbox
-                set available_at = now(), parked_at = null,
+                set available_at = case when scheduled and attempts = 0 then available_at else now() end,
+                    parked_at = null,
                     attempts = case when parked_at is null then attempts else 0 end,
                     refusals = case when parked_at is null then refusals else 0 end
-              where published_at is null and ($2 and attempts > 0 or message_id = any($1))
+              where ($2 and ((published_at is null and not scheduled and attempts > 0)
+                             or (published_at is null and scheduled and attempts > 0)))
+                 or (message_id = any($1) and published_at is null)
               returning message_id",
         )
         .bind(message_ids)

@@ -567,7 +567,10 @@ async fn end_held(
     let mut ended = 0;
     for &index in selected {
         let parked = &held.messages[index];
-        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
+        // A parked job event is only deleted: abandoning it would send another job event of the
+        // same job, which the owner parks in turn if it cannot apply it, and so on.
+        let job_event = parked.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
+        if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {
             let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
             let (body, properties) = event.message()?;
             match publisher.publish(JobAbandoned::EXCHANGE, JobAbandoned::TYPE, &body, properties).await {

@@ -2,7 +2,8 @@
 //! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
 //! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`). Off
 //! unless `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each
-//! through a read-only role; every session it opens is read-only besides.
+//! through a read-only role; every session it opens on them is read-only besides. Its own
+//! database it reads through the service's pool.
 
 use std::{str::FromStr, time::Duration};
 
@@ -89,7 +90,8 @@ async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
             }
         }
         outcome => {
-            // No figure rather than a stale one: the alert on absent data says the check fails.
+            // No figure rather than a stale one: while the check fails, the series is absent and
+            // the log says why.
             for kind in Kind::ALL {
                 metrics.disagreements.remove(&[("kind", kind.as_str())]);
             }

@@ -19,7 +19,8 @@
 //! event of a step that has already succeeded changes nothing. Which step's message is parked,
 //! and how often it was redriven, is kept per step (`job_steps`), so a redrive of one step's
 //! message neither reopens a job that another step's parked message holds nor loses to a redrive
-//! of another step. `docs/model/jobs.pml` checks these moves against every order of events. The
+//! of another step. `docs/model/jobs.pml` checks these moves against every order of events, and
+//! `docs/model/saga.pml` the ends and their compensations. The
 //! move to `published` made by the broker's confirm is the outbox trigger of migration 0007 (one
 //! UPDATE of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
 
@@ -46,8 +47,9 @@ pub enum JobState {
     Succeeded,
     /// Refused by inventory (final).
     Rejected,
-    /// A step's message was parked: nothing moves it on but an operator, who may redrive the
-    /// message or abandon the job (`msgctl parked abandon`), or the customer's cancel.
+    /// A step's message was parked. An operator may redrive the message or abandon the job
+    /// (`msgctl parked abandon`); the customer's cancel or the order's deadline ends it; and a
+    /// result that arrives after all (a copy parked after its commit) moves it on.
     Quarantined,
     /// The order ended `declined` or `cancelled`, and inventory and billing are undoing what they
     /// did; the job then takes the order's end.
@@ -78,7 +80,7 @@ impl JobState {
     pub const DECIDED: [Self; 5] =
         [Self::Succeeded, Self::Rejected, Self::Declined, Self::Cancelled, Self::Compensating];
     /// The states no step's retry or parking moves the job out of.
-    pub const SETTLED: [Self; 6] =
+    pub const UNMOVED_BY_STEPS: [Self; 6] =
         [Self::Succeeded, Self::Rejected, Self::Declined, Self::Cancelled, Self::Compensating, Self::Quarantined];
 
     /// The name stored in `jobs.state` and shown by the API.
@@ -192,7 +194,7 @@ pub async fn retry_scheduled(
     .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
     .bind(&event.error)
     .bind(JobState::RetryWait.as_str())
-    .bind(names(&JobState::SETTLED))
+    .bind(names(&JobState::UNMOVED_BY_STEPS))
     .bind(done_step)
     .bind(OrderStatus::Accepted.as_str())
     .fetch_one(tx)
@@ -259,7 +261,7 @@ pub async fn quarantined(
     .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
     .bind(error)
     .bind(JobState::Quarantined.as_str())
-    .bind(names(&JobState::SETTLED))
+    .bind(names(&JobState::UNMOVED_BY_STEPS))
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
     .fetch_optional(tx)
@@ -267,37 +269,34 @@ pub async fn quarantined(
     Ok(Applied::Job(ended))
 }
 
-/// The job ended with an outcome that needs no compensation (`Rejected`, with the reason: inventory
-/// took nothing), unless its order's end is decided already; a quarantined job takes it (its step
-/// was applied after all). The order moves as `order` says.
-pub async fn ended(
+/// Inventory refused the order (`inventory.rejected`, with its reason): the job and the order end
+/// `rejected`, unless the order's end is decided already. Nothing was taken, so nothing is undone
+/// and no `order.ended` is sent. A quarantined job takes it (its step was applied after all).
+pub async fn rejected(
     tx: &mut PgConnection,
     job_id: Uuid,
-    outcome: JobState,
-    result_key: Option<&str>,
-    error: Option<&str>,
-    order: OrderMove,
+    order_id: Uuid,
+    reason: &str,
 ) -> Result<Applied, sqlx::Error> {
-    debug_assert!(matches!(outcome, JobState::Rejected), "{outcome:?} is decided by `decide`");
+    let order = OrderStatus::Rejected;
     let (known, ended): (bool, Ended) = sqlx::query_as(
         "with order_moved as (
-            update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+            update orders set status = $6, updated_at = now() where id = $5 and status = any($7)
          ), moved as (
-            update jobs set state = $2, result_key = coalesce($3, result_key), last_error = coalesce($4, last_error),
+            update jobs set state = $2, last_error = coalesce($3, last_error),
                    published_at = coalesce(published_at, now()), updated_at = now()
-             where id = $1 and state <> all($5)
+             where id = $1 and state <> all($4)
              returning created_at
          )
          select exists (select from jobs where id = $1), (select created_at from moved)",
     )
     .bind(job_id)
-    .bind(outcome.as_str())
-    .bind(result_key)
-    .bind(error)
+    .bind(JobState::Rejected.as_str())
+    .bind(reason)
     .bind(names(&JobState::DECIDED))
-    .bind(order.order_id)
-    .bind(order.to.as_str())
-    .bind(order.to.moves_from_names())
+    .bind(order_id)
+    .bind(order.as_str())
+    .bind(order.moves_from_names())
     .fetch_one(tx)
     .await?;
     Ok(Applied::known(known, ended))
@@ -331,10 +330,14 @@ pub async fn decide(
         End::Declined => (OrderStatus::Declined, JobState::Compensating, Some(end.as_str())),
         End::Cancelled => (OrderStatus::Cancelled, JobState::Compensating, Some(end.as_str())),
     };
+    // The job's row is locked first, then the order's, as every other move of a job takes them:
+    // `decided` reads `job`, so `job` runs first.
     let (known, created_at, order_id): (bool, Option<DateTime<Utc>>, Option<Uuid>) = sqlx::query_as(
-        "with decided as (
+        "with job as (
+            select order_id from jobs where id = $1 for update
+         ), decided as (
             update orders set status = $2, updated_at = now()
-             where id = (select order_id from jobs where id = $1) and status = any($3)
+             where id = (select order_id from job) and status = any($3)
             returning id
          ), moved as (
             update jobs set state = $4, ending = $5, result_key = coalesce($6, result_key),
@@ -343,7 +346,7 @@ pub async fn decide(
              where id = $1 and exists (select from decided)
             returning created_at, order_id
          )
-         select exists (select from jobs where id = $1), (select created_at from moved), (select order_id from moved)",
+         select exists (select from job), (select created_at from moved), (select order_id from moved)",
     )
     .bind(job_id)
     .bind(status.as_str())
@@ -496,7 +499,7 @@ mod tests {
         assert!(JobState::try_from("done".to_owned()).is_err());
         assert_eq!(JobState::ALL.into_iter().filter(|state| state.is_final()).count(), 4);
         for state in JobState::FINAL {
-            assert!(JobState::DECIDED.contains(&state) && JobState::SETTLED.contains(&state), "{state:?}");
+            assert!(JobState::DECIDED.contains(&state) && JobState::UNMOVED_BY_STEPS.contains(&state), "{state:?}");
         }
     }
 }

@@ -250,7 +250,7 @@ impl OrderStatus {
             Self::Reserved => &[Self::Accepted],
             // An outcome proves its step was applied, even after its job was quarantined (a copy
             // the broker parked after its commit, or a redriven one): the order takes it, as its
-            // job does (`jobs::ended`).
+            // job does (`jobs::rejected`, `jobs::decide`).
             Self::Invoiced | Self::Rejected | Self::Declined | Self::Cancelled => {
                 &[Self::Accepted, Self::Reserved, Self::Failed]
             }

@@ -24,7 +24,8 @@ use crate::{
     order::OrderStatus,
 };
 
-/// The endpoint of inventory's step (it consumes `order.placed`).
+/// The endpoint of inventory's step: it consumes `order.placed` (and `order.ended`; the name is
+/// the one it had before orders could end otherwise than invoiced or rejected).
 const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
 
 /// Why an order whose deadline came was cancelled.
@@ -148,8 +149,7 @@ impl Handle<InventoryReserved> for JobStatus {
 
 impl Handle<InventoryRejected> for JobStatus {
     async fn handle(&self, event: InventoryRejected, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let order = OrderMove { order_id: event.order_id, to: OrderStatus::Rejected };
-        let applied = jobs::ended(tx, event.job_id, JobState::Rejected, None, Some(&event.reason), order).await?;
+        let applied = jobs::rejected(tx, event.job_id, event.order_id, &event.reason).await?;
         let ended = known(event.job_id, applied)?;
         self.ended(JobState::Rejected, ended);
         Ok(())

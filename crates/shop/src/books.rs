@@ -3,14 +3,18 @@
 //! messages keeps them in step; this is how an operator learns that they are not.
 //!
 //! Three rules, each over rows older than a grace period (an order ended a second ago may still
-//! be compensating) and, where the table only grows, younger than a window:
+//! be compensating):
 //! - an order that has ended holds no reservation ([`Kind::HeldByEnded`]);
-//! - an invoice that stands belongs to an invoiced order ([`Kind::InvoiceNotInvoiced`]);
-//! - a reservation belongs to an order the orders service knows ([`Kind::UnknownOrder`]).
+//! - an invoice that stands belongs to an invoiced order ([`Kind::InvoiceNotInvoiced`]), for the
+//!   orders that ended otherwise within a window (a day by default);
+//! - a held reservation belongs to an order the orders service knows ([`Kind::UnknownOrder`]);
+//! - an order's compensation is answered ([`Kind::CompensationOverdue`]).
 //!
-//! The orders service runs it every `BOOKS_INTERVAL` and exports the counts
-//! (`books_disagreements`, alert `BooksDisagree`); `msgctl books` lists them. It only reads: give
-//! it read-only roles, and it opens every session read-only besides.
+//! Each query reads a partial index of the few rows that can disagree (held reservations, orders
+//! that ended otherwise), never the tables that grow with every order. The orders service runs it
+//! every `BOOKS_INTERVAL` and exports the counts (`books_disagreements`, alert `BooksDisagree`);
+//! `msgctl books` lists them. It only reads: give it read-only roles, and open its sessions
+//! read-only besides.
 
 use std::{collections::HashMap, fmt, time::Duration};
 
@@ -30,11 +34,15 @@ pub enum Kind {
     /// Inventory has a reservation for an order the orders service does not have (a failover that
     /// lost the order's commit after its message left, or a message from elsewhere).
     UnknownOrder,
+    /// An order ended declined or cancelled, and an undo has not answered: a service is down, or
+    /// the undo's message is parked (redrive it; abandoning it leaves the job compensating).
+    CompensationOverdue,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Self; 3] = [Self::HeldByEnded, Self::InvoiceNotInvoiced, Self::UnknownOrder];
+    pub const ALL: [Self; 4] =
+        [Self::HeldByEnded, Self::InvoiceNotInvoiced, Self::UnknownOrder, Self::CompensationOverdue];
 
     /// Its name, as the metric's `kind` label.
     pub fn as_str(self) -> &'static str {
@@ -42,6 +50,7 @@ impl Kind {
             Self::HeldByEnded => "held_by_ended",
             Self::InvoiceNotInvoiced => "invoice_not_invoiced",
             Self::UnknownOrder => "unknown_order",
+            Self::CompensationOverdue => "compensation_overdue",
         }
     }
 }
@@ -83,8 +92,8 @@ pub struct Books {
 pub struct Horizon {
     /// Rows younger than this are left alone: their messages may still be on their way.
     pub grace: Duration,
-    /// Reservations and invoices older than this are not read again (their tables only grow).
-    /// Reservations still held are always read.
+    /// Orders that ended otherwise than invoiced longer ago than this are not looked at again
+    /// for a standing invoice. Held reservations are always read.
     pub window: Duration,
 }
 
@@ -102,27 +111,15 @@ impl Books {
     pub async fn check(&self, horizon: Horizon) -> sqlx::Result<Vec<Disagreement>> {
         let grace = millis(horizon.grace);
         let window = millis(horizon.window);
-        // Held reservations are few (the running orders'): all of them. The others, in the window.
-        let reservations: Vec<(Uuid, String, DateTime<Utc>)> = sqlx::query_as(
-            "select order_id, state, created_at from reservations
-              where created_at < now() - $1 * interval '1 millisecond'
-                and (state = 'held' or created_at > now() - $2 * interval '1 millisecond')",
+        // The held reservations: the running orders' (partial index `reservations_held`).
+        let held: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "select order_id, created_at from reservations
+              where state = 'held' and created_at < now() - $1 * interval '1 millisecond'",
         )
         .bind(grace)
-        .bind(window)
         .fetch_all(&self.inventory)
         .await?;
-        let invoices: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
-            "select order_id, created_at from invoices
-              where state = 'standing' and created_at < now() - $1 * interval '1 millisecond'
-                and created_at > now() - $2 * interval '1 millisecond'",
-        )
-        .bind(grace)
-        .bind(window)
-        .fetch_all(&self.billing)
-        .await?;
-        let ids: Vec<Uuid> =
-            reservations.iter().map(|(id, ..)| *id).chain(invoices.iter().map(|(id, _)| *id)).collect();
+        let ids: Vec<Uuid> = held.iter().map(|(id, _)| *id).collect();
         let orders: HashMap<Uuid, (String, DateTime<Utc>)> =
             sqlx::query_as::<_, OrderRow>("select id, status, updated_at from orders where id = any($1)")
                 .bind(&ids)
@@ -131,42 +128,56 @@ impl Books {
                 .into_iter()
                 .map(|(id, status, at)| (id, (status, at)))
                 .collect();
+        // The orders that ended otherwise than invoiced (partial index `orders_ended_otherwise`),
+        // and any invoice of theirs that still stands.
+        let ended_otherwise: Vec<OrderRow> = sqlx::query_as(
+            "select id, status, updated_at from orders
+              where status in ('rejected', 'declined', 'cancelled')
+                and updated_at < now() - $1 * interval '1 millisecond'
+                and updated_at > now() - $2 * interval '1 millisecond'",
+        )
+        .bind(grace)
+        .bind(window)
+        .fetch_all(&self.orders)
+        .await?;
+        let ids: Vec<Uuid> = ended_otherwise.iter().map(|(id, ..)| *id).collect();
+        let standing: HashMap<Uuid, DateTime<Utc>> = sqlx::query_as::<_, (Uuid, DateTime<Utc>)>(
+            "select order_id, created_at from invoices where order_id = any($1) and state = 'standing'",
+        )
+        .bind(&ids)
+        .fetch_all(&self.billing)
+        .await?
+        .into_iter()
+        .collect();
+
+        // Compensations not answered (partial index `jobs_compensating`).
+        let overdue: Vec<(Uuid, String, DateTime<Utc>)> = sqlx::query_as(
+            "select j.order_id, o.status, j.updated_at from jobs j join orders o on o.id = j.order_id
+              where j.state = 'compensating' and j.updated_at < now() - $1 * interval '1 millisecond'",
+        )
+        .bind(grace)
+        .fetch_all(&self.orders)
+        .await?;
+
         let settled_before = Utc::now() - chrono::TimeDelta::milliseconds(grace);
-        // An order that changed within the grace period may still be compensating.
-        let ended = |id: &Uuid, end: fn(&str) -> bool| {
-            orders.get(id).filter(|(status, at)| end(status) && *at < settled_before).map(|(status, _)| status.clone())
-        };
         let mut found = Vec::new();
-        for (order_id, state, since) in &reservations {
-            match orders.get(order_id) {
-                None => found.push(Disagreement {
-                    kind: Kind::UnknownOrder,
-                    order_id: *order_id,
-                    status: None,
-                    since: *since,
-                }),
-                Some(_) if state == "held" => {
-                    if let Some(status) = ended(order_id, is_final) {
-                        found.push(Disagreement {
-                            kind: Kind::HeldByEnded,
-                            order_id: *order_id,
-                            status: Some(status),
-                            since: *since,
-                        });
-                    }
+        for (order_id, since) in held {
+            match orders.get(&order_id) {
+                None => found.push(Disagreement { kind: Kind::UnknownOrder, order_id, status: None, since }),
+                // An order that changed within the grace period may still be compensating.
+                Some((status, at)) if is_final(status) && *at < settled_before => {
+                    found.push(Disagreement { kind: Kind::HeldByEnded, order_id, status: Some(status.clone()), since })
                 }
                 Some(_) => {}
             }
         }
-        for (order_id, since) in &invoices {
-            if let Some(status) = ended(order_id, |status| is_final(status) && status != "invoiced") {
-                found.push(Disagreement {
-                    kind: Kind::InvoiceNotInvoiced,
-                    order_id: *order_id,
-                    status: Some(status),
-                    since: *since,
-                });
+        for (order_id, status, _) in ended_otherwise {
+            if let Some(&since) = standing.get(&order_id) {
+                found.push(Disagreement { kind: Kind::InvoiceNotInvoiced, order_id, status: Some(status), since });
             }
+        }
+        for (order_id, status, since) in overdue {
+            found.push(Disagreement { kind: Kind::CompensationOverdue, order_id, status: Some(status), since });
         }
         found.sort_by_key(|disagreement| (disagreement.kind, disagreement.since));
         Ok(found)

@@ -269,7 +269,8 @@ async fn purging_a_parked_order_ends_it_cancelled_and_what_it_took_is_given_back
 }
 
 #[tokio::test]
-async fn a_reservation_leaked_by_hand_is_one_disagreement_in_the_metric_and_in_msgctl_books() {
+async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagreements_in_the_metric_and_msgctl_books()
+{
     let mut shop = Shop::start(Options::default()).await;
     // The API checks the books against the other two databases, often and with little grace.
     let vars = [
@@ -327,4 +328,31 @@ async fn a_reservation_leaked_by_hand_is_one_disagreement_in_the_metric_and_in_m
     assert_eq!(listed[0]["kind"], "held_by_ended");
     assert_eq!(listed[0]["orderId"].as_str(), Some(order_id.to_string().as_str()));
     assert_eq!(listed[0]["status"], "invoiced");
+
+    // A compensation that does not answer (billing is down): counted until it does.
+    sqlx::query("update reservations set state = 'settled' where order_id = $1")
+        .bind(order_id)
+        .execute(&shop.inventory)
+        .await
+        .expect("mend");
+    sqlx::query("update stock set reserved = reserved - 3, settled = settled + 3 where sku = 'SKU-2'")
+        .execute(&shop.inventory)
+        .await
+        .expect("mend its stock");
+    shop.kill(Service::Billing).await;
+    let job_id = shop.place(&[("SKU-2", 1)]).await;
+    let cancelled = crate::order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(&shop, &cancelled.to_string()).await.0, 202);
+    let overdue = "books_disagreements{kind=\"compensation_overdue\"}";
+    eventually("the unanswered compensation to be counted", WAIT, || async {
+        (shop.metric(Service::Api, overdue).await == 1 && shop.metric(Service::Api, held).await == 0).then_some(())
+    })
+    .await;
+    shop.restart(Service::Billing).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    eventually("the books to agree again", WAIT, || async {
+        (shop.metric(Service::Api, overdue).await == 0).then_some(())
+    })
+    .await;
+    shop.assert_books_balance().await;
 }

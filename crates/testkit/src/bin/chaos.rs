@@ -306,14 +306,31 @@ async fn main() -> ExitCode {
     let duplicates: usize =
         consumers.map(|instance| shop.process(instance).log_count("duplicate skipped by the inbox")).sum();
 
+    // The books as the orders service checks them in production (shop::books): once the shop has
+    // settled, nothing may disagree.
+    let books = shop::books::Books {
+        orders: shop.orders.clone(),
+        inventory: shop.inventory.clone(),
+        billing: shop.billing.clone(),
+    };
+    let horizon = shop::books::Horizon { grace: Duration::ZERO, ..shop::books::Horizon::default() };
+    let disagreements = books.check(horizon).await.expect("check the books");
+
     println!("\n== ledger ==\n{ledger}");
+    println!("books' disagreements {:>8}  (shop::books, as the orders service counts them)", disagreements.len());
+    for disagreement in &disagreements {
+        println!("  {disagreement}");
+    }
     println!("\n== run ==");
     let placed = driven.took.as_secs_f64();
     println!("orders placed in     {placed:>8.1} s  ({:.1}/s; {} offered)", args.orders as f64 / placed, args.rate);
     println!("faults ended after   {:>8.1} s", havoc_ended.as_secs_f64());
     println!("all settled after    {:>8.1} s", settled_in.as_secs_f64());
     report(&driven, &havoc, duplicates);
-    let failures = failures(&ledger, &driven, &havoc);
+    let mut failures = failures(&ledger, &driven, &havoc);
+    if !disagreements.is_empty() {
+        failures.push(format!("{} disagreements between the books", disagreements.len()));
+    }
     if failures.is_empty() {
         println!("\nchaos: PASS");
         ExitCode::SUCCESS
