@@ -150,15 +150,20 @@ pub async fn step_succeeded(
     endpoint: &str,
     order: OrderMove,
 ) -> Result<Applied, sqlx::Error> {
+    // The job's row is locked before the order's, as `decide` takes them (a cancel may decide at
+    // the same time): `order_moved` reads `job`, so `job` runs first.
     let known: bool = sqlx::query_scalar(
-        "with order_moved as (
-            update orders set status = $7, updated_at = now() where id = $6 and status = any($8)
+        "with job as (
+            select id from jobs where id = $1 for update
+         ), order_moved as (
+            update orders set status = $7, updated_at = now()
+             where id = $6 and status = any($8) and exists (select from job)
          ), moved as (
             update jobs set state = $3, retry_endpoint = null,
                    published_at = coalesce(published_at, now()), updated_at = now()
-             where id = $1 and (state = $4 or (state = $5 and retry_endpoint = $2))
+             where id = (select id from job) and (state = $4 or (state = $5 and retry_endpoint = $2))
          )
-         select exists (select from jobs where id = $1)",
+         select exists (select from job)",
     )
     .bind(job_id)
     .bind(endpoint)
@@ -279,16 +284,20 @@ pub async fn rejected(
     reason: &str,
 ) -> Result<Applied, sqlx::Error> {
     let order = OrderStatus::Rejected;
+    // The job's row first, then the order's (see `step_succeeded`).
     let (known, ended): (bool, Ended) = sqlx::query_as(
-        "with order_moved as (
-            update orders set status = $6, updated_at = now() where id = $5 and status = any($7)
+        "with job as (
+            select id from jobs where id = $1 for update
+         ), order_moved as (
+            update orders set status = $6, updated_at = now()
+             where id = $5 and status = any($7) and exists (select from job)
          ), moved as (
             update jobs set state = $2, last_error = coalesce($3, last_error),
                    published_at = coalesce(published_at, now()), updated_at = now()
-             where id = $1 and state <> all($4)
+             where id = (select id from job) and state <> all($4)
              returning created_at
          )
-         select exists (select from jobs where id = $1), (select created_at from moved)",
+         select exists (select from job), (select created_at from moved)",
     )
     .bind(job_id)
     .bind(JobState::Rejected.as_str())
