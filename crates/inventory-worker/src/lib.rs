@@ -119,9 +119,9 @@ enum Ending {
     Released,
 }
 
-/// End the order's held reservation as `ending` says, and move its stock: whether the order had a
-/// held reservation (none: never reserved, already ended, or a fence).
-async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) -> Result<bool, sqlx::Error> {
+/// End the order's held reservation as `ending` says, and move its stock. An order without one
+/// (never reserved, already ended, or fenced) changes nothing.
+async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) -> Result<(), sqlx::Error> {
     let state = match ending {
         Ending::Settled => "settled",
         Ending::Released => "released",
@@ -134,7 +134,7 @@ async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) 
     .fetch_optional(&mut *tx)
     .await?;
     let Some(Json(lines)) = lines else {
-        return Ok(false);
+        return Ok(());
     };
     // The reservation's lines are one per SKU, in SKU order (see `reserve`): its rows are locked in
     // that order, as every order's are.
@@ -156,7 +156,7 @@ async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) 
     .bind(ending == Ending::Released)
     .execute(&mut *tx)
     .await?;
-    Ok(true)
+    Ok(())
 }
 
 /// Stock rows are locked in SKU order, one order at a time, and orders share SKUs: two batches

@@ -14,7 +14,7 @@ use shop::{
 };
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use messaging::runtime::metrics::Metrics;
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -109,7 +109,7 @@ impl JobStatus {
             Compensated::UnknownJob => Err(unknown_job(job_id)),
             Compensated::Waiting => Ok(()),
             Compensated::Ended(state, created_at) => {
-                self.ended(state, Some::<DateTime<Utc>>(created_at));
+                self.ended(state, Some(created_at));
                 Ok(())
             }
         }
