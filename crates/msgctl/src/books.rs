@@ -1,11 +1,10 @@
 //! `msgctl books`: the shop's books, checked across its three databases ([`shop::books`]), one
 //! disagreement per line. What the orders service counts in `books_disagreements`, listed.
 
-use std::{str::FromStr, time::Duration};
+use std::time::Duration;
 
 use messaging::runtime::{config::SecretUrl, duration::parse_duration};
 use shop::books::{Books, Horizon};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
 
@@ -34,10 +33,7 @@ pub struct Args {
 
 /// List every disagreement; fail if there is one.
 pub async fn run(args: Args) -> Result<(), Failure> {
-    let pool = |url: &SecretUrl| -> Result<sqlx::PgPool, Failure> {
-        let options = PgConnectOptions::from_str(url.expose())?.options([("default_transaction_read_only", "on")]);
-        Ok(PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(10)).connect_lazy_with(options))
-    };
+    let pool = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(10));
     let books = Books {
         orders: pool(&args.orders_url)?,
         inventory: pool(&args.inventory_url)?,

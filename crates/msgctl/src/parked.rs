@@ -17,7 +17,7 @@ use lapin::{
     types::FieldTable,
 };
 use messaging::{
-    contracts::{Contract, JobAbandoned, JobEvent, JobRedriven},
+    contracts::{JobAbandoned, JobEvent, JobRedriven},
     envelope,
     publisher::{PublishError, Publisher},
     runtime::{
@@ -291,11 +291,11 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
             }
             Action::Purge { mut filter, yes } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                purge(&connection, &filter, yes).await
+                end_parked(&connection, &filter, Ending::Purge { yes }).await
             }
             Action::Abandon { job, endpoint, note } => {
                 let filter = Filter::of_job(job, endpoints(broker, node, endpoint).await?);
-                abandon(&connection, &filter, &note).await
+                end_parked(&connection, &filter, Ending::Abandon { note: &note }).await
             }
         }
     }
@@ -478,7 +478,7 @@ async fn redrive_held(
         failpoint::hit(BETWEEN_REDRIVE_SENDS).await;
         if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
             let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
-            send_job_event(publisher, &event).await?;
+            send_job_event(publisher, &event, Unroutable::Warn).await?;
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
@@ -488,82 +488,107 @@ async fn redrive_held(
     Ok(())
 }
 
-/// Publish a job event (confirmed). Unroutable (no status consumer bound) is only a warning.
-async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C) -> Result<(), Failure> {
+/// Publish a job event (confirmed). One that reaches no queue (no status consumer bound) is a
+/// warning or a failure, as `unroutable` says.
+async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C, unroutable: Unroutable) -> Result<(), Failure> {
     let (body, properties) = event.message()?;
     match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
         Ok(()) => Ok(()),
-        Err(PublishError::Returned(reason)) => {
+        Err(PublishError::Returned(reason)) if unroutable == Unroutable::Warn => {
             eprintln!("msgctl: warning: {} for job {} went nowhere ({reason})", C::TYPE, event.job_id());
             Ok(())
         }
-        Err(error) => Err(Failure::Described(format!("cannot publish {}: {error}", C::TYPE))),
+        Err(error) => {
+            let job_id = event.job_id();
+            Err(Failure::Described(format!(
+                "cannot publish {} for job {job_id}: {error}; its message stays parked",
+                C::TYPE
+            )))
+        }
     }
 }
 
-async fn purge(connection: &Connection, filter: &Filter, yes: bool) -> Result<(), Failure> {
+/// How `purge` and `abandon` end the parked messages they select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending<'a> {
+    /// Delete them (only with `yes`); a message of a job abandons the job first.
+    Purge { yes: bool },
+    /// Abandon the job of each (with the operator's note), then delete it.
+    Abandon { note: &'a str },
+}
+
+impl Ending<'_> {
+    /// What is said of each message ended.
+    fn verb(self) -> &'static str {
+        match self {
+            Self::Purge { .. } => "purged",
+            Self::Abandon { .. } => "abandoned",
+        }
+    }
+
+    /// A purge deletes a message whose `job.abandoned` reaches no queue, saying so; an abandon
+    /// keeps it parked, since nothing would end its job.
+    fn unroutable(self) -> Unroutable {
+        match self {
+            Self::Purge { .. } => Unroutable::Warn,
+            Self::Abandon { .. } => Unroutable::Refuse,
+        }
+    }
+}
+
+/// End the messages `filter` selects, endpoint by endpoint, as `ending` says.
+async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>) -> Result<(), Failure> {
     let publisher = Publisher::open(connection).await?;
-    let mut purged = 0;
+    let mut ended = 0;
     for endpoint in &filter.endpoint {
         let held = Held::read(connection, endpoint).await?;
         let selected = held.selected(filter);
-        if !yes {
+        if ending == (Ending::Purge { yes: false }) {
             held.give_back().await?;
+            publisher.close().await;
             return Err(Failure::Described(format!(
                 "purge deletes {} parked message(s) of `{endpoint}` for good: add --yes",
                 selected.len()
             )));
         }
-        let outcome = end_held(&held, &selected, "purged with msgctl", &publisher, Unroutable::Warn).await;
+        let outcome = end_held(&held, &selected, ending, &publisher).await;
         held.give_back().await?;
-        purged += outcome?;
+        ended += outcome?;
     }
     publisher.close().await;
-    if purged == 0 {
-        return Err(Failure::Described("nothing selected".into()));
+    match (ended, ending) {
+        (0, Ending::Purge { .. }) => Err(Failure::Described("nothing selected".into())),
+        (0, Ending::Abandon { .. }) => Err(Failure::Described("no parked message of this job".into())),
+        (ended, ending) => {
+            println!("{ended} message(s) {}", ending.verb());
+            Ok(())
+        }
     }
-    println!("{purged} message(s) purged");
-    Ok(())
 }
 
-async fn abandon(connection: &Connection, filter: &Filter, note: &str) -> Result<(), Failure> {
-    let publisher = Publisher::open(connection).await?;
-    let mut abandoned = 0;
-    for endpoint in &filter.endpoint {
-        let held = Held::read(connection, endpoint).await?;
-        let selected = held.selected(filter);
-        let outcome = end_held(&held, &selected, note, &publisher, Unroutable::Refuse).await;
-        held.give_back().await?;
-        abandoned += outcome?;
-    }
-    publisher.close().await;
-    if abandoned == 0 {
-        return Err(Failure::Described("no parked message of this job".into()));
-    }
-    println!("{abandoned} message(s) abandoned");
-    Ok(())
-}
-
-/// What to do when a `job.abandoned` reaches no queue (no status consumer is bound).
+/// What to do when a job event reaches no queue (no status consumer is bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Unroutable {
-    /// Warn, and delete the message anyway (`purge`).
+    /// Warn, and go on (`redrive`: the copy is sent; `purge`: the message is deleted anyway).
     Warn,
-    /// Keep the message parked: nothing would end its job (`abandon`).
+    /// Fail: the message stays parked (`abandon`: nothing would end its job).
     Refuse,
 }
 
-/// Delete the `selected` messages of `held`. For each message of a job, a `job.abandoned` is sent
-/// and confirmed first, so that the job is ended (and compensated) by its owner: deleted first, a
-/// crash in between would leave the job quarantined with nothing parked to act on. How many were
-/// deleted.
+/// Delete the `selected` messages of `held` as `ending` says. For each message of a job, a
+/// `job.abandoned` is sent and confirmed first, so that the job is ended (and compensated) by its
+/// owner: deleted first, a crash in between would leave the job quarantined with nothing parked
+/// to act on. An abandon leaves a message without a job parked. How many were deleted.
 async fn end_held(
     held: &Held,
     selected: &[usize],
-    note: &str,
+    ending: Ending<'_>,
     publisher: &Publisher,
-    unroutable: Unroutable,
 ) -> Result<usize, Failure> {
+    let note = match ending {
+        Ending::Purge { .. } => "purged with msgctl",
+        Ending::Abandon { note } => note,
+    };
     let mut ended = 0;
     for &index in selected {
         let parked = &held.messages[index];
@@ -572,25 +597,12 @@ async fn end_held(
         let job_event = parked.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
         if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {
             let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
-            let (body, properties) = event.message()?;
-            match publisher.publish(JobAbandoned::EXCHANGE, JobAbandoned::TYPE, &body, properties).await {
-                Ok(()) => {}
-                Err(PublishError::Returned(reason)) if unroutable == Unroutable::Warn => {
-                    eprintln!("msgctl: warning: job.abandoned for job {job_id} went nowhere ({reason})");
-                }
-                Err(error) => {
-                    return Err(Failure::Described(format!(
-                        "cannot send job.abandoned for {}: {error}; it stays parked",
-                        parked.line()
-                    )));
-                }
-            }
-        } else if unroutable == Unroutable::Refuse {
+            send_job_event(publisher, &event, ending.unroutable()).await?;
+        } else if let Ending::Abandon { .. } = ending {
             continue;
         }
         held.ack(index).await?;
-        let verb = if unroutable == Unroutable::Refuse { "abandoned" } else { "purged" };
-        println!("{verb} {}  {}", held.endpoint, parked.line());
+        println!("{} {}  {}", ending.verb(), held.endpoint, parked.line());
         ended += 1;
     }
     Ok(ended)

@@ -5,15 +5,12 @@
 //! through a read-only role; every session it opens on them is read-only besides. Its own
 //! database it reads through the service's pool.
 
-use std::{str::FromStr, time::Duration};
+use std::time::Duration;
 
 use messaging::runtime::{config::SecretUrl, duration::parse_duration, metrics::Metrics, shutdown::Shutdown};
 use prometheus_client::metrics::{family::Family, gauge::Gauge};
 use shop::books::{Books, Horizon, Kind};
-use sqlx::{
-    PgPool,
-    postgres::{PgConnectOptions, PgPoolOptions},
-};
+use sqlx::PgPool;
 
 /// The check's settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -52,17 +49,12 @@ impl BooksMetrics {
     }
 }
 
-/// A pool on `url` whose sessions are all read-only.
-fn read_only(url: &SecretUrl) -> Result<PgPool, sqlx::Error> {
-    let options = PgConnectOptions::from_str(url.expose())?.options([("default_transaction_read_only", "on")]);
-    Ok(PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5)).connect_lazy_with(options))
-}
-
 /// Check the books every interval until `shutdown`, if the other databases are named.
 pub fn start(args: &BooksArgs, orders: PgPool, metrics: BooksMetrics, shutdown: Shutdown) -> Result<(), sqlx::Error> {
     let (Some(inventory), Some(billing)) = (&args.books_inventory_url, &args.books_billing_url) else {
         return Ok(());
     };
+    let read_only = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(5));
     let books = Books { orders, inventory: read_only(inventory)?, billing: read_only(billing)? };
     let horizon = Horizon { grace: args.books_grace, ..Horizon::default() };
     let interval = args.books_interval;

@@ -87,6 +87,17 @@ pub struct Books {
     pub billing: PgPool,
 }
 
+/// A pool of one connection on `url` whose sessions are all read-only (whatever the role may do),
+/// connecting when first used and waiting at most `acquire_timeout` for it.
+pub fn read_only(url: &str, acquire_timeout: Duration) -> sqlx::Result<PgPool> {
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let options = options.options([("default_transaction_read_only", "on")]);
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(acquire_timeout)
+        .connect_lazy_with(options))
+}
+
 /// How far [`Books::check`] looks.
 #[derive(Debug, Clone, Copy)]
 pub struct Horizon {

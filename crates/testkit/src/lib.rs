@@ -129,6 +129,23 @@ impl TestEnv {
         Self { id, servers, vhost }
     }
 
+    /// Run the real `msgctl` with `args` against this test's servers: its broker (`AMQP_URL`, the
+    /// management API), the orders outbox (`DATABASE_URL`) and the three databases of the books
+    /// (`BOOKS_*_URL`).
+    pub async fn msgctl(&self, args: &[&str]) -> std::process::Output {
+        tokio::process::Command::new(process::binary("msgctl"))
+            .env("AMQP_URL", self.amqp_url())
+            .env("RABBITMQ_MANAGEMENT_URL", self.management_url())
+            .env("DATABASE_URL", self.database_url("orders"))
+            .env("BOOKS_ORDERS_URL", self.database_url("orders"))
+            .env("BOOKS_INVENTORY_URL", self.database_url("inventory"))
+            .env("BOOKS_BILLING_URL", self.database_url("billing"))
+            .args(args)
+            .output()
+            .await
+            .expect("run msgctl")
+    }
+
     /// This test's id: its databases are `t_<id>_<service>`, its vhost `t-<id>`.
     pub fn id(&self) -> &str {
         &self.id

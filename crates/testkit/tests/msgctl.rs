@@ -3,8 +3,6 @@
 //! skipped by the inbox; and a redrive killed half-way loses nothing. Without `--endpoint`, msgctl
 //! finds the parking queues through the management API.
 
-use std::process::Output;
-
 use chrono::Utc;
 use lapin::types::AMQPValue;
 use messaging::{envelope, runtime::failpoint};
@@ -17,16 +15,6 @@ use uuid::Uuid;
 
 const INVENTORY: &str = "inventory.order-placed";
 
-async fn msgctl(env: &TestEnv, args: &[&str]) -> Output {
-    tokio::process::Command::new(process::binary("msgctl"))
-        .env("AMQP_URL", env.amqp_url())
-        .env("RABBITMQ_MANAGEMENT_URL", env.management_url())
-        .args(args)
-        .output()
-        .await
-        .expect("run msgctl")
-}
-
 /// `msgctl parked list --json` of inventory's parking: each message's job id, in parking order.
 async fn parked_jobs(env: &TestEnv) -> Vec<Uuid> {
     listed_jobs(env, &["parked", "list", "--endpoint", INVENTORY, "--json"]).await
@@ -34,7 +22,7 @@ async fn parked_jobs(env: &TestEnv) -> Vec<Uuid> {
 
 /// The job ids `msgctl args` lists, one JSON object per line.
 async fn listed_jobs(env: &TestEnv, args: &[&str]) -> Vec<Uuid> {
-    let output = msgctl(env, args).await;
+    let output = env.msgctl(args).await;
     assert!(output.status.success(), "{output:?}");
     String::from_utf8_lossy(&output.stdout)
         .lines()
@@ -81,7 +69,7 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
 
     // A dry run changes nothing.
     let output =
-        msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY, "--reason", "FLAKY", "--dry-run"]).await;
+        shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY, "--reason", "FLAKY", "--dry-run"]).await;
     assert!(output.status.success(), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stdout).contains("1 message(s) would be redriven"), "{output:?}");
     assert_eq!(parked_jobs(&shop.env).await, before, "a dry run moves nothing");
@@ -92,7 +80,7 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
         shop.kill(service).await;
         shop.restart_with(service, &[("DEMO_FAULTS", "false")]).await;
     }
-    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY, "--reason", "FLAKY"]).await;
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY, "--reason", "FLAKY"]).await;
     assert!(output.status.success(), "{output:?}");
 
     let job = shop.wait_for_state(flaky, "succeeded").await;
@@ -125,7 +113,7 @@ async fn a_parked_copy_of_an_applied_message_is_redriven_and_skipped_by_the_inbo
     shop.wait_for_state(job, "succeeded").await;
     park_a_copy(&shop, job).await;
 
-    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY]).await;
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY]).await;
     assert!(output.status.success(), "{output:?}");
     let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
     eventually("the inbox to skip the redriven copy", WAIT, || async {
@@ -233,7 +221,7 @@ async fn redriving_a_copy_already_applied_leaves_a_job_quarantined_by_another_st
 
     // The operator redrives inventory's copy: its inbox skips it, and job.redriven must not reopen
     // a job whose billing message is still parked (it did: the job stayed `published` for good).
-    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY]).await;
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY]).await;
     assert!(output.status.success(), "{output:?}");
     eventually("the redrive applied", WAIT, || async { (applied("job.redriven").await == 1).then_some(()) }).await;
     let series = "inbox_duplicates_skipped_total{endpoint=\"inventory.order-placed\"}";
@@ -272,7 +260,7 @@ async fn a_redrive_the_broker_refuses_leaves_the_message_parked_and_its_job_quar
     // The status consumer is away too: any job event sent waits in its queue, to be counted.
     shop.kill(Service::Api).await;
 
-    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", INVENTORY]).await;
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY]).await;
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stderr).contains("cannot send"), "{output:?}");
     assert_eq!(parked_jobs(&shop.env).await, [job], "still parked");

@@ -275,13 +275,7 @@ async fn a_relay_started_before_its_database_exists_waits_then_publishes() {
 
 /// `msgctl args` on this test's broker and orders database.
 async fn msgctl(env: &TestEnv, args: &[&str]) -> (bool, String, String) {
-    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
-        .env("AMQP_URL", env.amqp_url())
-        .env("DATABASE_URL", env.database_url("orders"))
-        .args(args)
-        .output()
-        .await
-        .expect("run msgctl");
+    let output = env.msgctl(args).await;
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     (output.status.success(), text(&output.stdout), text(&output.stderr))
 }

@@ -4,27 +4,15 @@
 //! reservation and invoice, and after the invoice; a deadline expires while billing is down; and
 //! each undo is safe against the message it undoes arriving late.
 
-use std::process::Output;
-
 use serde_json::Value;
 use shop::{End, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
 use testkit::{
-    TestEnv, eventually, http, process,
+    eventually, http,
     shop::{Options, Service, Shop, WAIT},
 };
 use uuid::Uuid;
 
 const BILLING: &str = "billing.inventory-reserved";
-
-async fn msgctl(env: &TestEnv, args: &[&str]) -> Output {
-    tokio::process::Command::new(process::binary("msgctl"))
-        .env("AMQP_URL", env.amqp_url())
-        .env("RABBITMQ_MANAGEMENT_URL", env.management_url())
-        .args(args)
-        .output()
-        .await
-        .expect("run msgctl")
-}
 
 /// `POST /orders/{id}/cancel`: its status and body.
 async fn cancel(shop: &Shop, order_id: &str) -> (u16, Value) {
@@ -49,6 +37,22 @@ async fn invoices(shop: &Shop, order_id: Uuid) -> Vec<(String, i64)> {
         .fetch_all(&shop.billing)
         .await
         .expect("invoices")
+}
+
+/// Set the order's reservation to `state` by hand, moving `held` units of SKU-2 from settled to
+/// held stock with it (negative: back).
+async fn settle_by_hand(shop: &Shop, order_id: Uuid, state: &str, held: i32) {
+    sqlx::query("update reservations set state = $2 where order_id = $1")
+        .bind(order_id)
+        .bind(state)
+        .execute(&shop.inventory)
+        .await
+        .expect("the reservation");
+    sqlx::query("update stock set reserved = reserved + $1, settled = settled - $1 where sku = 'SKU-2'")
+        .bind(held)
+        .execute(&shop.inventory)
+        .await
+        .expect("its stock");
 }
 
 /// Wait until `pool`'s inbox has applied `message_id`.
@@ -107,7 +111,7 @@ async fn a_billing_poison_order_abandoned_by_an_operator_ends_cancelled_and_a_la
     assert_eq!(shop.order_status(job_id).await, "failed");
 
     let job_arg = job_id.to_string();
-    let output = msgctl(&shop.env, &["parked", "abandon", "--job", &job_arg, "--note", "poison"]).await;
+    let output = shop.env.msgctl(&["parked", "abandon", "--job", &job_arg, "--note", "poison"]).await;
     assert!(output.status.success(), "{output:?}");
     let job = shop.wait_for_state(job_id, "cancelled").await;
     assert!(job["lastError"].as_str().is_some_and(|reason| reason.contains("poison")), "{job}");
@@ -115,7 +119,7 @@ async fn a_billing_poison_order_abandoned_by_an_operator_ends_cancelled_and_a_la
     assert_eq!(shop.env.queue_depth(&format!("{BILLING}.parking")).await, Some(0), "the message left parking");
 
     // Nothing is left to redrive of it.
-    let output = msgctl(&shop.env, &["parked", "redrive", "--endpoint", BILLING, "--job", &job_arg]).await;
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", BILLING, "--job", &job_arg]).await;
     assert!(!output.status.success(), "something was redriven: {output:?}");
 
     // A copy of its inventory.reserved arriving now (as a redrive of a copy parked elsewhere would),
@@ -261,7 +265,7 @@ async fn purging_a_parked_order_ends_it_cancelled_and_what_it_took_is_given_back
     let job_id = shop.place(&[("SKU-3", 2), ("BILLPOISON-1", 1)]).await;
     shop.wait_for_state(job_id, "quarantined").await;
     assert_eq!(stock(&shop, "SKU-3").await.1, 2, "held while parked");
-    let output = msgctl(&shop.env, &["parked", "purge", "--endpoint", BILLING, "--yes"]).await;
+    let output = shop.env.msgctl(&["parked", "purge", "--endpoint", BILLING, "--yes"]).await;
     assert!(output.status.success(), "{output:?}");
     shop.wait_for_state(job_id, "cancelled").await;
     assert_eq!(shop.env.queue_depth(&format!("{BILLING}.parking")).await, Some(0));
@@ -295,30 +299,12 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     assert_eq!(shop.metric(Service::Api, held).await, 0);
 
     // An invoiced order's reservation put back to held, its stock with it: a lost settle.
-    sqlx::query("update reservations set state = 'held' where order_id = $1")
-        .bind(order_id)
-        .execute(&shop.inventory)
-        .await
-        .expect("leak");
-    sqlx::query("update stock set reserved = reserved + 3, settled = settled - 3 where sku = 'SKU-2'")
-        .execute(&shop.inventory)
-        .await
-        .expect("leak its stock");
+    settle_by_hand(&shop, order_id, "held", 3).await;
     eventually("the check to count the leak", WAIT, || async {
         (shop.metric(Service::Api, held).await == 1).then_some(())
     })
     .await;
-    let urls = [
-        ("BOOKS_ORDERS_URL", shop.env.database_url("orders")),
-        ("BOOKS_INVENTORY_URL", shop.env.database_url("inventory")),
-        ("BOOKS_BILLING_URL", shop.env.database_url("billing")),
-    ];
-    let output = tokio::process::Command::new(process::binary("msgctl"))
-        .envs(urls)
-        .args(["books", "--grace", "100ms", "--json"])
-        .output()
-        .await
-        .expect("run msgctl");
+    let output = shop.env.msgctl(&["books", "--grace", "100ms", "--json"]).await;
     assert!(!output.status.success(), "disagreements exit 1: {output:?}");
     let listed: Vec<Value> = String::from_utf8_lossy(&output.stdout)
         .lines()
@@ -330,15 +316,7 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     assert_eq!(listed[0]["status"], "invoiced");
 
     // A compensation that does not answer (billing is down): counted until it does.
-    sqlx::query("update reservations set state = 'settled' where order_id = $1")
-        .bind(order_id)
-        .execute(&shop.inventory)
-        .await
-        .expect("mend");
-    sqlx::query("update stock set reserved = reserved - 3, settled = settled + 3 where sku = 'SKU-2'")
-        .execute(&shop.inventory)
-        .await
-        .expect("mend its stock");
+    settle_by_hand(&shop, order_id, "settled", -3).await;
     shop.kill(Service::Billing).await;
     let job_id = shop.place(&[("SKU-2", 1)]).await;
     let cancelled = crate::order_id(&shop.job(job_id).await);

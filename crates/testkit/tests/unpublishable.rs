@@ -91,13 +91,7 @@ impl Contract for BulkyNote {
 
 /// `msgctl outbox ARGS` on the orders database, which must succeed; what it printed.
 async fn msgctl_outbox(shop: &Shop, args: &[&str]) -> String {
-    let output = tokio::process::Command::new(testkit::process::binary("msgctl"))
-        .env("DATABASE_URL", shop.env.database_url("orders"))
-        .arg("outbox")
-        .args(args)
-        .output()
-        .await
-        .expect("run msgctl");
+    let output = shop.env.msgctl(&[&["outbox"], args].concat()).await;
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
