@@ -2,6 +2,8 @@
 //! properties (DESIGN §4). Outgoing messages are built from outbox rows or contracts; incoming
 //! deliveries are decoded here once, before any handler sees them.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use lapin::{
     BasicProperties,
@@ -32,6 +34,10 @@ pub const HEADER_REDRIVE_COUNT: &str = "redrive-count";
 pub const HEADER_ORDERING_KEY: &str = "ordering-key";
 /// Header: the message's place among its key's messages, from 1, given by the outbox at insert.
 pub const HEADER_ORDERING_SEQ: &str = "ordering-seq";
+/// Header: for each message type, the place of the key's latest earlier message of that type (a
+/// table of type → place), given by the outbox at insert: an ordered endpoint waits only for the
+/// earlier messages of the types it takes (decision 0024).
+pub const HEADER_ORDERING_EARLIER: &str = "ordering-earlier";
 /// Header: how many times an ordered endpoint has sent the message back to wait for an earlier
 /// message of its key.
 pub const HEADER_DEFERRALS: &str = "deferrals";
@@ -59,6 +65,10 @@ pub struct Headers {
     /// (migration `0102_ordering_keys.sql`), never by hand.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ordering_seq: Option<i64>,
+    /// For each message type, the place of the key's latest earlier message of that type: written
+    /// by the outbox's insert trigger (migration `0106_ordering_gaps.sql`), never by hand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_earlier: Option<BTreeMap<String, i64>>,
 }
 
 fn default_version() -> u32 {
@@ -78,7 +88,14 @@ impl Headers {
     /// Headers for a message that is no contract of this code (tests and tools that forge one),
     /// claiming `version`.
     pub fn raw(correlation_id: Option<Uuid>, version: u32) -> Self {
-        Self { correlation_id, traceparent: None, version, ordering_key: None, ordering_seq: None }
+        Self {
+            correlation_id,
+            traceparent: None,
+            version,
+            ordering_key: None,
+            ordering_seq: None,
+            ordering_earlier: None,
+        }
     }
 
     /// The same headers, for a message of `key`: an endpoint that applies its messages in order
@@ -98,6 +115,13 @@ impl Headers {
         if let (Some(key), Some(seq)) = (&self.ordering_key, self.ordering_seq) {
             table.insert(HEADER_ORDERING_KEY.into(), AMQPValue::LongString(key.as_str().into()));
             table.insert(HEADER_ORDERING_SEQ.into(), AMQPValue::LongLongInt(seq));
+            if let Some(earlier) = &self.ordering_earlier {
+                let mut places = FieldTable::default();
+                for (message_type, place) in earlier {
+                    places.insert(message_type.as_str().into(), AMQPValue::LongLongInt(*place));
+                }
+                table.insert(HEADER_ORDERING_EARLIER.into(), AMQPValue::FieldTable(places));
+            }
         }
         let properties = BasicProperties::default()
             .with_message_id(ShortString::from(message_id.to_string()))
@@ -165,6 +189,36 @@ pub struct Ordering {
     pub key: String,
     /// Its place, from 1.
     pub seq: i64,
+    /// For each message type, the place of the key's latest earlier message of that type; `None`
+    /// for a message numbered before the outbox kept them (migration `0106_ordering_gaps.sql`).
+    pub earlier: Option<BTreeMap<String, i64>>,
+}
+
+impl Ordering {
+    /// The place of the key's latest earlier message among those of a type `takes` says yes to
+    /// (0 if none): the one message an endpoint taking those types must apply before this one. A
+    /// message without `earlier` follows the place just before its own.
+    ///
+    /// ```
+    /// use messaging::envelope::Ordering;
+    ///
+    /// let earlier = [("order.placed".to_owned(), 1), ("order.deadline".to_owned(), 2)].into();
+    /// let ended = Ordering { key: "order-7".into(), seq: 3, earlier: Some(earlier) };
+    /// // An endpoint that never takes `order.deadline` does not wait for place 2.
+    /// assert_eq!(ended.follows(|message_type| message_type != "order.deadline"), 1);
+    /// assert_eq!(ended.follows(|_| true), 2);
+    /// ```
+    pub fn follows(&self, takes: impl Fn(&str) -> bool) -> i64 {
+        match &self.earlier {
+            Some(earlier) => earlier
+                .iter()
+                .filter(|(message_type, _)| takes(message_type))
+                .map(|(_, place)| *place)
+                .max()
+                .unwrap_or(0),
+            None => self.seq - 1,
+        }
+    }
 }
 
 impl Incoming {
@@ -201,7 +255,18 @@ impl Incoming {
 /// The ordering key and place a message's headers carry, if both are there.
 pub fn ordering(headers: &FieldTable) -> Option<Ordering> {
     let key = header_text(headers, HEADER_ORDERING_KEY)?;
-    Some(Ordering { key, seq: header_i64(headers, HEADER_ORDERING_SEQ)? })
+    let seq = header_i64(headers, HEADER_ORDERING_SEQ)?;
+    let earlier = match headers.inner().get(HEADER_ORDERING_EARLIER) {
+        Some(AMQPValue::FieldTable(places)) => Some(
+            places
+                .inner()
+                .iter()
+                .filter_map(|(message_type, place)| Some((message_type.as_str().to_owned(), integer(place)?)))
+                .collect(),
+        ),
+        _ => None,
+    };
+    Some(Ordering { key, seq, earlier })
 }
 
 /// The `message_id` property as a UUID, if present and well-formed.
@@ -239,7 +304,11 @@ pub fn header_u32(table: &FieldTable, key: &str) -> Option<u32> {
 
 /// An integer header as `i64`, whatever integer width the publisher chose.
 pub fn header_i64(table: &FieldTable, key: &str) -> Option<i64> {
-    let value = table.inner().get(key)?;
+    integer(table.inner().get(key)?)
+}
+
+/// An integer value as `i64`, whatever integer width the publisher chose.
+fn integer(value: &AMQPValue) -> Option<i64> {
     Some(match value {
         AMQPValue::ShortShortInt(v) => i64::from(*v),
         AMQPValue::ShortShortUInt(v) => i64::from(*v),
@@ -347,9 +416,18 @@ mod tests {
         let unnumbered = headers.properties(Uuid::new_v4(), "t", Utc::now()).headers().clone().expect("headers");
         assert_eq!(ordering(&unnumbered), None, "no place, no ordering: the outbox's trigger gives it");
         // As the relay reads it back from the outbox row.
-        let stored: Headers = serde_json::from_str(r#"{"ordering_key":"order-7","ordering_seq":3}"#).expect("json");
+        let stored: Headers = serde_json::from_str(
+            r#"{"ordering_key":"order-7","ordering_seq":3,"ordering_earlier":{"order.placed":1,"order.deadline":2}}"#,
+        )
+        .expect("json");
         let table = stored.properties(Uuid::new_v4(), "t", Utc::now()).headers().clone().expect("headers");
-        assert_eq!(ordering(&table), Some(Ordering { key: "order-7".into(), seq: 3 }));
+        let earlier = [("order.placed".to_owned(), 1), ("order.deadline".to_owned(), 2)].into();
+        assert_eq!(ordering(&table), Some(Ordering { key: "order-7".into(), seq: 3, earlier: Some(earlier) }));
+        // Numbered before the outbox kept the earlier places: it follows the place before its own.
+        let older: Headers = serde_json::from_str(r#"{"ordering_key":"order-7","ordering_seq":3}"#).expect("json");
+        let table = older.properties(Uuid::new_v4(), "t", Utc::now()).headers().clone().expect("headers");
+        let older = ordering(&table).expect("ordering");
+        assert_eq!((older.follows(|_| false), older.earlier), (2, None));
         assert_eq!(serde_json::to_value(&headers).expect("json")["ordering_key"], "order-7");
     }
 

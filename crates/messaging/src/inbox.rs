@@ -64,28 +64,25 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
     Ok(ids.iter().map(|id| new.remove(id)).collect())
 }
 
-/// Delete up to `batch` inbox rows received more than `retention` ago, and as many crash counts
-/// (`delivery_starts`) last started that long ago; returns the larger of the two counts, so a
-/// caller deleting batch after batch goes on while either table has more.
+/// Delete up to `batch` inbox rows received more than `retention` ago, as many crash counts
+/// (`delivery_starts`) last started that long ago, and as many ordering keys (with their given-up
+/// places) that have not moved for that long (decision 0024); returns the largest of the counts,
+/// so a caller deleting batch after batch goes on while any table has more.
 pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
     let retention = crate::runtime::retention::millis(retention);
-    let inbox = sqlx::query(
+    let mut most = 0;
+    for statement in [
         "delete from inbox where message_id in (select message_id from inbox
           where received_at < now() - $1 * interval '1 millisecond' limit $2)",
-    )
-    .bind(retention)
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    let starts = sqlx::query(
         "delete from delivery_starts where (endpoint, message_id) in (select endpoint, message_id from delivery_starts
           where last_started_at < now() - $1 * interval '1 millisecond' limit $2)",
-    )
-    .bind(retention)
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    Ok(inbox.max(starts))
+        "delete from inbox_key_positions where (endpoint, key) in (select endpoint, key from inbox_key_positions
+          where moved_at < now() - $1 * interval '1 millisecond' limit $2)",
+        "delete from inbox_key_given_up where (endpoint, key, follows) in (select endpoint, key, follows
+          from inbox_key_given_up where given_up_at < now() - $1 * interval '1 millisecond' limit $2)",
+    ] {
+        let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
+        most = most.max(deleted);
+    }
+    Ok(most)
 }

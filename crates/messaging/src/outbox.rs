@@ -10,9 +10,7 @@ use std::{
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use sqlx::{
-    AssertSqlSafe, PgConnection, PgExecutor, PgPool, Postgres, SqlSafeStr, SqlStr, postgres::PgArguments, types::Json,
-};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, postgres::PgArguments, types::Json};
 use uuid::Uuid;
 
 use crate::{contracts::Contract, envelope::Headers};
@@ -222,7 +220,8 @@ impl<'a, C: Contract> Outgoing<'a, C> {
     /// The same message, published no earlier than `when` (a deadline, a reminder): the relay
     /// claims a row only once it is due, within its poll interval (1 s) of it. Such a row waits in
     /// an index of its own, so it slows no claim while it waits, however long. A scheduled message
-    /// should carry no ordering key: the key's later messages would wait for it.
+    /// should carry no ordering key: at an endpoint that takes its type, the key's later messages
+    /// would wait for it.
     pub fn at(self, when: DateTime<Utc>) -> Self {
         Self { deliver_at: Some(when), ..self }
     }
@@ -379,23 +378,23 @@ pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result
     .map(drop)
 }
 
-/// Delete up to `batch` rows published more than `retention` ago; returns how many went.
-pub async fn delete_published_before<'e>(
-    db: impl PgExecutor<'e>,
-    retention: Duration,
-    batch: i64,
-) -> sqlx::Result<u64> {
-    sqlx::query(
-        "delete from outbox
-          where id in (select id from outbox
-                        where published_at < now() - $1 * interval '1 millisecond'
-                        limit $2)",
-    )
-    .bind(crate::runtime::retention::millis(retention))
-    .bind(batch)
-    .execute(db)
-    .await
-    .map(|done| done.rows_affected())
+/// Delete up to `batch` rows published more than `retention` ago, and as many ordering keys that
+/// have numbered no message for that long (decision 0024: such a key starts again at place 1);
+/// returns the larger of the two counts, so a caller deleting batch after batch goes on while
+/// either table has more.
+pub async fn delete_published_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
+    let retention = crate::runtime::retention::millis(retention);
+    let mut most = 0;
+    for statement in [
+        "delete from outbox where id in (select id from outbox
+          where published_at < now() - $1 * interval '1 millisecond' limit $2)",
+        "delete from outbox_key_sequences where key in (select key from outbox_key_sequences
+          where numbered_at < now() - $1 * interval '1 millisecond' limit $2)",
+    ] {
+        let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
+        most = most.max(deleted);
+    }
+    Ok(most)
 }
 
 /// The outbox's state for `/metrics`, read with queries whose cost does not grow with the rows

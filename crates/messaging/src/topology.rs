@@ -131,8 +131,10 @@ impl Endpoint {
     /// in the order their outbox rows committed, whatever order they arrive in, across retries
     /// and consumer instances: a message that arrives before an earlier one of its key is applied
     /// goes back to wait (its first wait tier, spending no attempt) and is tried again. Messages
-    /// of other keys, and messages without a key, flow as before. A parked message gives up its
-    /// place: its key's later messages go on, and a redrive applies it late (decision 0017).
+    /// of other keys, and messages without a key, flow as before. A message waits only for the
+    /// earlier messages of its key of the types this endpoint takes ([`Endpoint::takes`]). A
+    /// parked message gives up its place, even one parked before its turn: its key's later
+    /// messages go on, and a redrive applies it late (decisions 0017, 0024).
     pub fn ordered_by_key(self) -> Self {
         Self { ordered_by_key: true, ..self }
     }
@@ -153,6 +155,11 @@ impl Endpoint {
     pub fn accept<C: Contract>(mut self) -> Self {
         self.accepts.push((C::TYPE, C::VERSION));
         self
+    }
+
+    /// Whether this endpoint takes messages of `message_type` (at some version).
+    pub fn takes(&self, message_type: &str) -> bool {
+        self.accepts.iter().any(|(accepted, _)| *accepted == message_type)
     }
 
     /// Whether a message of this type and version can be handled here.

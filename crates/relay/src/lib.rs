@@ -112,7 +112,8 @@ pub struct RelaySettings {
     /// are the broker's or the topology's state, not the row's.
     #[arg(long, env = "RELAY_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub max_attempts: u32,
-    /// Published rows older than this are deleted.
+    /// Published rows older than this are deleted, and ordering keys that have numbered nothing
+    /// for this long.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "168h", value_parser = parse_duration)]
     pub retention: Duration,
 }
@@ -663,9 +664,10 @@ impl SentBatch {
     }
 }
 
-/// Delete published rows past retention, in small batches, at start-up and hourly.
+/// Delete published rows and idle ordering keys past retention, in small batches, at start-up and
+/// hourly.
 async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown) {
-    messaging::runtime::retention::run("published outbox rows", shutdown, || {
+    messaging::runtime::retention::run("published outbox rows and ordering keys", shutdown, || {
         outbox::delete_published_before(&db.pool, retention, messaging::runtime::retention::BATCH)
     })
     .await;

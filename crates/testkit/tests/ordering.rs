@@ -1,7 +1,9 @@
-//! Ordering per key (decision 0017): an endpoint ordered by key applies each key's messages in the
-//! order their outbox rows committed, through the relay and two consumer instances (one batching,
-//! one not), while some messages fail twice before they succeed (as FLAKY-1 does): a message that
-//! arrives before its key's earlier one is applied waits, and other keys keep flowing.
+//! Ordering per key (decisions 0017, 0024): an endpoint ordered by key applies each key's messages
+//! in the order their outbox rows committed, through the relay and two consumer instances (one
+//! batching, one not), while some messages fail twice before they succeed (as FLAKY-1 does): a
+//! message that arrives before its key's earlier one is applied waits, and other keys keep
+//! flowing. It waits only for the types it takes, and a message parked before its turn gives up
+//! its place.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -33,6 +35,17 @@ struct Step {
 
 impl Contract for Step {
     const TYPE: &'static str = "test.step";
+    const EXCHANGE: &'static str = "orders";
+}
+
+/// A message of a key's that the ordered endpoint does not take (another endpoint does).
+#[derive(Debug, Serialize, Deserialize)]
+struct Aside {
+    key: String,
+}
+
+impl Contract for Aside {
+    const TYPE: &'static str = "test.aside";
     const EXCHANGE: &'static str = "orders";
 }
 
@@ -94,16 +107,32 @@ fn start_relay(env: &TestEnv, listener: tokio::net::TcpListener, trigger: &shutd
 
 type Relay = tokio::task::JoinHandle<Result<(), messaging::service::BoxError>>;
 
-/// Rounds applied so far, by key, in the order they were applied.
-async fn applied(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
+/// Rounds applied so far, by key, in the order they were applied; each at the place the outbox
+/// numbered it, which `place_of` gives from its round.
+async fn applied_at(pool: &PgPool, place_of: impl Fn(i64) -> i64) -> BTreeMap<String, Vec<i64>> {
     let rows: Vec<(String, i64, Option<i64>)> =
         sqlx::query_as("select key, round, place from applied order by n").fetch_all(pool).await.expect("applied");
     let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for (key, round, place) in rows {
-        assert_eq!(place, Some(round), "{key}: the outbox numbers a key's rows in commit order");
+        assert_eq!(place, Some(place_of(round)), "{key}: the outbox numbers a key's rows in commit order");
         by_key.entry(key).or_default().push(round);
     }
     by_key
+}
+
+/// Rounds applied so far, by key, where only steps were written: round n at place n.
+async fn applied(pool: &PgPool) -> BTreeMap<String, Vec<i64>> {
+    applied_at(pool, |round| round).await
+}
+
+/// Each key's next place at the ordered endpoint, and how many given-up places it still keeps.
+async fn positions(pool: &PgPool) -> (Vec<i64>, i64) {
+    let next = sqlx::query_scalar("select next from inbox_key_positions where endpoint = 'test.ordered' order by key")
+        .fetch_all(pool)
+        .await
+        .expect("positions");
+    let given_up = sqlx::query_scalar("select count(*) from inbox_key_given_up").fetch_one(pool).await.expect("count");
+    (next, given_up)
 }
 
 /// `messages_handled_total` of the ordered endpoint for `outcome`, from the consumers' metrics.
@@ -159,12 +188,7 @@ async fn each_key_is_applied_in_its_outbox_order_through_two_consumers_and_retri
     for (key, rounds) in &by_key {
         assert_eq!(rounds, &in_order, "{key} applied out of its order");
     }
-    let positions: Vec<i64> =
-        sqlx::query_scalar("select next from inbox_key_positions where endpoint = 'test.ordered'")
-            .fetch_all(&pool)
-            .await
-            .expect("positions");
-    assert_eq!(positions, vec![ROUNDS + 1; KEYS], "every key moved past its last step");
+    assert_eq!(positions(&pool).await, (vec![ROUNDS + 1; KEYS], 0), "every key moved past its last step");
 
     // Later steps did wait for the flaky ones (otherwise this test proved nothing), and nothing
     // was parked.
@@ -201,11 +225,98 @@ async fn a_parked_message_lets_its_key_go_on() {
     })
     .await;
     assert_eq!(handled(&health, "parked"), 1);
-    let next: i64 = sqlx::query_scalar("select next from inbox_key_positions where key = 'k'")
-        .fetch_one(&pool)
-        .await
-        .expect("position");
-    assert_eq!(next, 5);
+    assert_eq!(positions(&pool).await, (vec![5], 0));
+    trigger.trigger();
+    consumer.await.expect("consumer");
+    relay.await.expect("relay task").expect("relay");
+}
+
+/// Start one consumer of the ordered endpoint, not batching, and the relay; returns what stops them.
+async fn start(
+    env: &TestEnv,
+    pool: &PgPool,
+    endpoint: &Endpoint,
+    policy: &RetryPolicy,
+) -> (Health, shutdown::ShutdownTrigger, tokio::task::JoinHandle<()>, Relay) {
+    let (trigger, stop) = shutdown::channel();
+    let health = Health::default();
+    let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
+    let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay = start_relay(env, listener, &trigger);
+    (health, trigger, consumer, relay)
+}
+
+/// The outbox numbers a key's messages across every type, but the endpoint takes steps only: each
+/// step waits for the key's latest earlier step, never for the asides between them, which another
+/// endpoint takes. (Before decision 0024, step 2, at place 3, waited for place 2 for ever.)
+#[tokio::test]
+async fn an_endpoint_waits_only_for_the_types_it_takes() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    // The asides' own endpoint, so that they are routed; nothing consumes it.
+    let elsewhere = Endpoint::new("test.aside").consume::<Aside>();
+    env.declare_endpoint(&elsewhere, &policy).await;
+    const STEPS: i64 = 5;
+    for round in 1..=STEPS {
+        for key in ["a", "b", "c"] {
+            // Round 2 is flaky: the later steps of its key arrive while it waits for its retry.
+            let step = Step { key: key.into(), round, flaky: round == 2, poison: false };
+            enqueue(&pool, &step).await;
+            let mut tx = pool.begin().await.expect("begin");
+            Outgoing::of(&Aside { key: key.into() }, None).ordered_by(key).enqueue(&mut tx).await.expect("aside");
+            tx.commit().await.expect("commit");
+        }
+    }
+    let (health, trigger, consumer, relay) = start(&env, &pool, &endpoint, &policy).await;
+
+    // Step n of a key took place 2n - 1, the asides the even places.
+    let in_order: Vec<i64> = (1..=STEPS).collect();
+    eventually("every step, in its order", Duration::from_secs(60), || async {
+        let by_key = applied_at(&pool, |round| 2 * round - 1).await;
+        (by_key.len() == 3 && by_key.values().all(|rounds| rounds.len() == in_order.len())).then_some(by_key)
+    })
+    .await
+    .values()
+    .for_each(|rounds| assert_eq!(rounds, &in_order));
+    assert_eq!(positions(&pool).await, (vec![2 * STEPS; 3], 0), "every key moved past its last step");
+    assert!(handled(&health, "deferred") > 0, "no step waited for its flaky one");
+    assert_eq!(handled(&health, "parked"), 0);
+    assert_eq!(env.queue_depth(elsewhere.name).await, Some(3 * STEPS as u32), "the asides were sent");
+
+    trigger.trigger();
+    consumer.await.expect("consumer");
+    relay.await.expect("relay task").expect("relay");
+}
+
+/// A step that the endpoint cannot read (a newer major version) is parked on arrival, while the
+/// key still waits for the flaky step before it: its place is written down, and when the flaky
+/// step is applied the key steps over it to the steps after it. (Before decision 0024 the key
+/// stopped at the unreadable step's place for ever.)
+#[tokio::test]
+async fn a_message_parked_before_its_turn_gives_up_its_place() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    for round in 1..=4 {
+        let step = Step { key: "k".into(), round, flaky: round == 1, poison: false };
+        let mut outgoing = Outgoing::of(&step, None).ordered_by("k");
+        if round == 2 {
+            outgoing.headers.0.version = 2;
+        }
+        let mut tx = pool.begin().await.expect("begin");
+        outgoing.enqueue(&mut tx).await.expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+    let (health, trigger, consumer, relay) = start(&env, &pool, &endpoint, &policy).await;
+    eventually("the steps around the unreadable one to be applied", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![1, 3, 4])).then_some(())
+    })
+    .await;
+    assert_eq!(handled(&health, "parked"), 1);
+    assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(1));
+    assert_eq!(handled(&health, "retried"), 2, "step 1 failed twice before it was applied");
+    assert_eq!(positions(&pool).await, (vec![5], 0), "the key stepped over place 2");
+
     trigger.trigger();
     consumer.await.expect("consumer");
     relay.await.expect("relay task").expect("relay");

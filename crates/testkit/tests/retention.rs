@@ -1,6 +1,6 @@
-//! Retention: a worker deletes inbox rows and crash counts older than `INBOX_RETENTION`, and the
-//! relay published outbox rows older than `OUTBOX_RETENTION`; younger rows, and unpublished ones,
-//! stay.
+//! Retention: a worker deletes inbox rows, crash counts and ordering keys (with their given-up
+//! places) older than `INBOX_RETENTION`, and the relay published outbox rows and ordering keys
+//! older than `OUTBOX_RETENTION`; younger rows, and unpublished ones, stay.
 
 use clap::Parser;
 use messaging::{runtime::shutdown, service::BoxError};
@@ -47,6 +47,17 @@ async fn age(pool: &PgPool, days: i32) {
     .execute(pool)
     .await
     .expect("published outbox row");
+    // An ordering key at both ends, last moved then.
+    let key = format!("order:{message_id}");
+    for statement in [
+        "insert into outbox_key_sequences (key, last, numbered_at) values ($1, 2, now() - make_interval(days => $2))",
+        "insert into inbox_key_positions (endpoint, key, next, moved_at)
+         values ('inventory.order-placed', $1, 2, now() - make_interval(days => $2))",
+        "insert into inbox_key_given_up (endpoint, key, follows, seq, given_up_at)
+         values ('inventory.order-placed', $1, 3, 4, now() - make_interval(days => $2))",
+    ] {
+        sqlx::query(statement).bind(&key).bind(days).execute(pool).await.expect(statement);
+    }
 }
 
 #[tokio::test]
@@ -71,12 +82,15 @@ async fn rows_past_retention_are_deleted_and_younger_ones_stay() {
     let relay = tokio::spawn(relay::run(relay::Config::parse_from(args), listener, stop));
 
     eventually("rows past retention to be deleted", WAIT, || async {
-        let left = (
+        let left = [
             count(&pool, "select count(*) from inbox").await,
             count(&pool, "select count(*) from delivery_starts").await,
             count(&pool, "select count(*) from outbox").await,
-        );
-        (left == (1, 1, 1)).then_some(())
+            count(&pool, "select count(*) from outbox_key_sequences").await,
+            count(&pool, "select count(*) from inbox_key_positions").await,
+            count(&pool, "select count(*) from inbox_key_given_up").await,
+        ];
+        (left == [1; 6]).then_some(())
     })
     .await;
     let youngest = "select count(*) from inbox where received_at > now() - interval '4 days'";

@@ -37,9 +37,11 @@ impl<H: Handler> Runtime<H> {
                     outcomes.push(Applied::Duplicate);
                     continue;
                 }
-                if let Some(Turn::Waits { next }) = self.take_turn(&mut tx, &member.message).await? {
+                if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, &member.message).await? {
                     // Nothing of the batch commits; one by one, this message goes back to wait.
-                    return Err(HandlerError::Transient(format!("a message waits for place {next} of its key").into()));
+                    return Err(HandlerError::Transient(
+                        format!("a message waits for place {follows} of its key").into(),
+                    ));
                 }
                 let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
                 trace::scope(member.context, handled).await?;
@@ -99,8 +101,8 @@ impl<H: Handler> Runtime<H> {
         if !inbox::record(tx, message.message_id, &message.message_type, endpoint).await? {
             return Ok(Applied::Duplicate);
         }
-        if let Some(Turn::Waits { next }) = self.take_turn(tx, message).await? {
-            return Ok(Applied::Waits { next });
+        if let Some(Turn::Waits { follows }) = self.take_turn(tx, message).await? {
+            return Ok(Applied::Waits { follows });
         }
         self.handler.handle(message, tx).await?;
         Ok(Applied::Done)
@@ -110,7 +112,7 @@ impl<H: Handler> Runtime<H> {
     async fn take_turn(&self, tx: &mut PgConnection, message: &Incoming) -> sqlx::Result<Option<Turn>> {
         match &message.ordering {
             Some(ordering) if self.settings.endpoint.ordered_by_key => {
-                ordering::take_turn(tx, self.settings.endpoint.name, ordering).await.map(Some)
+                ordering::take_turn(tx, &self.settings.endpoint, ordering).await.map(Some)
             }
             _ => Ok(None),
         }

@@ -28,8 +28,9 @@
 //! 7. what the broker itself dead-letters (its delivery limit, a last resort) arrives in the
 //!    endpoint's intake queue and is parked with the broker's reason and a job event, like any
 //!    other parked message;
-//! 8. on an endpoint ordered by key, a message that arrives before an earlier one of its key has
-//!    been applied is rolled back and sent to wait again (`ordering`), spending no attempt.
+//! 8. on an endpoint ordered by key, a message that arrives before the earlier one of its key it
+//!    follows (of a type the endpoint takes) has been applied is rolled back and sent to wait
+//!    again (`ordering`), spending no attempt.
 //!
 //! Its parts: `scheduler` decides what to start next (a pure state machine), `session` does
 //! the broker I/O around it, `settle` turns a delivery into its outcome, `apply` runs the
@@ -385,10 +386,10 @@ struct Runtime<H> {
 enum Applied {
     Done,
     Duplicate,
-    /// Rolled back, nothing applied: its endpoint is ordered by key, and the key's next place is
-    /// `next`, before this message's.
+    /// Rolled back, nothing applied: its endpoint is ordered by key, and the key has not passed
+    /// place `follows`, the earlier message this one waits for.
     Waits {
-        next: i64,
+        follows: i64,
     },
 }
 

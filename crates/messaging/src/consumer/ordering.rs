@@ -1,16 +1,25 @@
-//! Ordering per key (decision 0017). The outbox numbers the messages of each ordering key as their
-//! rows are inserted (migration `0102_ordering_keys.sql`); an endpoint ordered by key keeps, for
-//! each key, the place it applies next (`inbox_key_positions`), in the same transaction as the
-//! inbox row and the effect:
+//! Ordering per key (decisions 0017, 0024). The outbox numbers the messages of each ordering key
+//! as their rows are inserted, and gives each, for every type, the place of its key's latest
+//! earlier message of that type (migrations `0102_ordering_keys.sql`, `0106_ordering_gaps.sql`).
+//! An endpoint ordered by key keeps, for each key, the place it applies next
+//! (`inbox_key_positions`), in the same transaction as the inbox row and the effect. A message
+//! *follows* the latest earlier message of a type the endpoint takes ([`Ordering::follows`]):
+//! the others never come here, so it does not wait for them.
 //!
-//! - the message whose place is next is applied, and the key moves on by one;
-//! - a message whose place is further on rolls back and goes to wait (the first wait tier, with no
-//!   attempt spent), to be tried again; later messages of its key do the same, other keys flow;
+//! - the message whose place is next, or whose key has passed the place it follows, is applied,
+//!   and the key moves past it;
+//! - a message whose key has not passed the place it follows rolls back and goes to wait (the
+//!   first wait tier, with no attempt spent), to be tried again; later messages of its key do the
+//!   same, other keys flow;
 //! - a message whose place is already passed (it was parked, which gives up its place, and then
 //!   redriven) is applied, and the key stays where it is.
 //!
+//! A parked message gives up its place: if the key is not there yet, the place is written down
+//! (`inbox_key_given_up`) and the key steps over it when it gets there.
+//!
 //! The key's row is locked from the moment a message takes its turn until its transaction ends:
-//! two consumers with consecutive messages of one key apply them one after the other.
+//! two consumers with consecutive messages of one key apply them one after the other. The SQL of
+//! both moves is in the migration, as two functions (`inbox_take_turn`, `inbox_give_up_place`).
 
 use lapin::types::AMQPValue;
 use sqlx::PgConnection;
@@ -20,59 +29,75 @@ use crate::{
     envelope::{self, Incoming, Ordering},
     publisher::{PublishError, Publisher},
     runtime::{db, metrics::Handled},
+    topology::Endpoint,
 };
 
 /// Where a message stands among its key's messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Turn {
-    /// Its place is next: apply it; the key has moved on (in this transaction).
+    /// Its key has passed the place it follows: apply it; the key has moved past it (in this
+    /// transaction).
     Now,
     /// Its place was passed (it was parked, then redriven): apply it; the key stays.
     Late,
-    /// An earlier message of its key is not applied yet: the key's next place is this one.
+    /// The message at place `follows`, an earlier one of its key, is not applied yet.
     Waits {
-        /// The key's next place.
-        next: i64,
+        /// The place this message waits for.
+        follows: i64,
     },
 }
 
-/// Take `ordering`'s turn at `endpoint` in `tx`: one statement, which creates the key's row at
-/// place 1 if it has none, moves it on if this message's place is next, and locks it until `tx`
-/// ends.
-pub(super) async fn take_turn(tx: &mut PgConnection, endpoint: &str, ordering: &Ordering) -> sqlx::Result<Turn> {
-    let next: i64 = sqlx::query_scalar(
-        "insert into inbox_key_positions as p (endpoint, key, next)
-         values ($1, $2, case when $3 = 1 then 2 else 1 end)
-         on conflict (endpoint, key) do update
-            set next = case when p.next = $3 then $3 + 1 else p.next end
-         returning next",
-    )
-    .bind(endpoint)
-    .bind(&ordering.key)
-    .bind(ordering.seq)
-    .fetch_one(tx)
-    .await?;
-    Ok(turn(ordering.seq, next))
+/// Take `ordering`'s turn at `endpoint` in `tx`: one call, which creates the key's row at place 1
+/// if it has none, moves it past this message if its turn has come, and locks it until `tx` ends.
+pub(super) async fn take_turn(tx: &mut PgConnection, endpoint: &Endpoint, ordering: &Ordering) -> sqlx::Result<Turn> {
+    let follows = ordering.follows(|message_type| endpoint.takes(message_type));
+    let was: i64 = sqlx::query_scalar("select inbox_take_turn($1, $2, $3, $4)")
+        .bind(endpoint.name)
+        .bind(&ordering.key)
+        .bind(ordering.seq)
+        .bind(follows)
+        .fetch_one(tx)
+        .await?;
+    Ok(turn(ordering.seq, follows, was))
 }
 
-/// The turn of the message at place `seq`, the key's next place being `next` after the statement.
-fn turn(seq: i64, next: i64) -> Turn {
-    if next == seq + 1 {
-        Turn::Now
-    } else if next > seq {
+/// The turn of the message at place `seq` that follows place `follows`, its key's next place
+/// having been `was` before it took its turn.
+fn turn(seq: i64, follows: i64, was: i64) -> Turn {
+    if was > seq {
         Turn::Late
+    } else if was > follows {
+        Turn::Now
     } else {
-        Turn::Waits { next }
+        Turn::Waits { follows }
     }
 }
 
-/// Give up the place of a message being parked, so that its key's later messages go on: the key
-/// moves past it if it was next. A redrive then applies it late. If the database cannot be
-/// reached, the key stays at this place until the message is redriven (then applied in turn).
-pub(super) async fn give_up_place(pool: &sqlx::PgPool, endpoint: &str, ordering: &Ordering) {
+/// Give up the place of a message of `message_type` being parked, so that its key's later
+/// messages go on: the key moves past it now if its turn had come, or steps over it when it gets
+/// there. A redrive then applies it late. A message of a type the endpoint does not take holds
+/// no place here (no message of the key waits for it). If the database cannot be reached, the
+/// key waits at this place until the message is redriven (then applied in turn).
+pub(super) async fn give_up_place(
+    pool: &sqlx::PgPool,
+    endpoint: &Endpoint,
+    message_type: Option<&str>,
+    ordering: &Ordering,
+) {
+    let taken = message_type.is_some_and(|message_type| endpoint.takes(message_type));
+    if ordering.earlier.is_some() && !taken {
+        return;
+    }
+    let follows = ordering.follows(|message_type| endpoint.takes(message_type));
     let given_up = async {
         let mut conn = db::acquire(pool).await?;
-        take_turn(&mut conn, endpoint, ordering).await
+        sqlx::query("select inbox_give_up_place($1, $2, $3, $4)")
+            .bind(endpoint.name)
+            .bind(&ordering.key)
+            .bind(ordering.seq)
+            .bind(follows)
+            .execute(&mut *conn)
+            .await
     };
     if let Err(error) = db::within(db::QUERY_DEADLINE, given_up).await {
         tracing::warn!(%error, key = ordering.key, place = ordering.seq, "parked, but its key waits for it: redrive it");
@@ -92,7 +117,7 @@ impl<H: Handler> Runtime<H> {
         delivery: InFlight,
         publisher: &Publisher,
         message: &Incoming,
-        next: i64,
+        follows: i64,
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
         let raw = delivery.delivery();
@@ -101,7 +126,7 @@ impl<H: Handler> Runtime<H> {
         let deferrals = deferrals.unwrap_or(0) + 1;
         let Some(&delay) = self.settings.policy.delays().first().filter(|_| deferrals <= MAX_DEFERRALS) else {
             let place = message.ordering.as_ref().map_or(0, |ordering| ordering.seq);
-            let reason = format!("waited {MAX_DEFERRALS} times for place {next} of its key (it is place {place})");
+            let reason = format!("waited {MAX_DEFERRALS} times for place {follows} of its key (it is place {place})");
             return self.park(delivery, publisher, message.retry_count, &reason).await;
         };
         let properties = envelope::with_headers(
@@ -111,7 +136,7 @@ impl<H: Handler> Runtime<H> {
         publisher.publish(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &raw.data, properties).await?;
         delivery.ack().await?;
         self.count(Handled::Deferred);
-        tracing::info!(next, ?delay, deferrals, "waits for an earlier message of its key");
+        tracing::info!(follows, ?delay, deferrals, "waits for an earlier message of its key");
         Ok(())
     }
 }
@@ -122,12 +147,16 @@ mod tests {
 
     #[test]
     fn a_message_is_applied_in_its_turn_or_late_and_otherwise_waits() {
-        // The statement's `next` after it ran: moved on past 3 means 3 was next.
-        assert_eq!(turn(3, 4), Turn::Now);
-        assert_eq!(turn(1, 2), Turn::Now);
+        // Place 3, following 2, the key at 3: its turn.
+        assert_eq!(turn(3, 2, 3), Turn::Now);
+        assert_eq!(turn(1, 0, 1), Turn::Now);
+        // Place 3 follows 1 (place 2 is of a type this endpoint does not take): the key at 2
+        // has passed 1, so 3 goes now; at 1, it waits for 1.
+        assert_eq!(turn(3, 1, 2), Turn::Now);
+        assert_eq!(turn(3, 1, 1), Turn::Waits { follows: 1 });
         // The key is at 6 and stays there: 3 was passed (parked, then redriven).
-        assert_eq!(turn(3, 6), Turn::Late);
-        // The key is at 2: 3 waits for 2.
-        assert_eq!(turn(3, 2), Turn::Waits { next: 2 });
+        assert_eq!(turn(3, 2, 6), Turn::Late);
+        // The key is at 2: 3, which follows 2, waits for it.
+        assert_eq!(turn(3, 2, 2), Turn::Waits { follows: 2 });
     }
 }

@@ -69,7 +69,8 @@ impl<H: Handler> Runtime<H> {
         if endpoint.ordered_by_key
             && let Some(ordering) = properties.headers().as_ref().and_then(envelope::ordering)
         {
-            super::ordering::give_up_place(&self.pool, endpoint.name, &ordering).await;
+            let message_type = properties.kind().as_ref().map(|kind| kind.as_str());
+            super::ordering::give_up_place(&self.pool, endpoint, message_type, &ordering).await;
         }
         let parked_properties = envelope::with_headers(
             properties,

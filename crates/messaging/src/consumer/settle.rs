@@ -182,9 +182,9 @@ impl<H: Handler> Runtime<H> {
             None => {
                 tracing::info!("session ended during a database outage; the broker will redeliver");
             }
-            Some(Ok(Applied::Waits { next })) => {
+            Some(Ok(Applied::Waits { follows })) => {
                 let (runtime, publisher, message) = owned();
-                io.hold(async move { runtime.defer(delivery, &publisher, &message, next).await });
+                io.hold(async move { runtime.defer(delivery, &publisher, &message, follows).await });
             }
             Some(Ok(applied)) => {
                 delivery.ack().await?;

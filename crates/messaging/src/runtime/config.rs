@@ -320,7 +320,8 @@ pub struct ConsumerArgs {
 
     /// How long a processed message's inbox row (its protection against a second delivery) is
     /// kept. Must cover the retry horizon (the sum of the retry waits) plus a day for late copies;
-    /// a shorter one is refused at start-up.
+    /// a shorter one is refused at start-up. Ordering keys that have not moved for as long are
+    /// deleted too.
     #[arg(long, env = "INBOX_RETENTION", default_value = "14d", value_parser = parse_duration)]
     pub inbox_retention: Duration,
 }
