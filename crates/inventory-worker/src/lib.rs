@@ -1,7 +1,8 @@
-//! Inventory: consumes `order.placed` and `order.ended` (endpoint `inventory.order-placed`). It
-//! reserves every line of a placed order or none, and announces `inventory.reserved` or
-//! `inventory.rejected`; when the order ends, it settles the reservation (invoiced) or releases
-//! it and announces `inventory.released` (any other end). Each in the runtime's one transaction.
+//! Inventory: consumes `order.placed` and `order.ended` (endpoint `inventory.order-placed`, ordered
+//! by key: an order's end after its placing). It reserves every line of a placed order or none,
+//! and announces `inventory.reserved` or `inventory.rejected`; when the order ends, it settles the
+//! reservation (invoiced) or releases it and announces `inventory.released` (any other end). Each
+//! in the runtime's one transaction.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -27,7 +28,11 @@ pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
         database: "inventory",
         http_addr: "127.0.0.1:8081",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("inventory.order-placed").consume::<OrderPlaced>().consume::<OrderEnded>(),
+        // Ordered by key: an order's end is applied after its placing (shop::order_key).
+        endpoint: Endpoint::new("inventory.order-placed")
+            .consume::<OrderPlaced>()
+            .consume::<OrderEnded>()
+            .ordered_by_key(),
         handler: |faults| handler(*faults),
     }
 }
@@ -72,9 +77,11 @@ impl Handle<OrderPlaced> for ReserveStock {
 }
 
 // The order's end, as the orders service decided it: the held reservation is settled (the stock
-// is sold) or released (the stock is back). A release that finds no reservation, because its
-// order.placed is late or was never applied, leaves a fence instead, so that the order.placed
-// reserves nothing when it comes: the two are safe in either order, and at the same time.
+// is sold) or released (the stock is back). The endpoint is ordered by key, so an order's end
+// waits for its order.placed to be applied. But an order.placed parked at inventory gives up its
+// place, and a redrive applies it late, after the end. So a release that finds no reservation
+// leaves a fence, so that the order.placed reserves nothing when it comes: the two are safe in
+// either order, and at the same time.
 impl Handle<OrderEnded> for ReserveStock {
     async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         match ended.end {

@@ -373,7 +373,7 @@ pub async fn decide(
     };
     if let Decided::Now(_, order_id) = decided {
         let ended = OrderEnded { order_id, job_id, end, reason: reason.map(str::to_owned) };
-        outbox::enqueue(tx, &ended, Some(job_id)).await?;
+        outbox::Outgoing::of(&ended, Some(job_id)).ordered_by(shop::order_key(order_id)).enqueue(tx).await?;
     }
     Ok(decided)
 }

@@ -70,8 +70,8 @@ pub struct NewOrder {
     pub claim: Option<Claim>,
     /// The outbox row's id.
     pub message_id: Uuid,
-    /// The outbox row's headers: the job as correlation id, and the trace context current when
-    /// the order was made (the request's span).
+    /// The outbox row's headers: the job as correlation id, the trace context current when the
+    /// order was made (the request's span), and the order's ordering key ([`shop::order_key`]).
     pub headers: Headers,
     /// Its `order.deadline`, scheduled for `deadline`: a second outbox row, delivered to the
     /// orders service itself then.
@@ -98,7 +98,7 @@ impl NewOrder {
         let placed = order.placed(&ids, deadline);
         // The job names its order.placed row, so that the row's confirm marks it `published`.
         let outbox::Outgoing { message_id, headers: Json(headers), .. } =
-            outbox::Outgoing::of(&placed, Some(ids.job_id));
+            outbox::Outgoing::of(&placed, Some(ids.job_id)).ordered_by(shop::order_key(ids.order_id));
         let body = OrderDeadline { order_id: ids.order_id, job_id: ids.job_id };
         let outbox::Outgoing { message_id: deadline_id, headers: Json(deadline_headers), .. } =
             outbox::Outgoing::of(&body, Some(ids.job_id));

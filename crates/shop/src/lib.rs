@@ -37,6 +37,14 @@ pub struct OrderLine {
     pub quantity: i32,
 }
 
+/// The ordering key ([`messaging::outbox::Outgoing::ordered_by`]) under which the orders service
+/// sends an order's `order.placed` and `order.ended`: inventory, ordered by key, applies an order's
+/// end after its placing, whatever order they arrive in (decision 0023). The scheduled
+/// `order.deadline` carries none.
+pub fn order_key(order_id: Uuid) -> String {
+    format!("order:{order_id}")
+}
+
 /// An order was accepted: reserve its stock.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -1,8 +1,9 @@
 //! The saga (issue 41, decision 0023) on the real shop, as processes: every order ends, and an end
 //! other than `invoiced` leaves no stock held and no invoice standing. Billing declines; an
 //! operator abandons a parked order; a customer cancels before the relay publishes, between
-//! reservation and invoice, and after the invoice; a deadline expires while billing is down; and
-//! each undo is safe against the message it undoes arriving late.
+//! reservation and invoice, and after the invoice; a deadline expires while billing is down; an
+//! order's end waits at inventory behind its placing; and each undo is safe against the message
+//! it undoes arriving late.
 
 use serde_json::Value;
 use shop::{End, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
@@ -156,6 +157,32 @@ async fn a_cancel_before_the_relay_publishes_ends_the_order_cancelled_and_takes_
     shop.wait_for_state(job_id, "cancelled").await;
     assert_given_back(&mut shop, &["SKU-3"]).await;
     assert!(invoices(&shop, order_id).await.iter().all(|(state, _)| state == "void"));
+}
+
+/// Inventory is ordered by the order (`shop::order_key`, decision 0024): a cancel's `order.ended`
+/// that arrives while the order's `order.placed` waits for its retry waits behind it, so the stock
+/// is reserved and then released, not fenced. (Unordered, the release would come first and leave a
+/// fence, and the `order.placed` would then reserve nothing.)
+#[tokio::test]
+async fn an_orders_end_waits_at_inventory_behind_its_placing() {
+    let mut shop = Shop::start(Options { demo_faults: true, ..Options::default() }).await;
+    shop.kill(Service::Relay).await;
+    // FLAKY-1 fails inventory's first two attempts; the relay sends order.placed, then order.ended.
+    let job_id = shop.place(&[("FLAKY-1", 1), ("SKU-4", 2)]).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    shop.restart(Service::Relay).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_given_back(&mut shop, &["FLAKY-1", "SKU-4"]).await;
+    let reservation: (String, Value) = sqlx::query_as("select state, lines from reservations where order_id = $1")
+        .bind(order_id)
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("the reservation");
+    assert_eq!(reservation.0, "released");
+    assert_eq!(reservation.1.as_array().map(Vec::len), Some(2), "a fence, not a released reservation: {reservation:?}");
+    let deferred = r#"messages_handled_total{endpoint="inventory.order-placed",outcome="deferred""#;
+    assert!(shop.metric(Service::Inventory, deferred).await > 0, "order.ended did not wait");
 }
 
 #[tokio::test]
