@@ -216,8 +216,8 @@ pub struct Database<'a> {
 
 /// Connect, create the database if it is missing and the role may, apply messaging's migrations
 /// and then the service's `migrator` ([`crate::schema::migrate`]), and check that the runtime role
-/// holds every grant the service needs. Retries with backoff while the server cannot be reached
-/// (it may still be starting). Anything that no wait would cure (a certificate that does not
+/// holds every grant the service needs. Retries with backoff, from the start, while the server
+/// cannot be reached (it may still be starting) or a connection is lost midway. Anything that no wait would cure (a certificate that does not
 /// verify, bad credentials, a bad migration, a missing grant) is a [`StartupError`] naming the
 /// server and what is wrong. `Ok(None)` if shutdown came first.
 pub async fn open(
@@ -248,13 +248,11 @@ pub async fn open(
                 .connect_with(bounded(options.clone(), &settings.timeouts))
                 .await
                 .map_err(|e| (database.url, e))?;
+            check_grants(&pool, &FULL_ACCESS).await.map_err(|e| (database.url, e))?;
             Ok::<_, (&SecretUrl, sqlx::Error)>(pool)
         };
         match step.await {
-            Ok(pool) => {
-                check_grants(&pool, &FULL_ACCESS).await.map_err(|e| at(database.url, &describe(&e)))?;
-                return Ok(Some(pool));
-            }
+            Ok(pool) => return Ok(Some(pool)),
             Err((url, error)) if is_unreachable(&error) => {
                 let delay = backoff.delay(failures);
                 tracing::warn!(%error, %url, ?delay, "cannot reach the database; retrying");
@@ -442,6 +440,12 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
         sqlx::Error::Database(e) => {
             e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
         }
+        // A connection lost while the migrations were checked or applied (each applies in a
+        // transaction of its own, which the loss rolls back): start-up waits and tries again.
+        sqlx::Error::Migrate(migrate) => match &**migrate {
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => is_unreachable(e),
+            _ => false,
+        },
         _ => false,
     }
 }
@@ -488,8 +492,20 @@ fn retired(age: Duration) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{retire_connections, retired};
+    use super::{MigrateError, is_unreachable, retire_connections, retired};
     use std::time::Duration;
+
+    #[test]
+    fn a_connection_lost_while_migrating_is_an_outage_and_a_failed_migration_is_not() {
+        let lost = || sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed connection"));
+        let migrating = |error| sqlx::Error::Migrate(Box::new(MigrateError::Execute(error)));
+        assert!(is_unreachable(&migrating(lost())), "lost while checking what is applied");
+        let applying = sqlx::Error::Migrate(Box::new(MigrateError::ExecuteMigration(lost(), 106)));
+        assert!(is_unreachable(&applying), "lost while applying one");
+        let changed = sqlx::Error::Migrate(Box::new(MigrateError::VersionMismatch(106)));
+        assert!(!is_unreachable(&changed), "a migration changed after it was applied: no wait cures it");
+        assert!(!is_unreachable(&migrating(sqlx::Error::Protocol("garbled".into()))));
+    }
 
     #[test]
     fn connections_opened_before_a_retirement_are_closed_and_later_ones_kept() {
