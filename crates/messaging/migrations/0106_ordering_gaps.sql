@@ -13,9 +13,12 @@
 -- And both sides' tables are kept for their retention, not for ever: a key is an entity with a
 -- bounded life (an order), and a row per key is otherwise a row per order for good.
 
--- Producer side: for each key, the place its latest message of each type took.
+-- Producer side: for each key, the place its latest message of each type took. A key numbered
+-- before this migration has none (null), and its messages go on without `ordering_earlier`: its
+-- endpoints cannot know which types its earlier messages were, so each message follows the place
+-- just before its own, as before. Only keys new from here on carry the map.
 alter table outbox_key_sequences
-    add column latest jsonb not null default '{}'::jsonb,
+    add column latest jsonb,
     add column numbered_at timestamptz not null default now();
 create index outbox_key_sequences_numbered_at on outbox_key_sequences (numbered_at);
 
@@ -26,19 +29,27 @@ declare
     earlier jsonb;
 begin
     -- The key's row, new or not, stays locked until the producing transaction ends: places follow
-    -- commit order.
-    insert into outbox_key_sequences (key, last, latest) values (k, 1, jsonb_build_object(new.message_type, 1))
-        on conflict do nothing;
-    if found then
-        place := 1;
-        earlier := '{}'::jsonb;
-    else
+    -- commit order. (A loop, because retention may delete the row between the two statements.)
+    loop
+        insert into outbox_key_sequences (key, last, latest) values (k, 1, jsonb_build_object(new.message_type, 1))
+            on conflict do nothing;
+        if found then
+            place := 1;
+            earlier := '{}'::jsonb;
+            exit;
+        end if;
         select s.last + 1, s.latest into place, earlier from outbox_key_sequences s where s.key = k for update;
-        update outbox_key_sequences s
-           set last = place, latest = earlier || jsonb_build_object(new.message_type, place), numbered_at = now()
-         where s.key = k;
+        if found then
+            update outbox_key_sequences s
+               set last = place, latest = earlier || jsonb_build_object(new.message_type, place), numbered_at = now()
+             where s.key = k;
+            exit;
+        end if;
+    end loop;
+    new.headers := new.headers || jsonb_build_object('ordering_seq', place);
+    if earlier is not null then
+        new.headers := new.headers || jsonb_build_object('ordering_earlier', earlier);
     end if;
-    new.headers := new.headers || jsonb_build_object('ordering_seq', place, 'ordering_earlier', earlier);
     return new;
 end;
 $$;
@@ -89,17 +100,24 @@ language plpgsql as $$
 declare
     was bigint;
 begin
-    -- A new key is at place 1: past it already if this message follows nothing.
-    insert into inbox_key_positions (endpoint, key, next)
-        values (p_endpoint, p_key, case when p_follows = 0 then p_seq + 1 else 1 end)
-        on conflict do nothing;
-    if found then
-        return 1;
-    end if;
-    select p.next into was from inbox_key_positions p
-     where p.endpoint = p_endpoint and p.key = p_key for update;
+    -- (A loop, because retention may delete the row between the two statements.)
+    loop
+        -- A new key is at place 1: past it already if this message follows nothing.
+        insert into inbox_key_positions (endpoint, key, next)
+            values (p_endpoint, p_key, case when p_follows = 0 then p_seq + 1 else 1 end)
+            on conflict do nothing;
+        if found then
+            return 1;
+        end if;
+        select p.next into was from inbox_key_positions p
+         where p.endpoint = p_endpoint and p.key = p_key for update;
+        exit when found;
+    end loop;
     if was > p_follows and was <= p_seq then
         perform inbox_key_move_past(p_endpoint, p_key, p_seq);
+    elsif was > p_seq then
+        -- Late: the key stays, but it is in use, which retention must know.
+        update inbox_key_positions p set moved_at = now() where p.endpoint = p_endpoint and p.key = p_key;
     end if;
     return was;
 end;

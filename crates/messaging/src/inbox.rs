@@ -65,8 +65,8 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
 }
 
 /// Delete up to `batch` inbox rows received more than `retention` ago, as many crash counts
-/// (`delivery_starts`) last started that long ago, and as many ordering keys (with their given-up
-/// places) that have not moved for that long (decision 0024); returns the largest of the counts,
+/// (`delivery_starts`) last started that long ago, and as many ordering keys that have not moved
+/// for that long, with their given-up places (decision 0024); returns the largest of the counts,
 /// so a caller deleting batch after batch goes on while any table has more.
 pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
     let retention = crate::runtime::retention::millis(retention);
@@ -76,13 +76,30 @@ pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i
           where received_at < now() - $1 * interval '1 millisecond' limit $2)",
         "delete from delivery_starts where (endpoint, message_id) in (select endpoint, message_id from delivery_starts
           where last_started_at < now() - $1 * interval '1 millisecond' limit $2)",
-        "delete from inbox_key_positions where (endpoint, key) in (select endpoint, key from inbox_key_positions
-          where moved_at < now() - $1 * interval '1 millisecond' limit $2)",
+        // Given-up places the key never got to (their key moves, but never reached them).
         "delete from inbox_key_given_up where (endpoint, key, follows) in (select endpoint, key, follows
           from inbox_key_given_up where given_up_at < now() - $1 * interval '1 millisecond' limit $2)",
     ] {
         let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
         most = most.max(deleted);
     }
-    Ok(most)
+    // A key is forgotten with its given-up places, so that a key made anew does not step over
+    // them. `moved_at` is checked again on the row deleted: a key that moved meanwhile stays.
+    let keys: i64 = sqlx::query_scalar(
+        "with forgotten as (
+             delete from inbox_key_positions
+              where (endpoint, key) in (select endpoint, key from inbox_key_positions
+                                         where moved_at < now() - $1 * interval '1 millisecond' limit $2)
+                and moved_at < now() - $1 * interval '1 millisecond'
+             returning endpoint, key
+         ), places as (
+             delete from inbox_key_given_up g using forgotten f where g.endpoint = f.endpoint and g.key = f.key
+         )
+         select count(*) from forgotten",
+    )
+    .bind(retention)
+    .bind(batch)
+    .fetch_one(pool)
+    .await?;
+    Ok(most.max(u64::try_from(keys).unwrap_or(0)))
 }

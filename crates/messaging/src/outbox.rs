@@ -388,8 +388,10 @@ pub async fn delete_published_before(pool: &PgPool, retention: Duration, batch: 
     for statement in [
         "delete from outbox where id in (select id from outbox
           where published_at < now() - $1 * interval '1 millisecond' limit $2)",
+        // `numbered_at` checked again on the row deleted: a key that numbered a row meanwhile stays.
         "delete from outbox_key_sequences where key in (select key from outbox_key_sequences
-          where numbered_at < now() - $1 * interval '1 millisecond' limit $2)",
+          where numbered_at < now() - $1 * interval '1 millisecond' limit $2)
+          and numbered_at < now() - $1 * interval '1 millisecond'",
     ] {
         let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
         most = most.max(deleted);

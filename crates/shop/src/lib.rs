@@ -39,7 +39,7 @@ pub struct OrderLine {
 
 /// The ordering key ([`messaging::outbox::Outgoing::ordered_by`]) under which the orders service
 /// sends an order's `order.placed` and `order.ended`: inventory, ordered by key, applies an order's
-/// end after its placing, whatever order they arrive in (decision 0023). The scheduled
+/// end after its placing, whatever order they arrive in (decisions 0023, 0024). The scheduled
 /// `order.deadline` carries none.
 pub fn order_key(order_id: Uuid) -> String {
     format!("order:{order_id}")

@@ -316,6 +316,19 @@ async fn a_message_parked_before_its_turn_gives_up_its_place() {
     assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(1));
     assert_eq!(handled(&health, "retried"), 2, "step 1 failed twice before it was applied");
     assert_eq!(positions(&pool).await, (vec![5], 0), "the key stepped over place 2");
+    // Step 2 was parked before its turn (not after step 1, which would prove nothing here): its
+    // place was written down, then taken when the key passed step 1. The statistics collector
+    // counts the row's insert (it reports within about a second).
+    eventually("place 2 written down as given up", Duration::from_secs(10), || async {
+        let inserted: i64 = sqlx::query_scalar(
+            "select coalesce(sum(n_tup_ins), 0)::bigint from pg_stat_user_tables where relname = 'inbox_key_given_up'",
+        )
+        .fetch_one(&pool)
+        .await
+        .ok()?;
+        (inserted >= 1).then_some(())
+    })
+    .await;
 
     trigger.trigger();
     consumer.await.expect("consumer");

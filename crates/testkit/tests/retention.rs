@@ -93,8 +93,14 @@ async fn rows_past_retention_are_deleted_and_younger_ones_stay() {
         (left == [1; 6]).then_some(())
     })
     .await;
-    let youngest = "select count(*) from inbox where received_at > now() - interval '4 days'";
-    assert_eq!(count(&pool, youngest).await, 1, "the 3-day-old row stays");
+    for youngest in [
+        "select count(*) from inbox where received_at > now() - interval '4 days'",
+        "select count(*) from outbox_key_sequences where numbered_at > now() - interval '4 days'",
+        "select count(*) from inbox_key_positions where moved_at > now() - interval '4 days'",
+        "select count(*) from inbox_key_given_up where given_up_at > now() - interval '4 days'",
+    ] {
+        assert_eq!(count(&pool, youngest).await, 1, "the 3-day-old row stays: {youngest}");
+    }
 
     trigger.trigger();
     let stopped: Result<(), BoxError> = async {

@@ -180,7 +180,11 @@ async fn an_orders_end_waits_at_inventory_behind_its_placing() {
         .await
         .expect("the reservation");
     assert_eq!(reservation.0, "released");
-    assert_eq!(reservation.1.as_array().map(Vec::len), Some(2), "a fence, not a released reservation: {reservation:?}");
+    assert_eq!(
+        reservation.1.as_array().map(Vec::len),
+        Some(2),
+        "found a fence where a released reservation should be: {reservation:?}"
+    );
     let deferred = r#"messages_handled_total{endpoint="inventory.order-placed",outcome="deferred""#;
     assert!(shop.metric(Service::Inventory, deferred).await > 0, "order.ended did not wait");
 }
