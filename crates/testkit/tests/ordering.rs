@@ -204,47 +204,52 @@ async fn each_key_is_applied_in_its_outbox_order_through_two_consumers_and_retri
     relay.await.expect("relay task").expect("relay");
 }
 
+/// One consumer of the ordered endpoint, not batching, and the relay, running.
+struct Running {
+    health: Health,
+    trigger: shutdown::ShutdownTrigger,
+    consumer: tokio::task::JoinHandle<()>,
+    relay: Relay,
+}
+
+impl Running {
+    /// Start them on the test's database.
+    async fn start(env: &TestEnv, pool: &PgPool, endpoint: &Endpoint, policy: &RetryPolicy) -> Self {
+        let (trigger, stop) = shutdown::channel();
+        let health = Health::default();
+        let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
+        let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let relay = start_relay(env, listener, &trigger);
+        Self { health, trigger, consumer, relay }
+    }
+
+    /// Stop both; each must stop cleanly.
+    async fn stop(self) {
+        self.trigger.trigger();
+        self.consumer.await.expect("consumer");
+        self.relay.await.expect("relay task").expect("relay");
+    }
+}
+
 /// A parked message gives up its place: its key's later messages are applied, and the key moves
 /// past it.
 #[tokio::test]
 async fn a_parked_message_lets_its_key_go_on() {
     let env = TestEnv::new().await;
     let (pool, endpoint, policy) = prepare(&env).await;
-    let (trigger, stop) = shutdown::channel();
-    let health = Health::default();
-    let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
-    let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
     for round in 1..=4 {
         let step = Step { key: "k".into(), round, flaky: false, poison: round == 2 };
         enqueue(&pool, &step).await;
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let relay = start_relay(&env, listener, &trigger);
+    let running = Running::start(&env, &pool, &endpoint, &policy).await;
     eventually("the steps after the poison one to be applied", Duration::from_secs(60), || async {
         (applied(&pool).await.get("k") == Some(&vec![1, 3, 4])).then_some(())
     })
     .await;
-    assert_eq!(handled(&health, "parked"), 1);
+    assert_eq!(handled(&running.health, "parked"), 1);
     assert_eq!(positions(&pool).await, (vec![5], 0));
-    trigger.trigger();
-    consumer.await.expect("consumer");
-    relay.await.expect("relay task").expect("relay");
-}
-
-/// Start one consumer of the ordered endpoint, not batching, and the relay; returns what stops them.
-async fn start(
-    env: &TestEnv,
-    pool: &PgPool,
-    endpoint: &Endpoint,
-    policy: &RetryPolicy,
-) -> (Health, shutdown::ShutdownTrigger, tokio::task::JoinHandle<()>, Relay) {
-    let (trigger, stop) = shutdown::channel();
-    let health = Health::default();
-    let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
-    let consumer = tokio::spawn(consumer::run(settings, Arc::new(Apply), pool.clone(), health.clone(), stop));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let relay = start_relay(env, listener, &trigger);
-    (health, trigger, consumer, relay)
+    running.stop().await;
 }
 
 /// The outbox numbers a key's messages across every type, but the endpoint takes steps only: each
@@ -268,7 +273,7 @@ async fn an_endpoint_waits_only_for_the_types_it_takes() {
             tx.commit().await.expect("commit");
         }
     }
-    let (health, trigger, consumer, relay) = start(&env, &pool, &endpoint, &policy).await;
+    let running = Running::start(&env, &pool, &endpoint, &policy).await;
 
     // Step n of a key took place 2n - 1, the asides the even places.
     let in_order: Vec<i64> = (1..=STEPS).collect();
@@ -280,13 +285,10 @@ async fn an_endpoint_waits_only_for_the_types_it_takes() {
     .values()
     .for_each(|rounds| assert_eq!(rounds, &in_order));
     assert_eq!(positions(&pool).await, (vec![2 * STEPS; 3], 0), "every key moved past its last step");
-    assert!(handled(&health, "deferred") > 0, "no step waited for its flaky one");
-    assert_eq!(handled(&health, "parked"), 0);
+    assert!(handled(&running.health, "deferred") > 0, "no step waited for its flaky one");
+    assert_eq!(handled(&running.health, "parked"), 0);
     assert_eq!(env.queue_depth(elsewhere.name).await, Some(3 * STEPS as u32), "the asides were sent");
-
-    trigger.trigger();
-    consumer.await.expect("consumer");
-    relay.await.expect("relay task").expect("relay");
+    running.stop().await;
 }
 
 /// A step that the endpoint cannot read (a newer major version) is parked on arrival, while the
@@ -307,14 +309,14 @@ async fn a_message_parked_before_its_turn_gives_up_its_place() {
         outgoing.enqueue(&mut tx).await.expect("enqueue");
         tx.commit().await.expect("commit");
     }
-    let (health, trigger, consumer, relay) = start(&env, &pool, &endpoint, &policy).await;
+    let running = Running::start(&env, &pool, &endpoint, &policy).await;
     eventually("the steps around the unreadable one to be applied", Duration::from_secs(60), || async {
         (applied(&pool).await.get("k") == Some(&vec![1, 3, 4])).then_some(())
     })
     .await;
-    assert_eq!(handled(&health, "parked"), 1);
+    assert_eq!(handled(&running.health, "parked"), 1);
     assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(1));
-    assert_eq!(handled(&health, "retried"), 2, "step 1 failed twice before it was applied");
+    assert_eq!(handled(&running.health, "retried"), 2, "step 1 failed twice before it was applied");
     assert_eq!(positions(&pool).await, (vec![5], 0), "the key stepped over place 2");
     // Step 2 was parked before its turn (not after step 1, which would prove nothing here): its
     // place was written down, then taken when the key passed step 1. The statistics collector
@@ -329,8 +331,5 @@ async fn a_message_parked_before_its_turn_gives_up_its_place() {
         (inserted >= 1).then_some(())
     })
     .await;
-
-    trigger.trigger();
-    consumer.await.expect("consumer");
-    relay.await.expect("relay task").expect("relay");
+    running.stop().await;
 }
