@@ -69,9 +69,7 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
 /// for that long, with their given-up places (decision 0024); returns the largest of the counts,
 /// so a caller deleting batch after batch goes on while any table has more.
 pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
-    let retention = crate::runtime::retention::millis(retention);
-    let mut most = 0;
-    for statement in [
+    let statements = [
         "delete from inbox where message_id in (select message_id from inbox
           where received_at < now() - $1 * interval '1 millisecond' limit $2)",
         "delete from delivery_starts where (endpoint, message_id) in (select endpoint, message_id from delivery_starts
@@ -79,10 +77,8 @@ pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i
         // Given-up places the key never got to (their key moves, but never reached them).
         "delete from inbox_key_given_up where (endpoint, key, follows) in (select endpoint, key, follows
           from inbox_key_given_up where given_up_at < now() - $1 * interval '1 millisecond' limit $2)",
-    ] {
-        let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
-        most = most.max(deleted);
-    }
+    ];
+    let most = crate::runtime::retention::delete_each(pool, &statements, retention, batch).await?;
     // A key is forgotten with its given-up places, so that a key made anew does not step over
     // them. `moved_at` is checked again on the row deleted: a key that moved meanwhile stays.
     let keys: i64 = sqlx::query_scalar(
@@ -97,7 +93,7 @@ pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i
          )
          select count(*) from forgotten",
     )
-    .bind(retention)
+    .bind(crate::runtime::retention::millis(retention))
     .bind(batch)
     .fetch_one(pool)
     .await?;

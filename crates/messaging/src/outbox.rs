@@ -383,20 +383,15 @@ pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result
 /// returns the larger of the two counts, so a caller deleting batch after batch goes on while
 /// either table has more.
 pub async fn delete_published_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
-    let retention = crate::runtime::retention::millis(retention);
-    let mut most = 0;
-    for statement in [
+    let statements = [
         "delete from outbox where id in (select id from outbox
           where published_at < now() - $1 * interval '1 millisecond' limit $2)",
         // `numbered_at` checked again on the row deleted: a key that numbered a row meanwhile stays.
         "delete from outbox_key_sequences where key in (select key from outbox_key_sequences
           where numbered_at < now() - $1 * interval '1 millisecond' limit $2)
           and numbered_at < now() - $1 * interval '1 millisecond'",
-    ] {
-        let deleted = sqlx::query(statement).bind(retention).bind(batch).execute(pool).await?.rows_affected();
-        most = most.max(deleted);
-    }
-    Ok(most)
+    ];
+    crate::runtime::retention::delete_each(pool, &statements, retention, batch).await
 }
 
 /// The outbox's state for `/metrics`, read with queries whose cost does not grow with the rows

@@ -45,6 +45,23 @@ where
     }
 }
 
+/// Run each of `statements` once, in order: each deletes up to `$2` (`batch`) rows older than `$1`
+/// milliseconds (`retention`). Returns the most rows one of them deleted, so a caller deleting
+/// batch after batch goes on while any table has more.
+pub(crate) async fn delete_each(
+    pool: &sqlx::PgPool,
+    statements: &[&'static str],
+    retention: Duration,
+    batch: i64,
+) -> sqlx::Result<u64> {
+    let mut most = 0;
+    for statement in statements {
+        let deleted = sqlx::query(*statement).bind(millis(retention)).bind(batch).execute(pool).await?.rows_affected();
+        most = most.max(deleted);
+    }
+    Ok(most)
+}
+
 /// `retention` as a Postgres interval parameter, in milliseconds.
 pub(crate) fn millis(retention: Duration) -> i64 {
     i64::try_from(retention.as_millis()).unwrap_or(i64::MAX)
