@@ -56,11 +56,22 @@ impl<H: Handler> Runtime<H> {
         })
     }
 
-    /// [`Self::apply_unbounded`] within `handler_timeout`. An abandoned transaction rolls back with
-    /// its connection; whose fault the wait was decides what it costs.
+    /// The message's [`transaction`](Self::transaction) within `handler_timeout`, its duration
+    /// recorded. An abandoned transaction rolls back with its connection; whose fault the wait
+    /// was decides what it costs: a database that still takes writes makes it the message's
+    /// (transient), one that does not an outage (no attempt spent).
     pub(super) async fn apply(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let started = std::time::Instant::now();
-        let applied = self.apply_within_timeout(message).await;
+        let limit = self.settings.handler_timeout;
+        let applied = match tokio::time::timeout(limit, self.transaction(message)).await {
+            Ok(outcome) => outcome,
+            Err(_) if db::takes_writes(&self.pool).await => Err(HandlerError::Transient(
+                format!("the handler did not finish within {}", format_duration(limit)).into(),
+            )),
+            Err(_) => Err(HandlerError::Unavailable(
+                format!("the database did not answer within {}", format_duration(limit)).into(),
+            )),
+        };
         let outcome = match &applied {
             Ok(applied) => applied.handling(),
             Err(HandlerError::Unavailable(_)) => Handling::Unavailable,
@@ -70,41 +81,19 @@ impl<H: Handler> Runtime<H> {
         applied
     }
 
-    async fn apply_within_timeout(&self, message: &Incoming) -> Result<Applied, HandlerError> {
-        let limit = self.settings.handler_timeout;
-        match tokio::time::timeout(limit, self.apply_unbounded(message)).await {
-            Ok(outcome) => outcome,
-            Err(_) if db::takes_writes(&self.pool).await => Err(HandlerError::Transient(
-                format!("the handler did not finish within {}", format_duration(limit)).into(),
-            )),
-            Err(_) => Err(HandlerError::Unavailable(
-                format!("the database did not answer within {}", format_duration(limit)).into(),
-            )),
-        }
-    }
-
-    /// Inbox row, handler, commit: all or nothing.
-    async fn apply_unbounded(&self, message: &Incoming) -> Result<Applied, HandlerError> {
+    /// Inbox row, turn, handler, commit: all or nothing. A message the inbox has seen changes
+    /// nothing (`Duplicate`), nor does one that waits for its key's turn: its transaction rolls
+    /// back.
+    async fn transaction(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = db::begin(&self.pool).await?;
-        let applied = self.record_and_handle(&mut tx, message).await?;
-        // A duplicate changed nothing, nor did a message that waits: its transaction rolls back.
-        if let Applied::Done = applied {
-            commit(tx).await?;
-        }
-        Ok(applied)
-    }
-
-    /// The inbox row and the handler's effect for `message`, in `tx`, not committed; `Duplicate`
-    /// (and nothing done) if the inbox has seen it.
-    async fn record_and_handle(&self, tx: &mut PgConnection, message: &Incoming) -> Result<Applied, HandlerError> {
-        let endpoint = self.settings.endpoint.name;
-        if !inbox::record(tx, message.message_id, &message.message_type, endpoint).await? {
+        if !inbox::record(&mut tx, message.message_id, &message.message_type, self.settings.endpoint.name).await? {
             return Ok(Applied::Duplicate);
         }
-        if let Some(Turn::Waits { follows }) = self.take_turn(tx, message).await? {
+        if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, message).await? {
             return Ok(Applied::Waits { follows });
         }
-        self.handler.handle(message, tx).await?;
+        self.handler.handle(message, &mut tx).await?;
+        commit(tx).await?;
         Ok(Applied::Done)
     }
 

@@ -1,6 +1,6 @@
-//! The consumer runtime (DESIGN §5). A service writes a [`Handle<C>`] for each contract its
-//! endpoint accepts, gathered in [`Routes`] (or one raw [`Handler`]); the runtime does the rest,
-//! once, for every endpoint:
+//! The consumer runtime (`docs/guarantees.md`, the failure matrix). A service writes a
+//! [`Handle<C>`] for each contract its endpoint accepts, gathered in [`Routes`] (or one raw
+//! [`Handler`]); the runtime does the rest, once, for every endpoint:
 //!
 //! 1. manual acks and a bounded prefetch. Ready deliveries are applied in batches of up to
 //!    `BATCH_SIZE`, one transaction and one ack per batch, one batch at a time; if anything in a
@@ -32,14 +32,16 @@
 //!    follows (of a type the endpoint takes) has been applied is rolled back and sent to wait
 //!    again (`ordering`), spending no attempt.
 //!
-//! Its parts: `scheduler` decides what to start next (a pure state machine), `session` does
-//! the broker I/O around it, `settle` turns a delivery into its outcome, `apply` runs the
-//! transaction, `park` publishes retry and parked copies, and `acks` is the one place a delivery
-//! is acked: it cannot be acked twice, nor before its outcome is durable.
+//! Its parts, two of them free of I/O: `scheduler` decides what to start next, and `decide` what
+//! becomes of each delivery (the table above, with its tests). `session` does the broker I/O
+//! around the scheduler, `settle` performs what `decide` says, `apply` runs the transaction,
+//! `park` and `ordering` publish retry, parked and deferred copies, and `acks` is the one place a
+//! delivery is acked: it cannot be acked twice, nor before its outcome is durable.
 
 mod acks;
 mod apply;
 mod crashes;
+mod decide;
 mod ordering;
 mod park;
 mod probe;
@@ -357,7 +359,13 @@ pub async fn run<H: Handler>(
         }
     });
     let metrics = health.metrics.endpoint(name);
-    let mut runtime = Arc::new(Runtime { settings, handler, pool, health, metrics, flag: link.name.clone(), shutdown });
+    let rules = decide::Rules {
+        policy: settings.policy.clone(),
+        max_crashes: settings.max_crashes,
+        reconnect: settings.reconnect,
+    };
+    let flag = link.name.clone();
+    let mut runtime = Arc::new(Runtime { settings, rules, handler, pool, health, metrics, flag, shutdown });
     let shutdown = runtime.shutdown.clone();
     async {
         let pruning = tokio::spawn(prune.in_current_span());
@@ -371,6 +379,8 @@ pub async fn run<H: Handler>(
 
 struct Runtime<H> {
     settings: ConsumerSettings,
+    /// What its decisions read of `settings`.
+    rules: decide::Rules,
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
@@ -382,7 +392,7 @@ struct Runtime<H> {
 }
 
 /// The outcome of the transaction for one message.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Applied {
     Done,
     Duplicate,

@@ -26,7 +26,7 @@ use sqlx::PgConnection;
 
 use super::{Handler, Runtime, acks::InFlight};
 use crate::{
-    envelope::{self, Incoming, Ordering},
+    envelope::{self, Ordering},
     publisher::{PublishError, Publisher},
     runtime::{db, metrics::Handled},
     topology::Endpoint,
@@ -104,31 +104,20 @@ pub(super) async fn give_up_place(
     }
 }
 
-/// Deferrals a message may take before it is parked: a generous bound on a wait that only a bug
-/// could make endless (an earlier message that never comes).
-pub(super) const MAX_DEFERRALS: u32 = 10_000;
-
 impl<H: Handler> Runtime<H> {
-    /// Send a message that must wait for an earlier one of its key back to the first wait tier,
-    /// its attempts untouched and its deferrals counted; then ack it. After
-    /// [`MAX_DEFERRALS`] it is parked instead, with the place its key is stuck at.
+    /// Send a message that must wait for place `follows` of its key back to the first wait tier
+    /// (`delay`), its attempts untouched and its deferrals (`deferrals`, this one included)
+    /// counted; then ack it. How many it may take is `decide`'s.
     pub(super) async fn defer(
         &self,
         delivery: InFlight,
         publisher: &Publisher,
-        message: &Incoming,
         follows: i64,
+        delay: std::time::Duration,
+        deferrals: u32,
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
         let raw = delivery.delivery();
-        let deferrals =
-            raw.properties.headers().as_ref().and_then(|h| envelope::header_u32(h, envelope::HEADER_DEFERRALS));
-        let deferrals = deferrals.unwrap_or(0) + 1;
-        let Some(&delay) = self.settings.policy.delays().first().filter(|_| deferrals <= MAX_DEFERRALS) else {
-            let place = message.ordering.as_ref().map_or(0, |ordering| ordering.seq);
-            let reason = format!("waited {MAX_DEFERRALS} times for place {follows} of its key (it is place {place})");
-            return self.park(delivery, publisher, message.retry_count, &reason).await;
-        };
         let properties = envelope::with_headers(
             &raw.properties,
             &[(envelope::HEADER_DEFERRALS, AMQPValue::LongLongInt(i64::from(deferrals)))],

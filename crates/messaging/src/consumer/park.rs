@@ -11,7 +11,7 @@ use tracing::Instrument;
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
     contracts::{self, JobEvent, JobQuarantined, JobRetryScheduled},
-    envelope::{self, Incoming},
+    envelope,
     publisher::{Pending, PublishError, Publisher},
     runtime::metrics::Handled,
 };
@@ -23,30 +23,33 @@ impl<H: Handler> Runtime<H> {
         &self,
         delivery: InFlight,
         publisher: &Publisher,
-        message: &Incoming,
+        retry_count: u32,
         delay: std::time::Duration,
         error: &str,
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
-        let next_retry = i64::from(message.retry_count) + 1;
+        let raw = delivery.delivery();
+        let next_retry = i64::from(retry_count) + 1;
         let properties = envelope::with_headers(
-            &delivery.delivery().properties,
+            &raw.properties,
             &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
         );
-        let copy = publisher
-            .send(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &delivery.delivery().data, properties)
-            .await?;
-        let reported = message.correlation_id.filter(|_| !contracts::is_job_event(&message.message_type));
-        let event = reported.map(|job_id| JobRetryScheduled {
-            job_id,
-            endpoint: endpoint.name.to_owned(),
-            message_id: message.message_id,
-            message_type: message.message_type.clone(),
-            attempt: message.attempt(),
-            next_attempt: message.attempt() + 1,
-            next_attempt_at: Utc::now() + delay,
-            error: error.to_owned(),
-        });
+        let copy =
+            publisher.send(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &raw.data, properties).await?;
+        let message_type = raw.properties.kind().as_ref().map_or("", |kind| kind.as_str());
+        let ids = envelope::correlation_id(&raw.properties).zip(envelope::message_id(&raw.properties));
+        let attempt = retry_count.saturating_add(1);
+        let event =
+            ids.filter(|_| !contracts::is_job_event(message_type)).map(|(job_id, message_id)| JobRetryScheduled {
+                job_id,
+                endpoint: endpoint.name.to_owned(),
+                message_id,
+                message_type: message_type.to_owned(),
+                attempt,
+                next_attempt: attempt.saturating_add(1),
+                next_attempt_at: Utc::now() + delay,
+                error: error.to_owned(),
+            });
         let event = self.send_event(publisher, event).await;
         copy.confirmed().await?;
         self.settle_event(event).await;

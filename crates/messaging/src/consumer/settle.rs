@@ -1,22 +1,26 @@
-//! From a delivery to its outcome: decode it, apply it (waiting out a database outage), and
-//! settle it by what happened: ack, retry or park. A redelivery runs through the crash ledger
-//! first; a batch that fails is applied again message by message.
+//! From a delivery to its outcome: decode it, then perform what [`decide`](super::decide) says,
+//! step by step (count a redelivery's start, apply, wait out an outage), and settle it (ack,
+//! retry, park, defer or hand back). A batch that fails is applied again message by message.
 
-use std::{future::Future, sync::Arc};
+use std::sync::Arc;
 
 use lapin::message::Delivery;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::{Applied, Handler, HandlerError, Runtime, acks::InFlight, session::Io};
+use super::{
+    Applied, Handler, HandlerError, Runtime,
+    acks::InFlight,
+    crashes,
+    decide::{self, Arrival, Attempt, Decision, Event, Republish, Settlement},
+    session::Io,
+};
 use crate::{
-    consumer::crashes,
     envelope::{self, Incoming, Unreadable},
-    publisher::PublishError,
+    publisher::{PublishError, Publisher},
     runtime::{
         db,
         metrics::Handled,
-        shutdown::Shutdown,
         trace::{self, TraceContext},
     },
 };
@@ -38,10 +42,10 @@ pub(super) struct Member {
 }
 
 impl<H: Handler> Runtime<H> {
-    /// [`Self::handle_delivery`] inside the delivery's span.
+    /// [`Self::handle`] inside the delivery's span.
     pub(super) async fn process(self: Arc<Self>, delivery: InFlight, io: Io) -> Result<(), PublishError> {
         let Arrived { delivery, decoded, context, span } = self.arrived(delivery);
-        let handled = self.handle_delivery(delivery, decoded, io).instrument(span);
+        let handled = self.handle(delivery, decoded, &io).instrument(span);
         trace::scope(context, handled).await
     }
 
@@ -77,7 +81,7 @@ impl<H: Handler> Runtime<H> {
                 }
                 // Unreadable: parked at once, as on its own.
                 Arrived { delivery, decoded, context, span } => {
-                    let handled = Arc::clone(&self).handle_delivery(delivery, decoded, io.clone()).instrument(span);
+                    let handled = self.handle(delivery, decoded, &io).instrument(span);
                     trace::scope(context, handled).await?;
                 }
             }
@@ -106,136 +110,99 @@ impl<H: Handler> Runtime<H> {
             }
         }
         for Member { delivery, message, context, span } in members {
-            let settled = self.settle(delivery, &io, &message);
-            trace::scope(context, settled.instrument(span)).await?;
+            let handled = self.handle(delivery, Ok(message), &io).instrument(span);
+            trace::scope(context, handled).await?;
         }
         Ok(())
     }
 
-    /// Handle one delivery from arrival to ack. An error means the delivery could not be settled
-    /// (the broker connection failed): it stays unacked and comes back on the next session.
-    async fn handle_delivery(
-        self: Arc<Self>,
+    /// What becomes of one delivery, from arrival to its settlement: decided by [`Decision`],
+    /// each step performed here. An error means the delivery could not be settled (the broker
+    /// connection failed): it stays unacked and comes back on the next session.
+    async fn handle(
+        self: &Arc<Self>,
         delivery: InFlight,
         decoded: Result<Incoming, Unreadable>,
-        io: Io,
+        io: &Io,
     ) -> Result<(), PublishError> {
+        let arrival = arrival(&delivery, decoded.as_ref().ok());
         let message = match decoded {
             Ok(message) => message,
             Err(unreadable) => {
-                let retry_count = envelope::retry_count(delivery.delivery());
-                return self.park(delivery, &io.publisher, retry_count, &unreadable.to_string()).await;
+                return self.settle(delivery, io, Decision::unreadable(arrival, &unreadable), None).await;
             }
         };
-        if !delivery.delivery().redelivered {
-            return self.settle(delivery, &io, &message).await;
-        }
-
-        // A redelivery, running alone. Commit its start before the handler runs: if this process
-        // dies now, the count stays, and the next process sees how often it has done so.
-        let endpoint = self.settings.endpoint.name;
-        let starts = self
-            .when_reachable(&io.ended, || async {
-                let start = crashes::record_start(&self.pool, endpoint, message.message_id);
-                Ok(db::within(db::QUERY_DEADLINE, start).await?)
-            })
-            .await;
-        let settled = match starts {
-            None => return Ok(()),
-            Some(Ok(starts)) if starts > self.settings.max_crashes => {
-                let crashes = starts - 1;
-                let reason = format!(
-                    "crashed its consumer {crashes} times: handled alone, it never finished (process killed, \
-                     panicked or hung); not handled again"
-                );
-                // Not settled (the connection failed)? Then it returns here before its count is
-                // forgotten, so that when it comes back it is parked at once instead of crashing
-                // its consumer again.
-                self.park(delivery, &io.publisher, message.retry_count, &reason).await?;
-                Ok(())
-            }
-            Some(Ok(_)) => self.settle(delivery, &io, &message).await,
-            // The ledger itself fails (not an outage): handle the message; the broker's delivery
-            // limit remains the crash net.
-            Some(Err(error)) => {
-                tracing::warn!(%error, "crash ledger unavailable");
-                self.settle(delivery, &io, &message).await
-            }
-        };
-        // Settled, or handed back on a lost connection: either way this process lives, so this
-        // start was no crash. (If this fails, the start stays counted: the bound errs towards
-        // parking a redelivered message early, never towards losing one.)
-        let forgotten = db::within(db::QUERY_DEADLINE, crashes::forget(&self.pool, endpoint, message.message_id));
-        if let Err(error) = forgotten.await {
-            tracing::warn!(%error, "crash ledger entry not cleared");
-        }
-        settled
+        let (mut decision, first) = Decision::arrived(&self.rules, arrival);
+        let held = || self.metrics.held();
+        let settlement =
+            decide::drive(&mut decision, first, &io.ended, held, |attempt| self.attempt(attempt, &message)).await;
+        let counted = decision.start_counted().then_some(message.message_id);
+        self.settle(delivery, io, settlement, counted).await
     }
 
-    /// Apply a readable message and settle its delivery by the outcome: ack, or retry, park or
-    /// defer it. The last three publish a copy first, and are held beside the session's work
-    /// ([`Io::hold`]): a broker that blocks publishing holds them, not the deliveries behind.
-    async fn settle(self: &Arc<Self>, delivery: InFlight, io: &Io, message: &Incoming) -> Result<(), PublishError> {
-        // What a held settlement takes with it (cloned only for one).
-        let owned = || (Arc::clone(self), io.publisher.clone(), message.clone());
-        match self.when_reachable(&io.ended, || self.apply(message)).await {
-            None => {
-                tracing::info!("session ended during a database outage; the broker will redeliver");
+    /// Perform `attempt` on the database and report what it came to.
+    async fn attempt(&self, attempt: Attempt, message: &Incoming) -> Event {
+        match attempt {
+            Attempt::CountStart => {
+                let start = crashes::record_start(&self.pool, self.settings.endpoint.name, message.message_id);
+                Event::Started(db::within(db::QUERY_DEADLINE, start).await.map_err(HandlerError::from))
             }
-            Some(Ok(Applied::Waits { follows })) => {
-                let (runtime, publisher, message) = owned();
-                io.hold(async move { runtime.defer(delivery, &publisher, &message, follows).await });
-            }
-            Some(Ok(applied)) => {
+            Attempt::Apply => Event::Applied(self.apply(message).await),
+        }
+    }
+
+    /// Settle a delivery as decided: ack it, or hand it back; or publish a copy (retry, park,
+    /// defer) and then ack, held beside the session's work ([`Io::hold`]) so that a broker that
+    /// blocks publishing holds it, not the deliveries behind. Once it is settled or handed back,
+    /// a start counted in the crash ledger (`counted`, the message's id) is forgotten: this process
+    /// lives, so the start was no crash. (If the copy is not confirmed, the start stays counted:
+    /// the bound errs towards parking a redelivered message early, never towards losing one.)
+    async fn settle(
+        self: &Arc<Self>,
+        delivery: InFlight,
+        io: &Io,
+        settlement: Settlement,
+        counted: Option<Uuid>,
+    ) -> Result<(), PublishError> {
+        match settlement {
+            Settlement::Ack(applied) => {
                 delivery.ack().await?;
                 self.acked(applied);
             }
-            // `Unavailable` is waited out above; were one to get here, it would be retried.
-            Some(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
-                let (runtime, publisher, message) = owned();
-                match self.settings.policy.next_delay(message.retry_count) {
-                    Some(delay) => {
-                        io.hold(async move { runtime.retry(delivery, &publisher, &message, delay, error.text()).await })
-                    }
-                    None => {
-                        let reason = format!("gave up after {} attempts: {error}", message.attempt());
-                        io.hold(async move { runtime.park(delivery, &publisher, message.retry_count, &reason).await });
-                    }
-                }
-            }
-            Some(Err(HandlerError::Permanent(error))) => {
-                let (runtime, publisher, message) = owned();
-                io.hold(async move { runtime.park(delivery, &publisher, message.retry_count, error.text()).await });
+            Settlement::HandBack => tracing::info!("session ended during a database outage; the broker will redeliver"),
+            Settlement::Republish(copy) => {
+                let (runtime, publisher) = (Arc::clone(self), io.publisher.clone());
+                io.hold(async move {
+                    runtime.republish(delivery, &publisher, copy).await?;
+                    runtime.forget_start(counted).await;
+                    Ok(())
+                });
+                return Ok(());
             }
         }
+        self.forget_start(counted).await;
         Ok(())
     }
 
-    /// `work` on the database, repeated with backoff for as long as the database is unreachable: an
-    /// outage spends none of the message's attempts and parks nothing. If a commit's outcome was
-    /// lost with the connection, the inbox tells on the next try. `None` if the session ended first
-    /// (shutdown, or a lost connection): the delivery stays unacked and the broker redelivers it.
-    async fn when_reachable<T, F, Fut>(&self, session_ended: &Shutdown, mut work: F) -> Option<Result<T, HandlerError>>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, HandlerError>>,
-    {
-        let mut waits = 0;
-        // Counted as held from the first unanswered try until this returns, whichever way.
-        let mut held = None;
-        loop {
-            match work().await {
-                Err(HandlerError::Unavailable(error)) => {
-                    held.get_or_insert_with(|| self.metrics.held());
-                    let delay = self.settings.reconnect.delay(waits);
-                    waits += 1;
-                    tracing::warn!(%error, ?delay, "database unreachable; will apply again");
-                    if !session_ended.sleep(delay).await {
-                        return None;
-                    }
-                }
-                outcome => return Some(outcome),
+    /// Publish the copy a settlement needs, then ack the original.
+    async fn republish(&self, delivery: InFlight, publisher: &Publisher, copy: Republish) -> Result<(), PublishError> {
+        match copy {
+            Republish::Retry { delay, error, retry_count } => {
+                self.retry(delivery, publisher, retry_count, delay, &error).await
             }
+            Republish::Park { reason, retry_count } => self.park(delivery, publisher, retry_count, &reason).await,
+            Republish::Defer { follows, delay, deferrals } => {
+                self.defer(delivery, publisher, follows, delay, deferrals).await
+            }
+        }
+    }
+
+    /// Forget the crash ledger's count of starts of `counted`, if any.
+    async fn forget_start(&self, counted: Option<Uuid>) {
+        let Some(message_id) = counted else { return };
+        let forgotten = crashes::forget(&self.pool, self.settings.endpoint.name, message_id);
+        if let Err(error) = db::within(db::QUERY_DEADLINE, forgotten).await {
+            tracing::warn!(%error, "crash ledger entry not cleared");
         }
     }
 
@@ -251,6 +218,19 @@ impl<H: Handler> Runtime<H> {
                 tracing::info!("duplicate skipped by the inbox");
             }
         }
+    }
+}
+
+/// What a decision reads of a delivery as it arrives: from its envelope when it decoded, else
+/// from the raw properties.
+fn arrival(delivery: &InFlight, message: Option<&Incoming>) -> Arrival {
+    let raw = delivery.delivery();
+    let headers = raw.properties.headers().as_ref();
+    Arrival {
+        redelivered: raw.redelivered,
+        retry_count: message.map_or_else(|| envelope::retry_count(raw), |message| message.retry_count),
+        deferrals: headers.and_then(|headers| envelope::header_u32(headers, envelope::HEADER_DEFERRALS)).unwrap_or(0),
+        place: message.and_then(|message| message.ordering.as_ref()).map(|ordering| ordering.seq),
     }
 }
 
