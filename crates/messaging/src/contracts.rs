@@ -1,9 +1,8 @@
 //! What a message type is ([`Contract`]: its name, exchange and schema major version), and the
-//! contracts of the consumer runtime's own job events (DESIGN §4), which it publishes to
-//! [`JOBS_EXCHANGE`] with the job id as correlation id. Services define their own contracts in
-//! a crate they share. Bodies are camelCase JSON; unknown fields are
-//! ignored, so adding an optional field is a compatible (minor) change, while removing or retyping
-//! one needs a new major version.
+//! contracts of the consumer runtime's own job events (`docs/architecture.md`), which it publishes
+//! to [`JOBS_EXCHANGE`] with the job id as correlation id. Services define their own contracts in a
+//! crate they share. Bodies are camelCase JSON; unknown fields are ignored, so adding an optional
+//! field is a compatible (minor) change, while removing or retyping one needs a new major version.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

@@ -1,5 +1,5 @@
-//! The envelope: what every message carries besides its body, and how it maps onto AMQP
-//! properties (DESIGN §4). Outgoing messages are built from outbox rows or contracts; incoming
+//! The envelope: what every message carries besides its body, and how it maps onto AMQP properties
+//! (`docs/architecture.md`). Outgoing messages are built from outbox rows or contracts; incoming
 //! deliveries are decoded here once, before any handler sees them.
 
 use std::collections::BTreeMap;

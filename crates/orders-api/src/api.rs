@@ -1,4 +1,5 @@
-//! The HTTP API (DESIGN §7): accept orders, report jobs and orders.
+//! The HTTP API (the README's "HTTP API", `docs/openapi.json`): accept orders, report jobs and
+//! orders.
 
 use axum::{
     Json, Router,

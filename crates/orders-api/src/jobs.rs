@@ -33,7 +33,7 @@ use uuid::Uuid;
 
 use crate::order::OrderStatus;
 
-/// The state of a job (DESIGN §7, decision 0023).
+/// The state of a job (the README's HTTP API, decision 0023).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
