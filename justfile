@@ -52,13 +52,16 @@ ci:
 dev:
     #!/usr/bin/env bash
     set -euo pipefail
+    # A workspace build: the test kit's features are on (the demo's faults, decision 0025). The
+    # binaries are run as built: `cargo run --bin X` would build X again without them.
     cargo build --bins
+    bin="${CARGO_TARGET_DIR:-target}/debug"
     base="${DATABASE_URL%/}"
     trap 'kill 0' EXIT INT TERM
-    DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 cargo run -q --bin orders-api &
-    DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 cargo run -q --bin inventory-worker &
-    DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 cargo run -q --bin billing-worker &
-    DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 cargo run -q --bin relay &
+    DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 "$bin/orders-api" &
+    DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 "$bin/inventory-worker" &
+    DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 "$bin/billing-worker" &
+    DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 "$bin/relay" &
     wait
 
 # The live demo in containers: Postgres, RabbitMQ with its management UI, every service,

@@ -32,7 +32,7 @@ pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
 
 /// The endpoint's handler: `inventory.reserved` and `order.ended` to [`CreateInvoice`].
 pub fn handler(faults: DemoFaults) -> Routes<CreateInvoice> {
-    Routes::new(CreateInvoice { faults }).on::<InventoryReserved>().on::<OrderEnded>()
+    Routes::new(CreateInvoice { faults: faults.in_this_build() }).on::<InventoryReserved>().on::<OrderEnded>()
 }
 
 /// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is

@@ -40,7 +40,10 @@ pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
 /// The endpoint's handler: `order.placed` and `order.ended` to [`ReserveStock`], a batch's stock
 /// rows for its placed orders locked first.
 pub fn handler(faults: DemoFaults) -> Routes<ReserveStock> {
-    Routes::new(ReserveStock { faults }).on::<OrderPlaced>().on::<OrderEnded>().lock_batches::<OrderPlaced>()
+    Routes::new(ReserveStock { faults: faults.in_this_build() })
+        .on::<OrderPlaced>()
+        .on::<OrderEnded>()
+        .lock_batches::<OrderPlaced>()
 }
 
 /// The handler of `order.placed` (reserve) and `order.ended` (settle or release).

@@ -282,6 +282,7 @@ where
     F: FnOnce(TcpListener, Shutdown) -> Fut,
     Fut: Future<Output = Result<(), BoxError>>,
 {
+    crate::runtime::failpoint::warn_if_ignored();
     let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -6,6 +6,9 @@
 //! alone, after inventory has reserved the order: billing declines an order with a `DECLINE` line
 //! (a business refusal, `payment.declined`), and fails on every attempt at one with a `BILLPOISON`
 //! line.
+//!
+//! Only a build with the feature `demo-faults` has them (decision 0025): the test kit, the demo's
+//! image and `just dev` turn it on; a default build ignores `DEMO_FAULTS`.
 
 use messaging::consumer::HandlerError;
 
@@ -24,7 +27,20 @@ pub struct DemoFaults {
     pub enabled: bool,
 }
 
+/// Whether this build has the demo's faults (the feature `demo-faults`, decision 0025).
+pub const COMPILED_IN: bool = cfg!(feature = "demo-faults");
+
 impl DemoFaults {
+    /// The faults as this build has them: off in a build without the feature `demo-faults`,
+    /// whatever `DEMO_FAULTS` says (with a warning if it asked for them). A worker calls this once,
+    /// as it makes its handler.
+    pub fn in_this_build(self) -> Self {
+        if self.enabled && !COMPILED_IN {
+            tracing::warn!("DEMO_FAULTS is on, but this build has no demo faults (the feature `demo-faults`): ignored");
+        }
+        Self { enabled: self.enabled && COMPILED_IN }
+    }
+
     /// The fault the first faulty SKU among `skus` calls for on `attempt`, if faults are on. Never
     /// enable it in a test process with a `CRASH` SKU: the process would exit.
     pub fn apply<'a>(self, skus: impl IntoIterator<Item = &'a str>, attempt: u32) -> Result<(), HandlerError> {

@@ -1,6 +1,11 @@
 //! Test-only failpoints: named places where a crash is most dangerous, so the fault-injection
 //! suite can `kill -9` (or SIGTERM) a real process exactly there.
 //!
+//! They exist only in a build with the feature `failpoints` (decision 0025), which the test kit
+//! turns on, and with it every binary of a workspace build. A default build (`cargo build -p
+//! relay`, the release image) ignores `FAILPOINTS`, warning once at start-up if it is set
+//! ([`warn_if_ignored`]): a stray variable in production must not freeze a worker.
+//!
 //! `FAILPOINTS` is a comma-separated list of armed points:
 //! - `name`: the first time the point is reached, print `FAILPOINT <name> reached` on stderr and
 //!   freeze the task that reached it, for the test to `kill -9` the process;
@@ -15,14 +20,16 @@
 //! an armed point appends the point's name on a line of its own ([`hits`] counts them), not from
 //! the log line, whose wording is for people.
 
+use std::path::Path;
+#[cfg(any(feature = "failpoints", test))]
+use std::time::Duration;
+#[cfg(feature = "failpoints")]
 use std::{
     io::Write,
-    path::Path,
     sync::{
         OnceLock,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
 };
 
 /// The relay has its batch's confirms but has not marked the rows published.
@@ -33,17 +40,20 @@ pub const WORKER_AFTER_COMMIT: &str = "worker.after-commit";
 pub const WORKER_BEFORE_COMMIT: &str = "worker.before-commit";
 
 /// What an armed point does.
+#[cfg(any(feature = "failpoints", test))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
     Freeze,
     Pause(Duration),
 }
 
+#[cfg(feature = "failpoints")]
 fn armed() -> &'static [(String, Action)] {
     static ARMED: OnceLock<Vec<(String, Action)>> = OnceLock::new();
     ARMED.get_or_init(|| parse(&std::env::var("FAILPOINTS").unwrap_or_default()))
 }
 
+#[cfg(any(feature = "failpoints", test))]
 fn parse(spec: &str) -> Vec<(String, Action)> {
     spec.split(',')
         .map(str::trim)
@@ -59,8 +69,27 @@ fn parse(spec: &str) -> Vec<(String, Action)> {
         .collect()
 }
 
-/// Do what the point `name` is armed to do, if anything.
+/// Do what the point `name` is armed to do, if anything: nothing in a build without the
+/// feature `failpoints`.
 pub async fn hit(name: &str) {
+    #[cfg(feature = "failpoints")]
+    armed_hit(name).await;
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
+/// Whether this build has the failpoints (the feature `failpoints`).
+pub const COMPILED_IN: bool = cfg!(feature = "failpoints");
+
+/// Warn, once at start-up, that `FAILPOINTS` is set in a build that ignores it.
+pub fn warn_if_ignored() {
+    if !COMPILED_IN && std::env::var_os("FAILPOINTS").is_some() {
+        tracing::warn!("FAILPOINTS is set, but this build has no failpoints (the feature `failpoints`): ignored");
+    }
+}
+
+#[cfg(feature = "failpoints")]
+async fn armed_hit(name: &str) {
     static FROZE: AtomicBool = AtomicBool::new(false);
     match armed().iter().find(|(armed, _)| armed == name).map(|(_, action)| *action) {
         Some(Action::Freeze) if !FROZE.swap(true, Ordering::SeqCst) => {
@@ -80,6 +109,7 @@ pub async fn hit(name: &str) {
 /// Append `name` to the `FAILPOINTS_REPORT` file, if one is named. A report that cannot be written
 /// panics (in the task that reached the point, with the reason in the log): a test timing out on a
 /// report that never came would be chasing the wrong fault.
+#[cfg(feature = "failpoints")]
 fn report(name: &str) {
     let Some(path) = std::env::var_os("FAILPOINTS_REPORT") else { return };
     let appended = std::fs::OpenOptions::new()

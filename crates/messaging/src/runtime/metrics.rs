@@ -13,6 +13,7 @@ use prometheus_client::{
         family::Family,
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
+        info::Info,
     },
     registry::{Metric, Registry, Unit},
 };
@@ -147,6 +148,14 @@ impl Default for Metrics {
         };
         metrics.register_consumers();
         metrics.register_outboxes();
+        // `build_info{failpoints="on"}` only in a test build (decision 0025): what an operator
+        // checks a production build by, and what the test kit checks its binaries by.
+        let failpoints = if crate::runtime::failpoint::COMPILED_IN { "on" } else { "off" };
+        metrics.registry.register(
+            "build",
+            "What this build carries: the fault suite's failpoints are on only in a test build",
+            Info::new(vec![("failpoints".to_owned(), failpoints.to_owned())]),
+        );
         metrics
     }
 }

@@ -58,6 +58,11 @@ pub struct Options {
     /// The Postgres every database is on (`postgres://user@host:port`), if not the run's: e.g. a
     /// highly available pair's address ([`crate::patroni::Patroni::url`]).
     pub postgres: Option<String>,
+    /// Whether the binaries are a test build, with the failpoints and the demo's faults (decision
+    /// 0025): checked once they are ready, from `build_info`, so that a binary a default build
+    /// (`cargo build -p inventory-worker`) left in the target directory fails the test at its
+    /// start, with the cause, instead of at its first failpoint.
+    pub test_build: bool,
 }
 
 impl Default for Options {
@@ -74,6 +79,7 @@ impl Default for Options {
             broker_nodes: 1,
             instances: 1,
             postgres: None,
+            test_build: true,
         }
     }
 }
@@ -264,7 +270,28 @@ impl Shop {
         // Ready on its port is not enough: a service that could not bind it answers nothing, and
         // whatever else holds the port does.
         shop.assert_all_running();
+        shop.assert_build(options.test_build).await;
         shop
+    }
+
+    /// Every instance is a test build (`test_build`), or every one a default build.
+    async fn assert_build(&self, test_build: bool) {
+        let expected = if test_build { "on" } else { "off" };
+        for instance in self.instances() {
+            let series = format!("build_info{{failpoints=\"{expected}\"");
+            assert_eq!(
+                self.metric(instance, &series).await,
+                1,
+                "{instance} is not a {} build: {}",
+                if test_build { "test" } else { "default" },
+                if test_build {
+                    "build the services with the workspace (`cargo build --workspace --bins`), which turns on the \
+                     test kit's features"
+                } else {
+                    "SHOP_BIN_DIR should hold binaries built without features"
+                },
+            );
+        }
     }
 
     /// A shop whose services the caller started as tasks of this process, stopped by `trigger`:
