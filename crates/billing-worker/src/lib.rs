@@ -27,6 +27,7 @@ pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>(),
         handler: |faults| handler(*faults),
+        routes: None,
     }
 }
 

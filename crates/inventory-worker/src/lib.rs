@@ -34,6 +34,7 @@ pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
             .consume::<OrderEnded>()
             .ordered_by_key(),
         handler: |faults| handler(*faults),
+        routes: None,
     }
 }
 

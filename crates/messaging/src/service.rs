@@ -1,11 +1,19 @@
-//! How a service runs. [`Service`] is the runtime every binary starts through: any number of
-//! consumers (each an endpoint with its handler), other long-running loops, and HTTP routes beside
-//! `/healthz`, `/readyz` and `/metrics`, started together and stopped together. [`Worker`] is the
-//! skeleton of a service that consumes one endpoint: it describes itself (its name, database,
-//! migrations, endpoint and handler) and its `main` is `my_service::worker().main()`; this module
-//! parses the flags and environment, creates and migrates the database (messaging's tables, then
-//! the service's), runs it as a [`Service`], and shuts down gracefully on SIGINT or SIGTERM.
-//! `docs/adding-a-service.md` walks through one.
+//! How a service runs, in three parts that every binary shares:
+//!
+//! - [`ServiceArgs`], the settings every binary takes (broker, HTTP address and limits), flattened
+//!   into each binary's own settings, which say what else they hold through [`BinarySettings`];
+//! - [`main`], what every binary's `main` does: parse the settings (from files too), exit 2 on a
+//!   bad one, log, bind `HTTP_ADDR`, run until SIGINT or SIGTERM, and exit as [`exit`] says;
+//! - [`Service`], what runs: any number of consumers (each an endpoint with its handler), other
+//!   long-running loops, and the service's own HTTP routes merged with `/healthz`, `/readyz` and
+//!   `/metrics`, started together and stopped together.
+//!
+//! [`Worker`] puts them together for a service that consumes one endpoint: it describes itself
+//! (its name, database, migrations, endpoint and handler) and its `main` is
+//! `my_service::worker().main()`; this module parses the flags and environment, creates and
+//! migrates the database (messaging's tables, then the service's), runs it as a [`Service`], and
+//! shuts down gracefully on SIGINT or SIGTERM. `docs/adding-a-service.md` walks through one, and
+//! through a service that serves routes of its own beside its consumer.
 
 use std::{fmt, future::Future, net::SocketAddr, pin::Pin, process::ExitCode, sync::Arc};
 
@@ -61,8 +69,8 @@ pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
 ///
 /// let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
 /// let service = Service::new(health, shutdown).consume(settings, handler, &pool);
-/// // The service's own routes, with the health routes beside them.
-/// let routes = axum::Router::new().merge(health::routes(service.health().clone()));
+/// // The service's own routes; the health routes are merged with them.
+/// let routes = axum::Router::new().route("/hello", axum::routing::get(|| async { "hello" }));
 /// service.routes(routes).run(listener, &http).await
 /// # }
 /// ```
@@ -107,8 +115,8 @@ impl Service {
         self
     }
 
-    /// Serve `routes` instead of the health routes alone; they should include
-    /// [`health::routes`] of [`Service::health`].
+    /// Serve `routes` too: merged with the health routes ([`health::routes`] of
+    /// [`Service::health`]), which no service can leave out. Their paths must differ.
     pub fn routes(mut self, routes: Router) -> Self {
         self.routes = Some(routes);
         self
@@ -118,7 +126,11 @@ impl Service {
     /// have stopped (in-flight deliveries settled) and the server has closed.
     pub async fn run(self, listener: TcpListener, http: &HttpArgs) -> std::io::Result<()> {
         let Self { health, shutdown, tasks, routes } = self;
-        let routes = routes.unwrap_or_else(|| health::routes(health));
+        let health = health::routes(health);
+        let routes = match routes {
+            Some(routes) => routes.merge(health),
+            None => health,
+        };
         let served = serve::serve(listener, routes, http, shutdown);
         // The loops run in this task (the binary's main thread), as a worker's consumer always
         // did; they spawn their handlers' work onto the runtime's threads themselves. (Spawning
@@ -149,13 +161,46 @@ pub struct Worker<F, H> {
     pub endpoint: Endpoint,
     /// Its handler, made from its own flags `F` ([`NoFlags`] if it has none).
     pub handler: fn(&F) -> H,
+    /// HTTP routes of its own, on its database, served beside the health routes; `None` if it has
+    /// none.
+    pub routes: Option<fn(PgPool) -> Router>,
 }
 
 /// The flags of a service that has none of its own.
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct NoFlags {}
 
-/// The settings every worker takes, as flags with environment fallbacks.
+/// The settings every binary takes, as flags with environment fallbacks: its broker, and where and
+/// how it serves HTTP. Flattened into each binary's own settings ([`BinarySettings`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceArgs {
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub broker: BrokerArgs,
+    /// Address of its HTTP server: /healthz, /readyz and /metrics, and any routes of its own.
+    /// Loopback unless told otherwise. (Each binary has a default of its own: [`with_http_addr`].)
+    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http_addr: SocketAddr,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub http: HttpArgs,
+}
+
+/// A binary's settings: what clap parses, the [`ServiceArgs`] in them, and any check clap cannot
+/// make (one that spans several settings), run before any server is touched.
+pub trait BinarySettings: FromArgMatches {
+    /// The settings every binary takes.
+    fn service(&self) -> &ServiceArgs;
+
+    /// Why these settings cannot run, if they cannot: [`main`] exits 2 with the reason.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The settings of a service on one database that consumes, as flags with environment fallbacks:
+/// every worker's, and the orders API's beside its own. Its `DATABASE_URL`'s default names the
+/// service's database ([`with_database`]).
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
     /// Postgres URL of its database, as its runtime role (created, if missing and the role may,
@@ -167,13 +212,7 @@ pub struct WorkerArgs {
     pub schema: SchemaArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub broker: BrokerArgs,
-    /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "HTTP_ADDR")]
-    pub http_addr: SocketAddr,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub http: HttpArgs,
+    pub service: ServiceArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub consumer: ConsumerArgs,
@@ -188,33 +227,45 @@ pub struct Settings<F> {
     pub own: F,
 }
 
+impl<F: FromArgMatches> FromArgMatches for Settings<F> {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self { common: WorkerArgs::from_arg_matches(matches)?, own: F::from_arg_matches(matches)? })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        self.common.update_from_arg_matches(matches)?;
+        self.own.update_from_arg_matches(matches)
+    }
+}
+
+impl<F: FromArgMatches> BinarySettings for Settings<F> {
+    fn service(&self) -> &ServiceArgs {
+        &self.common.service
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.common.consumer.check_inbox_retention()
+    }
+}
+
 impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
     /// Its command line: every worker's flags and its own, with its defaults.
     pub fn command(&self) -> clap::Command {
         let command = clap::Command::new(self.name).about(self.about).version(self.version);
-        F::augment_args(WorkerArgs::augment_args(command))
-            .mut_arg("database_url", |arg| {
-                arg.default_value(format!("postgres://postgres@localhost:5432/{}", self.database)).required(false)
-            })
-            .mut_arg("http_addr", |arg| arg.default_value(self.http_addr).required(false))
+        with_database(with_http_addr(F::augment_args(WorkerArgs::augment_args(command)), self.http_addr), self.database)
     }
 
-    /// Parse `args` (the first is the binary's name).
+    /// Parse `args` (the first is the binary's name), checked as [`main`] checks them.
     pub fn try_parse_from<I, T>(&self, args: I) -> Result<Settings<F>, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let mut command = self.command();
-        let matches = command.try_get_matches_from_mut(args)?;
-        let common = WorkerArgs::from_arg_matches(&matches)?;
-        if let Err(refusal) = common.consumer.check_inbox_retention() {
-            return Err(command.error(clap::error::ErrorKind::ValueValidation, refusal));
-        }
-        Ok(Settings { common, own: F::from_arg_matches(&matches)? })
+        parse(self.command(), args)
     }
 
-    /// Run until `shutdown`: health endpoints on `listener`, the consumer in the foreground.
+    /// Run until `shutdown`: its routes and the health endpoints on `listener`, the consumer in the
+    /// foreground.
     /// Returns once in-flight deliveries are settled and the HTTP server has stopped; an error only
     /// if it cannot start ([`StartupError`]: a certificate, credentials, a grant, a migration).
     pub async fn run(
@@ -224,9 +275,10 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         shutdown: Shutdown,
     ) -> Result<(), StartupError> {
         let Settings { common, own } = settings;
+        let broker = &common.service.broker;
         // Before anything is written: a broker whose certificate does not verify stops us here.
-        crate::runtime::broker::check_tls(&common.broker.amqp_url).await?;
-        let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, &common.broker);
+        crate::runtime::broker::check_tls(&broker.amqp_url).await?;
+        let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, broker);
         // One connection per concurrent delivery, plus one for health checks.
         let pool_settings = PoolSettings {
             max_connections: u32::from(consumer.prefetch) + 1,
@@ -238,30 +290,85 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             return Ok(());
         };
         let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
-        let service = Service::new(health, shutdown).consume(consumer, (self.handler)(&own), &pool);
-        if let Err(error) = service.run(listener, &common.http).await {
-            tracing::error!(%error, "health server failed");
+        let mut service = Service::new(health, shutdown).consume(consumer, (self.handler)(&own), &pool);
+        if let Some(routes) = self.routes {
+            service = service.routes(routes(pool.clone()));
+        }
+        if let Err(error) = service.run(listener, &common.service.http).await {
+            tracing::error!(%error, "HTTP server failed");
         }
         pool.close().await;
         Ok(())
     }
 
-    /// What a worker binary's `main` does: parse the flags (exit 2 with clap's message on a bad
-    /// one, before touching any server), log to stderr, and run on a multi-threaded runtime until
-    /// SIGINT or SIGTERM.
+    /// What a worker binary's `main` does: [`main`], running the worker.
     pub fn main(self) -> ExitCode
     where
         F: Send + 'static,
     {
-        let settings = match self.try_parse_from(command_line(&self.command())) {
-            Ok(settings) => settings,
-            Err(error) => error.exit(),
-        };
-        let _telemetry = crate::runtime::telemetry::init(self.name);
-        let (name, addr) = (self.name, settings.common.http_addr);
-        run_binary(name, addr, |listener, shutdown| async move {
+        let (name, command) = (self.name, self.command());
+        main(name, command, |settings, listener, shutdown| async move {
             self.run(settings, listener, shutdown).await.map_err(BoxError::from)
         })
+    }
+}
+
+/// `command` with `default` as its `HTTP_ADDR`'s default: each binary has its own port.
+pub fn with_http_addr(command: clap::Command, default: &'static str) -> clap::Command {
+    command.mut_arg("http_addr", |arg| arg.default_value(default).required(false))
+}
+
+/// `command` with `postgres://postgres@localhost:5432/<database>` as its `DATABASE_URL`'s default.
+pub fn with_database(command: clap::Command, database: &str) -> clap::Command {
+    let url = format!("postgres://postgres@localhost:5432/{database}");
+    command.mut_arg("database_url", |arg| arg.default_value(url).required(false))
+}
+
+/// What every binary's `main` does: parse its settings `S` from the command line (settings given
+/// in files too), checked ([`BinarySettings::check`]); on a bad one, exit 2 with the reason before
+/// touching any server. Then log to stderr and, on a multi-threaded runtime, bind `HTTP_ADDR` and
+/// run `run` until SIGINT or SIGTERM; end as [`exit`] says.
+///
+/// ```no_run
+/// # #[derive(clap::Parser)] struct Config { #[command(flatten)] service: messaging::service::ServiceArgs }
+/// # impl messaging::service::BinarySettings for Config { fn service(&self) -> &messaging::service::ServiceArgs { &self.service } }
+/// # async fn run(_: Config, _: tokio::net::TcpListener, _: messaging::runtime::shutdown::Shutdown) -> Result<(), messaging::service::BoxError> { Ok(()) }
+/// use clap::CommandFactory;
+/// use messaging::service;
+///
+/// fn main() -> std::process::ExitCode {
+///     let command = service::with_http_addr(Config::command(), "127.0.0.1:8090");
+///     service::main("my-service", command, run)
+/// }
+/// ```
+pub fn main<S, F, Fut>(name: &str, command: clap::Command, run: F) -> ExitCode
+where
+    S: BinarySettings,
+    F: FnOnce(S, TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>>,
+{
+    let args = command_line(&command);
+    let settings: S = match parse(command, args) {
+        Ok(settings) => settings,
+        Err(error) => error.exit(),
+    };
+    let _telemetry = crate::runtime::telemetry::init(name);
+    let addr = settings.service().http_addr;
+    run_binary(name, addr, |listener, shutdown| run(settings, listener, shutdown))
+}
+
+/// `args` parsed by `command` into `S`, and checked.
+fn parse<S, I, T>(mut command: clap::Command, args: I) -> Result<S, clap::Error>
+where
+    S: BinarySettings,
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = command.try_get_matches_from_mut(args)?;
+    let settings = S::from_arg_matches(&matches)?;
+    match settings.check() {
+        Ok(()) => Ok(settings),
+        Err(refusal) => Err(command.error(clap::error::ErrorKind::ValueValidation, refusal)),
     }
 }
 
@@ -277,7 +384,7 @@ pub fn command_line(command: &clap::Command) -> Vec<std::ffi::OsString> {
 /// What a binary's `main` does once its flags are parsed: on a multi-threaded runtime, bind
 /// `addr`, run the service until SIGINT or SIGTERM ([`run_until_signal`]), and end as [`exit`]
 /// says.
-pub fn run_binary<F, Fut>(name: &str, addr: SocketAddr, run: F) -> ExitCode
+fn run_binary<F, Fut>(name: &str, addr: SocketAddr, run: F) -> ExitCode
 where
     F: FnOnce(TcpListener, Shutdown) -> Fut,
     Fut: Future<Output = Result<(), BoxError>>,
@@ -293,7 +400,7 @@ where
 
 /// What every binary's `main` does after parsing its flags: bind `addr`, turn SIGINT/SIGTERM into
 /// a shutdown, and run the service on the listener until it returns.
-pub async fn run_until_signal<F, Fut, E>(addr: SocketAddr, run: F) -> Result<(), E>
+async fn run_until_signal<F, Fut, E>(addr: SocketAddr, run: F) -> Result<(), E>
 where
     F: FnOnce(TcpListener, Shutdown) -> Fut,
     Fut: Future<Output = Result<(), E>>,

@@ -12,20 +12,19 @@ pub mod problem;
 pub mod status;
 pub mod writer;
 
-use std::{net::SocketAddr, sync::Arc};
+use std::sync::Arc;
 
 use axum::Router;
 use messaging::{
     consumer::ConsumerSettings,
     runtime::{
-        config::{BrokerArgs, ConsumerArgs, SecretUrl},
-        db::{self, PoolSettings, SchemaArgs},
-        health::{self, Health},
+        config::SecretUrl,
+        db::{self, PoolSettings},
+        health::Health,
         metrics::Metrics,
-        serve::HttpArgs,
         shutdown::Shutdown,
     },
-    service::{BoxError, Service},
+    service::{BinarySettings, BoxError, Service, ServiceArgs, WorkerArgs},
 };
 use sqlx::PgPool;
 use tower_http::trace::TraceLayer;
@@ -37,27 +36,10 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 #[derive(Debug, Clone, clap::Parser)]
 #[command(version, about)]
 pub struct Config {
-    /// Postgres URL of the orders database, as its runtime role (created, if missing and the role
-    /// may, and migrated at start-up). TLS: `?sslmode=verify-full&sslrootcert=/run/ca.pem`.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@localhost:5432/orders"
-    )]
-    pub database_url: SecretUrl,
+    /// What every consuming service on one database takes: its database, broker, HTTP and
+    /// consumer settings.
     #[command(flatten)]
-    #[allow(missing_docs)]
-    pub schema: SchemaArgs,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub broker: BrokerArgs,
-    /// Address of the API (and its /healthz, /readyz, /metrics). Loopback unless told otherwise.
-    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
-    pub http_addr: SocketAddr,
-    #[command(flatten)]
-    #[allow(missing_docs)]
-    pub http: HttpArgs,
+    pub common: WorkerArgs,
     /// The live page (`GET /`) and its data (`GET /overview`), which place orders and show broker
     /// data to anyone who can reach the API: `off` removes both routes.
     #[arg(long, env = "LIVE_PAGE", default_value = "on", value_parser = ["on", "off"])]
@@ -90,28 +72,29 @@ pub struct Config {
     pub rabbitmq_management_url: Option<SecretUrl>,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub consumer: ConsumerArgs,
-    #[command(flatten)]
-    #[allow(missing_docs)]
     pub books: books::BooksArgs,
 }
 
-/// The whole HTTP surface: API routes, the live page (unless `page` is `None`), health routes,
-/// problem+json 404s, tracing and failure logs.
-pub fn app(
-    pool: PgPool,
-    writers: writer::Writers,
-    limits: api::Limits,
-    health: Health,
-    page: Option<overview::Sources>,
-) -> Router {
+impl BinarySettings for Config {
+    fn service(&self) -> &ServiceArgs {
+        &self.common.service
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.common.consumer.check_inbox_retention()
+    }
+}
+
+/// The API's own HTTP surface: API routes, the live page (unless `page` is `None`), the OpenAPI
+/// document, problem+json 404s, tracing and failure logs. The service runtime merges the health
+/// routes with it.
+pub fn app(pool: PgPool, writers: writer::Writers, limits: api::Limits, page: Option<overview::Sources>) -> Router {
     let api = api::router(pool, writers, limits);
     let api = match page {
         Some(page) => api.merge(overview::routes(page)),
         None => api,
     };
     api.merge(openapi::routes())
-        .merge(health::routes(health))
         .fallback(api::no_route)
         .layer(axum::middleware::from_fn(problem::log_failures))
         // No failure log here: `log_failures` logs a failed request once, with its cause, and a
@@ -122,17 +105,18 @@ pub fn app(
 /// Run the API on `listener` and the status consumer until `shutdown`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
     // Before anything is written: a broker whose certificate does not verify stops us here.
-    messaging::runtime::broker::check_tls(&config.broker.amqp_url).await?;
+    let WorkerArgs { database_url, schema, service: service_args, consumer } = &config.common;
+    let broker = &service_args.broker;
+    messaging::runtime::broker::check_tls(&broker.amqp_url).await?;
     let settings = PoolSettings {
         max_connections: config.pool_size,
         // Fail fast into a 503 while the database is down, rather than hanging the client.
         acquire_timeout: std::time::Duration::from_secs(2),
-        timeouts: config.schema.timeouts,
+        timeouts: schema.timeouts,
         // A stalled database found at the acquire, within those 2 s, not at the query deadline.
         check_each_acquire: true,
     };
-    let Some(pool) = db::open(config.schema.database(&config.database_url), &MIGRATOR, settings, &shutdown).await?
-    else {
+    let Some(pool) = db::open(schema.database(database_url), &MIGRATOR, settings, &shutdown).await? else {
         return Ok(());
     };
     let mut metrics = Metrics::default();
@@ -143,7 +127,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         metrics: Arc::new(metrics),
         ..Health::default()
     };
-    let status = ConsumerSettings::from_args(status::endpoint(), &config.consumer, &config.broker);
+    let status = ConsumerSettings::from_args(status::endpoint(), consumer, broker);
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
     books::start(&config.books, pool.clone(), books_metrics, shutdown.clone())?;
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
@@ -159,7 +143,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let limits =
         api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
-    let served = service.routes(app(pool.clone(), writers, limits, health, page)).run(listener, &config.http).await;
+    let served = service.routes(app(pool.clone(), writers, limits, page)).run(listener, &service_args.http).await;
     pool.close().await;
     served?;
     Ok(())

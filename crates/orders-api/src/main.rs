@@ -1,17 +1,9 @@
 //! `orders-api`: see the library for what it does; this is start-up only.
 
-use std::process::ExitCode;
-
-use clap::{CommandFactory, Parser};
+use clap::CommandFactory;
 use messaging::service;
 
-fn main() -> ExitCode {
-    let config = orders_api::Config::parse_from(service::command_line(&orders_api::Config::command()));
-    if let Err(refusal) = config.consumer.check_inbox_retention() {
-        orders_api::Config::command().error(clap::error::ErrorKind::ValueValidation, refusal).exit();
-    }
-    let _telemetry = messaging::runtime::telemetry::init("orders-api");
-    service::run_binary("orders-api", config.http_addr, |listener, shutdown| {
-        orders_api::run(config, listener, shutdown)
-    })
+fn main() -> std::process::ExitCode {
+    let command = service::with_http_addr(orders_api::Config::command(), "127.0.0.1:8080");
+    service::main("orders-api", service::with_database(command, "orders"), orders_api::run)
 }

@@ -1,5 +1,5 @@
-//! The HTTP contract of orders-api, at the router: every request goes through the service's whole
-//! router (`orders_api::app`) with `tower::ServiceExt::oneshot`, on a migrated database of the
+//! The HTTP contract of orders-api, at the router: every request goes through the API's own
+//! router (`orders_api::app`; the service runtime merges the health routes with it) with `tower::ServiceExt::oneshot`, on a migrated database of the
 //! test's own, with no server, no broker and no other service. Precise problem+json errors that
 //! write nothing, idempotency keys, the all-or-nothing order statement, and the lookups. What
 //! needs processes (the group commit under a paused writer, crashes) is in `testkit`'s suites.
@@ -9,7 +9,7 @@ use axum::{
     body::Body,
     http::{Request, StatusCode, header},
 };
-use messaging::runtime::{health::Health, metrics::Metrics};
+use messaging::runtime::metrics::Metrics;
 use orders_api::writer::{BatchMetrics, Writers};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -25,8 +25,7 @@ async fn api(env: &TestEnv) -> (Router, PgPool) {
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let mut metrics = Metrics::default();
     let writers = Writers::start(pool.clone(), 2, BatchMetrics::register(&mut metrics));
-    let health = Health { metrics: std::sync::Arc::new(metrics), ..Health::default() };
-    let app = orders_api::app(pool.clone(), writers, LIMITS, health, None);
+    let app = orders_api::app(pool.clone(), writers, LIMITS, None);
     (app, pool)
 }
 

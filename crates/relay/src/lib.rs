@@ -18,7 +18,7 @@
 //! After `RELAY_MAX_ATTEMPTS` it is parked (the claim skips it), its job is told
 //! (`job.quarantined`), and `msgctl outbox` lists and re-arms it.
 
-use std::{collections::HashSet, net::SocketAddr, str::FromStr, time::Duration};
+use std::{collections::HashSet, str::FromStr, time::Duration};
 
 use messaging::{
     contracts::{Contract, JobEvent, JobQuarantined},
@@ -27,16 +27,15 @@ use messaging::{
     runtime::{
         backoff::Backoff,
         broker::{self, Link, Session, SessionEnd},
-        config::{BrokerArgs, SecretUrl, parse_wait},
+        config::{SecretUrl, parse_wait},
         db,
         duration::parse_duration,
         failpoint,
         health::Health,
         metrics::OutboxMetrics,
-        serve::HttpArgs,
         shutdown::Shutdown,
     },
-    service::{BoxError, Service, StartupError},
+    service::{BinarySettings, BoxError, Service, ServiceArgs, StartupError},
     topology,
 };
 use sqlx::{
@@ -61,19 +60,19 @@ pub struct Config {
     pub database_urls: Vec<SecretUrl>,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub broker: BrokerArgs,
-    #[command(flatten)]
-    #[allow(missing_docs)]
     pub db_timeouts: db::DbTimeouts,
-    /// Address of /healthz, /readyz and /metrics. Loopback unless told otherwise.
-    #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8083")]
-    pub http_addr: SocketAddr,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub http: HttpArgs,
+    pub service: ServiceArgs,
     #[command(flatten)]
     #[allow(missing_docs)]
     pub relay: RelaySettings,
+}
+
+impl BinarySettings for Config {
+    fn service(&self) -> &ServiceArgs {
+        &self.service
+    }
 }
 
 /// How many due rows [`Relay::isolate`] sends one at a time, each awaiting its confirm, to find
@@ -145,7 +144,8 @@ struct OutboxDb {
 /// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
     // Before anything is written: a broker whose certificate does not verify stops us here.
-    broker::check_tls(&config.broker.amqp_url).await?;
+    let broker_args = &config.service.broker;
+    broker::check_tls(&broker_args.amqp_url).await?;
     let mut databases = Vec::new();
     for url in &config.database_urls {
         let options = PgConnectOptions::from_str(url.expose())
@@ -169,12 +169,12 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             db,
             metrics,
             settings: config.relay.clone(),
-            confirm_timeout: config.broker.confirm_timeout,
+            confirm_timeout: broker_args.confirm_timeout,
             health: health.clone(),
             shutdown: shutdown.clone(),
         };
         let link = Link {
-            nodes: config.broker.amqp_url.clone(),
+            nodes: broker_args.amqp_url.clone(),
             name: relay.flag(),
             backoff: Backoff::default(),
             readiness: health.readiness.clone(),
@@ -183,7 +183,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         // Not ready until this loop is up, from the first probe on.
         service = service.task(&relay.flag(), relay.run(link).instrument(span));
     }
-    service.run(listener, &config.http).await?;
+    service.run(listener, &config.service.http).await?;
     Ok(())
 }
 

@@ -1,12 +1,9 @@
 //! `relay`: see the library for what it does; this is start-up only.
 
-use std::process::ExitCode;
-
-use clap::{CommandFactory, Parser};
+use clap::CommandFactory;
 use messaging::service;
 
-fn main() -> ExitCode {
-    let config = relay::Config::parse_from(service::command_line(&relay::Config::command()));
-    let _telemetry = messaging::runtime::telemetry::init("relay");
-    service::run_binary("relay", config.http_addr, |listener, shutdown| relay::run(config, listener, shutdown))
+fn main() -> std::process::ExitCode {
+    let command = service::with_http_addr(relay::Config::command(), "127.0.0.1:8083");
+    service::main("relay", command, relay::run)
 }

@@ -44,7 +44,9 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
     };
     // Keep every writer busy (each pauses 1 s before its statement), so that what follows queues
     // and is taken as one batch.
-    let writers = orders_api::Config::try_parse_from(["orders-api"]).expect("defaults").order_writers;
+    let writers = orders_api::Config::try_parse_from(["orders-api", "--database-url", "postgres://localhost/orders"])
+        .expect("defaults")
+        .order_writers;
     let mut blockers = Vec::new();
     for i in 0..writers {
         // One at a time, so that each writer takes one.

@@ -4,13 +4,22 @@
 //! order's end, decided by the orders service, rather than the invoice: a customer's cancel can
 //! still win against an invoice, which billing then voids (decision 0023).
 //!
-//! The glue is [`worker`], [`MIGRATOR`] and `main.rs`; the rest is the handler and the contract it
-//! publishes.
+//! It also serves one route of its own beside its health routes, `GET /shipments/{order_id}`
+//! ([`routes`]): the shape of a service with an endpoint and a route.
+//!
+//! The glue is [`worker`], [`MIGRATOR`] and `main.rs`; the rest is the handler, the route and the
+//! contract it publishes.
 
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    http::StatusCode,
+    routing::get,
+};
 use messaging::prelude::*;
 use serde::{Deserialize, Serialize};
 use shop::{End, OrderEnded};
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 /// This service's own migrations, applied after messaging's. Named by timestamp
@@ -28,7 +37,35 @@ pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("shipping.order-ended").consume::<OrderEnded>(),
         handler: |_| Routes::new(ScheduleShipment).on::<OrderEnded>(),
+        routes: Some(routes),
     }
+}
+
+/// Its own route, `GET /shipments/{order_id}`: the order's shipment (200), none yet (404), or the
+/// database not answering (503).
+pub fn routes(pool: PgPool) -> Router {
+    Router::new().route("/shipments/{order_id}", get(shipment)).with_state(pool)
+}
+
+/// A scheduled shipment, as `GET /shipments/{order_id}` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct Shipment {
+    /// The shipment.
+    pub id: Uuid,
+    /// The order.
+    pub order_id: Uuid,
+    /// The job that tracked the order.
+    pub job_id: Option<Uuid>,
+}
+
+async fn shipment(State(pool): State<PgPool>, Path(order_id): Path<Uuid>) -> Result<Json<Shipment>, StatusCode> {
+    let found = sqlx::query_as("select id, order_id, job_id from shipments where order_id = $1")
+        .bind(order_id)
+        .fetch_optional(&pool)
+        .await
+        .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+    found.map(Json).ok_or(StatusCode::NOT_FOUND)
 }
 
 /// A shipment was scheduled for an invoiced order.

@@ -56,6 +56,19 @@ async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_t
         sqlx::query_as("select message_type, exchange from outbox").fetch_all(&pool).await.expect("outbox");
     assert_eq!(announced, [("shipment.scheduled".to_owned(), "shipping".to_owned())]);
 
+    // Its own route, beside the health routes it was ready on.
+    let base = format!("http://127.0.0.1:{port}");
+    let shipped = testkit::http::request("GET", &format!("{base}/shipments/{}", invoice.order_id), &[], None)
+        .await
+        .expect("GET the shipment");
+    assert_eq!(shipped.status, 200);
+    let shipment: shipping_worker::Shipment = serde_json::from_slice(&shipped.body).expect("a shipment");
+    assert_eq!((shipment.order_id, shipment.job_id), (invoice.order_id, Some(invoice.job_id)));
+    let none = testkit::http::request("GET", &format!("{base}/shipments/{}", cancelled.order_id), &[], None)
+        .await
+        .expect("GET no shipment");
+    assert_eq!(none.status, 404);
+
     let status = worker.terminate(WAIT).await.expect("stops on SIGTERM");
     assert!(status.success(), "{status:?}\n{}", worker.log_text());
     std::fs::remove_dir_all(&log_dir).expect("clean up");
