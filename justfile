@@ -53,7 +53,8 @@ dev:
     #!/usr/bin/env bash
     set -euo pipefail
     # A workspace build: the test kit's features are on (the demo's faults, decision 0025). The
-    # binaries are run as built: `cargo run --bin X` would build X again without them.
+    # binaries are run as built, not each through `cargo run -p X`, which would build X alone,
+    # without them.
     cargo build --bins
     bin="${CARGO_TARGET_DIR:-target}/debug"
     base="${DATABASE_URL%/}"

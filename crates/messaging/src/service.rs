@@ -65,7 +65,7 @@ pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
 /// # async fn example(pool: sqlx::PgPool, settings: messaging::consumer::ConsumerSettings,
 /// #     handler: impl messaging::consumer::Handler, listener: tokio::net::TcpListener,
 /// #     http: messaging::runtime::serve::HttpArgs, shutdown: messaging::runtime::shutdown::Shutdown) -> std::io::Result<()> {
-/// use messaging::{runtime::health::{self, Health}, service::Service};
+/// use messaging::{runtime::health::Health, service::Service};
 ///
 /// let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
 /// let service = Service::new(health, shutdown).consume(settings, handler, &pool);
@@ -166,6 +166,9 @@ pub struct Worker<F, H> {
     pub routes: Option<fn(PgPool) -> Router>,
 }
 
+/// Connections a [`Worker`]'s pool has for its routes, beside its consumer's.
+const ROUTE_CONNECTIONS: u32 = 4;
+
 /// The flags of a service that has none of its own.
 #[derive(Debug, Clone, Copy, Default, clap::Args)]
 pub struct NoFlags {}
@@ -178,7 +181,8 @@ pub struct ServiceArgs {
     #[allow(missing_docs)]
     pub broker: BrokerArgs,
     /// Address of its HTTP server: /healthz, /readyz and /metrics, and any routes of its own.
-    /// Loopback unless told otherwise. (Each binary has a default of its own: [`with_http_addr`].)
+    /// Loopback unless told otherwise.
+    // Each binary sets a default of its own (`with_http_addr`); this one is for a parse without it.
     #[arg(long, env = "HTTP_ADDR", default_value = "127.0.0.1:8080")]
     pub http_addr: SocketAddr,
     #[command(flatten)]
@@ -279,9 +283,12 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         // Before anything is written: a broker whose certificate does not verify stops us here.
         crate::runtime::broker::check_tls(&broker.amqp_url).await?;
         let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, broker);
-        // One connection per concurrent delivery, plus one for health checks.
+        // One connection per concurrent delivery, plus one for health checks, and a few for its
+        // routes, if it has any: a burst of requests must not take the consumer's connections,
+        // which it would wait out as an outage.
+        let for_routes = if self.routes.is_some() { ROUTE_CONNECTIONS } else { 0 };
         let pool_settings = PoolSettings {
-            max_connections: u32::from(consumer.prefetch) + 1,
+            max_connections: u32::from(consumer.prefetch) + 1 + for_routes,
             timeouts: common.schema.timeouts,
             ..PoolSettings::default()
         };
@@ -313,12 +320,14 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
     }
 }
 
-/// `command` with `default` as its `HTTP_ADDR`'s default: each binary has its own port.
+/// `command` with `default` as its `HTTP_ADDR`'s default: each binary has its own port. Panics
+/// if `command` has no `http_addr` ([`ServiceArgs`] has).
 pub fn with_http_addr(command: clap::Command, default: &'static str) -> clap::Command {
     command.mut_arg("http_addr", |arg| arg.default_value(default).required(false))
 }
 
 /// `command` with `postgres://postgres@localhost:5432/<database>` as its `DATABASE_URL`'s default.
+/// Panics if `command` has no single `database_url` ([`WorkerArgs`] has).
 pub fn with_database(command: clap::Command, database: &str) -> clap::Command {
     let url = format!("postgres://postgres@localhost:5432/{database}");
     command.mut_arg("database_url", |arg| arg.default_value(url).required(false))

@@ -76,6 +76,9 @@ enum Failure {
 fn main() -> ExitCode {
     // Its settings may be given as files too (DATABASE_URL_FILE, AMQP_URL_FILE, ...).
     let cli = Cli::parse_from(messaging::service::command_line(&Cli::command()));
+    if messaging::runtime::failpoint::ignored() {
+        eprintln!("msgctl: FAILPOINTS is set, but this build has no failpoints (the feature `failpoints`): ignored");
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

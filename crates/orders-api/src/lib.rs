@@ -97,8 +97,9 @@ pub fn app(pool: PgPool, writers: writer::Writers, limits: api::Limits, page: Op
     api.merge(openapi::routes())
         .fallback(api::no_route)
         .layer(axum::middleware::from_fn(problem::log_failures))
-        // No failure log here: `log_failures` logs a failed request once, with its cause, and a
-        // 503 from /readyz is a state, logged when it changes (`Readiness::set`).
+        // No failure log here: `log_failures` logs a failed request once, with its cause. (The
+        // health routes, merged by the service runtime, are outside both layers: a 503 from
+        // /readyz is a state, logged when it changes, `Readiness::set`.)
         .layer(TraceLayer::new_for_http().on_failure(()))
 }
 

@@ -41,10 +41,15 @@ impl DemoFaults {
         Self { enabled: self.enabled && COMPILED_IN }
     }
 
+    /// Whether the faults are on: asked for, and in this build.
+    fn on(self) -> bool {
+        self.enabled && COMPILED_IN
+    }
+
     /// The fault the first faulty SKU among `skus` calls for on `attempt`, if faults are on. Never
     /// enable it in a test process with a `CRASH` SKU: the process would exit.
     pub fn apply<'a>(self, skus: impl IntoIterator<Item = &'a str>, attempt: u32) -> Result<(), HandlerError> {
-        if !self.enabled {
+        if !self.on() {
             return Ok(());
         }
         for sku in skus {
@@ -75,7 +80,7 @@ impl DemoFaults {
         attempt: u32,
     ) -> Result<(), HandlerError> {
         match skus.into_iter().find(|sku| sku.starts_with("BILLPOISON")) {
-            Some(sku) if self.enabled => Err(HandlerError::Transient(
+            Some(sku) if self.on() => Err(HandlerError::Transient(
                 format!("demo fault: {sku} always fails in billing (attempt {attempt})").into(),
             )),
             _ => Ok(()),
@@ -85,7 +90,7 @@ impl DemoFaults {
     /// In billing: why the payment for `skus` is declined, if faults are on and one is a
     /// `DECLINE` SKU. A refusal is an outcome, not an error.
     pub fn declines<'a>(self, skus: impl IntoIterator<Item = &'a str>) -> Option<String> {
-        let sku = skus.into_iter().find(|sku| sku.starts_with("DECLINE")).filter(|_| self.enabled)?;
+        let sku = skus.into_iter().find(|sku| sku.starts_with("DECLINE")).filter(|_| self.on())?;
         Some(format!("payment declined (demo fault: {sku} is always declined)"))
     }
 }

@@ -322,12 +322,14 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     let order_id = order_id(&shop.wait_for_state(job_id, "succeeded").await);
     shop.assert_books_balance().await;
     let held = "books_disagreements{kind=\"held_by_ended\"}";
+    // A check that ran before inventory settled the reservation (the grace is short) counts it;
+    // the next one, after, does not.
     eventually("the books to be checked and agree", WAIT, || async {
         let text = http::request("GET", &format!("{}/metrics", shop.http(Service::Api)), &[], None).await.ok()?;
-        String::from_utf8_lossy(&text.body).contains(held).then_some(())
+        let checked = String::from_utf8_lossy(&text.body).contains(held);
+        (checked && shop.metric(Service::Api, held).await == 0).then_some(())
     })
     .await;
-    assert_eq!(shop.metric(Service::Api, held).await, 0);
 
     // An invoiced order's reservation put back to held, its stock with it: a lost settle.
     settle_by_hand(&shop, order_id, "held", 3).await;

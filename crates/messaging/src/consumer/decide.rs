@@ -10,6 +10,7 @@
 //! | a first delivery | apply it |
 //! | a redelivery | count its start in the crash ledger (committed), then apply it |
 //! | … started more than `max_crashes` times | park: it keeps killing its consumer |
+//! | … once it leaves this process alive, whichever way | forget its start (a crash park: once confirmed) |
 //! | … the crash ledger fails (not an outage) | apply it; the broker's delivery limit stays the net |
 //! | applied, or skipped by the inbox as a duplicate | ack |
 //! | waits for an earlier message of its key | defer it to the first wait tier, spending no attempt |
@@ -148,8 +149,23 @@ pub(super) struct Decision<'r> {
     arrival: Arrival,
     /// Unanswered tries in a row (the backoff's exponent).
     outages: u32,
-    /// Whether its start is counted in the crash ledger, to be forgotten once it is settled.
-    start_counted: bool,
+    /// What becomes of its start in the crash ledger once it leaves.
+    start: Start,
+}
+
+/// A redelivery's start in the crash ledger, and when it is forgotten. Once the delivery leaves
+/// this process alive (settled, or handed back: a copy not confirmed, an ack that failed, the
+/// session's end), its start was no crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Start {
+    /// Not counted (a first delivery, or a ledger that did not answer).
+    NotCounted,
+    /// Forgotten whatever way the delivery leaves.
+    Forget,
+    /// Parked for crashing its consumer: forgotten only once the parked copy is confirmed. If it
+    /// is not, the count stays, and when the delivery comes back it is parked at once instead of
+    /// crashing its consumer again.
+    ForgetOnceParked,
 }
 
 impl<'r> Decision<'r> {
@@ -161,13 +177,12 @@ impl<'r> Decision<'r> {
     /// A readable delivery arrived; its first step.
     pub(super) fn arrived(rules: &'r Rules, arrival: Arrival) -> (Self, Step) {
         let first = if arrival.redelivered { Attempt::CountStart } else { Attempt::Apply };
-        (Self { rules, arrival, outages: 0, start_counted: false }, Step::Try(first))
+        (Self { rules, arrival, outages: 0, start: Start::NotCounted }, Step::Try(first))
     }
 
-    /// Whether its start was counted in the crash ledger: once it is settled or handed back, this
-    /// process lives, so the start was no crash and is forgotten.
-    pub(super) fn start_counted(&self) -> bool {
-        self.start_counted
+    /// What becomes of its start in the crash ledger once it leaves ([`Start`]).
+    pub(super) fn start(&self) -> Start {
+        self.start
     }
 
     /// The step after `event`.
@@ -188,8 +203,9 @@ impl<'r> Decision<'r> {
         }
         match event {
             Event::Started(Ok(starts)) => {
-                self.start_counted = true;
+                self.start = Start::Forget;
                 if starts > self.rules.max_crashes {
+                    self.start = Start::ForgetOnceParked;
                     let crashes = starts - 1;
                     return self.park(format!(
                         "crashed its consumer {crashes} times: handled alone, it never finished (process killed, \
@@ -272,7 +288,8 @@ mod tests {
     use tokio::time::Instant;
 
     use super::{
-        Applied, Arrival, Attempt, Decision, Event, HandlerError, MAX_DEFERRALS, Republish, Rules, Settlement, drive,
+        Applied, Arrival, Attempt, Decision, Event, HandlerError, MAX_DEFERRALS, Republish, Rules, Settlement, Start,
+        drive,
     };
     use crate::{
         runtime::{backoff::Backoff, shutdown},
@@ -309,7 +326,7 @@ mod tests {
         arrival: Arrival,
         events: Vec<Event>,
         session_ends: Option<Duration>,
-    ) -> (Settlement, Vec<(Attempt, Duration)>, Duration, bool) {
+    ) -> (Settlement, Vec<(Attempt, Duration)>, Duration, Start) {
         let rules = rules();
         let (trigger, ended) = shutdown::channel();
         let ends = session_ends.unwrap_or(Duration::MAX);
@@ -330,7 +347,7 @@ mod tests {
         if session_ends.is_none() {
             assert!(events.is_empty(), "every scripted outcome is used");
         }
-        (settlement, attempts, started.elapsed(), decision.start_counted())
+        (settlement, attempts, started.elapsed(), decision.start())
     }
 
     fn first() -> Arrival {
@@ -343,7 +360,7 @@ mod tests {
             let (settlement, attempts, took, forget) = run(first(), vec![Event::Applied(Ok(applied))], None).await;
             assert_eq!(settlement, Settlement::Ack(applied));
             assert_eq!(attempts, [(Attempt::Apply, Duration::ZERO)]);
-            assert_eq!((took, forget), (Duration::ZERO, false));
+            assert_eq!((took, forget), (Duration::ZERO, Start::NotCounted));
         }
     }
 
@@ -456,14 +473,14 @@ mod tests {
             attempts.iter().map(|(attempt, _)| *attempt).collect::<Vec<_>>(),
             [Attempt::CountStart, Attempt::Apply]
         );
-        assert!(forget, "a start that did not crash is forgotten");
+        assert_eq!(forget, Start::Forget, "a start that did not crash is forgotten");
 
         let (settlement, attempts, _, forget) = run(redelivered, vec![Event::Started(Ok(3))], None).await;
         let reason = "crashed its consumer 2 times: handled alone, it never finished (process killed, panicked or \
                       hung); not handled again";
         assert_eq!(settlement, Settlement::Republish(Republish::Park { reason: reason.into(), retry_count: 0 }));
         assert_eq!(attempts.len(), 1, "not applied again");
-        assert!(forget);
+        assert_eq!(forget, Start::ForgetOnceParked, "its count stays until it is parked");
     }
 
     #[tokio::test(start_paused = true)]
@@ -471,19 +488,19 @@ mod tests {
         let redelivered = Arrival { redelivered: true, ..first() };
         let (settlement, _, _, forget) =
             run(redelivered, vec![Event::Started(Err(permanent())), Event::Applied(Ok(Applied::Done))], None).await;
-        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), false));
+        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), Start::NotCounted));
 
         // Unreachable: counted once it answers, then applied.
         let events = vec![Event::Started(Err(outage())), Event::Started(Ok(1)), Event::Applied(Ok(Applied::Done))];
         let (settlement, attempts, _, forget) = run(redelivered, events, None).await;
-        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), true));
+        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), Start::Forget));
         let tried: Vec<Attempt> = attempts.iter().map(|(attempt, _)| *attempt).collect();
         assert_eq!(tried, [Attempt::CountStart, Attempt::CountStart, Attempt::Apply]);
 
         // The session ends before the ledger answers: handed back, nothing to forget.
         let events = (0..10).map(|_| Event::Started(Err(outage()))).collect();
         let (settlement, _, took, forget) = run(redelivered, events, Some(Duration::from_millis(250))).await;
-        assert_eq!((settlement, took, forget), (Settlement::HandBack, Duration::from_millis(250), false));
+        assert_eq!((settlement, took, forget), (Settlement::HandBack, Duration::from_millis(250), Start::NotCounted));
     }
 
     #[tokio::test(start_paused = true)]

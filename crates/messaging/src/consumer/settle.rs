@@ -12,7 +12,7 @@ use super::{
     Applied, Handler, HandlerError, Runtime,
     acks::InFlight,
     crashes,
-    decide::{self, Arrival, Attempt, Decision, Event, Republish, Settlement},
+    decide::{self, Arrival, Attempt, Decision, Event, Republish, Settlement, Start},
     session::Io,
 };
 use crate::{
@@ -136,8 +136,8 @@ impl<H: Handler> Runtime<H> {
         let held = || self.metrics.held();
         let settlement =
             decide::drive(&mut decision, first, &io.ended, held, |attempt| self.attempt(attempt, &message)).await;
-        let counted = decision.start_counted().then_some(message.message_id);
-        self.settle(delivery, io, settlement, counted).await
+        let counted = Counted { message_id: message.message_id, start: decision.start() };
+        self.settle(delivery, io, settlement, Some(counted)).await
     }
 
     /// Perform `attempt` on the database and report what it came to.
@@ -145,7 +145,11 @@ impl<H: Handler> Runtime<H> {
         match attempt {
             Attempt::CountStart => {
                 let start = crashes::record_start(&self.pool, self.settings.endpoint.name, message.message_id);
-                Event::Started(db::within(db::QUERY_DEADLINE, start).await.map_err(HandlerError::from))
+                let started = db::within(db::QUERY_DEADLINE, start).await.map_err(HandlerError::from);
+                if let Err(error @ (HandlerError::Transient(_) | HandlerError::Permanent(_))) = &started {
+                    tracing::warn!(%error, "crash ledger unavailable; handling the message uncounted");
+                }
+                Event::Started(started)
             }
             Attempt::Apply => Event::Applied(self.apply(message).await),
         }
@@ -153,35 +157,41 @@ impl<H: Handler> Runtime<H> {
 
     /// Settle a delivery as decided: ack it, or hand it back; or publish a copy (retry, park,
     /// defer) and then ack, held beside the session's work ([`Io::hold`]) so that a broker that
-    /// blocks publishing holds it, not the deliveries behind. Once it is settled or handed back,
-    /// a start counted in the crash ledger (`counted`, the message's id) is forgotten: this process
-    /// lives, so the start was no crash. (If the copy is not confirmed, the start stays counted:
-    /// the bound errs towards parking a redelivered message early, never towards losing one.)
+    /// blocks publishing holds it, not the deliveries behind. Then its start in the crash ledger,
+    /// if `counted`, is forgotten as [`Start`] says: the delivery leaves a process that lives.
     async fn settle(
         self: &Arc<Self>,
         delivery: InFlight,
         io: &Io,
         settlement: Settlement,
-        counted: Option<Uuid>,
+        counted: Option<Counted>,
     ) -> Result<(), PublishError> {
-        match settlement {
-            Settlement::Ack(applied) => {
-                delivery.ack().await?;
-                self.acked(applied);
+        let settled = match settlement {
+            Settlement::Ack(applied) => delivery.ack().await.map(|()| self.acked(applied)),
+            Settlement::HandBack => {
+                tracing::info!("session ended during a database outage; the broker will redeliver");
+                Ok(())
             }
-            Settlement::HandBack => tracing::info!("session ended during a database outage; the broker will redeliver"),
             Settlement::Republish(copy) => {
+                // Forgotten now, whatever becomes of the copy (a broker blocking publishers may
+                // hold it past the session's end); a crash park's count, once the park is
+                // confirmed.
+                let (now, once_parked) = match counted {
+                    Some(counted) if counted.start == Start::ForgetOnceParked => (None, Some(counted)),
+                    counted => (counted, None),
+                };
+                self.forget_start(now, true).await;
                 let (runtime, publisher) = (Arc::clone(self), io.publisher.clone());
                 io.hold(async move {
-                    runtime.republish(delivery, &publisher, copy).await?;
-                    runtime.forget_start(counted).await;
-                    Ok(())
+                    let settled = runtime.republish(delivery, &publisher, copy).await;
+                    runtime.forget_start(once_parked, settled.is_ok()).await;
+                    settled
                 });
                 return Ok(());
             }
-        }
-        self.forget_start(counted).await;
-        Ok(())
+        };
+        self.forget_start(counted, settled.is_ok()).await;
+        settled
     }
 
     /// Publish the copy a settlement needs, then ack the original.
@@ -197,9 +207,19 @@ impl<H: Handler> Runtime<H> {
         }
     }
 
-    /// Forget the crash ledger's count of starts of `counted`, if any.
-    async fn forget_start(&self, counted: Option<Uuid>) {
-        let Some(message_id) = counted else { return };
+    /// Forget the crash ledger's count of starts of `counted`, as its [`Start`] says, the
+    /// delivery having been `settled` or not. (If this fails, the start stays counted: the bound
+    /// errs towards parking a redelivered message early, never towards losing one.)
+    async fn forget_start(&self, counted: Option<Counted>, settled: bool) {
+        let Some(Counted { message_id, start }) = counted else { return };
+        let forget = match start {
+            Start::NotCounted => false,
+            Start::Forget => true,
+            Start::ForgetOnceParked => settled,
+        };
+        if !forget {
+            return;
+        }
         let forgotten = crashes::forget(&self.pool, self.settings.endpoint.name, message_id);
         if let Err(error) = db::within(db::QUERY_DEADLINE, forgotten).await {
             tracing::warn!(%error, "crash ledger entry not cleared");
@@ -219,6 +239,13 @@ impl<H: Handler> Runtime<H> {
             }
         }
     }
+}
+
+/// A message whose start the crash ledger may have counted, and what becomes of it.
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    message_id: Uuid,
+    start: Start,
 }
 
 /// What a decision reads of a delivery as it arrives: from its envelope when it decoded, else

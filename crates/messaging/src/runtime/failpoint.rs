@@ -81,9 +81,14 @@ pub async fn hit(name: &str) {
 /// Whether this build has the failpoints (the feature `failpoints`).
 pub const COMPILED_IN: bool = cfg!(feature = "failpoints");
 
-/// Warn, once at start-up, that `FAILPOINTS` is set in a build that ignores it.
+/// Whether `FAILPOINTS` is set in a build that ignores it.
+pub fn ignored() -> bool {
+    !COMPILED_IN && std::env::var_os("FAILPOINTS").is_some()
+}
+
+/// Warn, once at start-up, that `FAILPOINTS` is set in a build that ignores it ([`ignored`]).
 pub fn warn_if_ignored() {
-    if !COMPILED_IN && std::env::var_os("FAILPOINTS").is_some() {
+    if ignored() {
         tracing::warn!("FAILPOINTS is set, but this build has no failpoints (the feature `failpoints`): ignored");
     }
 }
