@@ -4,7 +4,7 @@
 //! when an order ends otherwise than invoiced, it voids its invoice and announces
 //! `invoice.voided`. Each in the runtime's one transaction.
 
-use std::{collections::HashMap, sync::LazyLock};
+use std::collections::HashMap;
 
 use chrono::Utc;
 use messaging::prelude::*;
@@ -35,17 +35,6 @@ pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
 pub fn handler(faults: DemoFaults) -> Routes<CreateInvoice> {
     Routes::new(CreateInvoice { faults: faults.in_this_build() }).on::<InventoryReserved>().on::<OrderEnded>()
 }
-
-/// The invoice and its `invoice.created` in one statement (one round trip). The outbox row is
-/// selected from the inserted invoice, so an order invoiced before under another message id gets
-/// neither: it was announced then.
-static INSERT_INVOICE: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
-    outbox::WithEffect::new(
-        "insert into invoices (id, order_id, job_id, total_cents, lines) values ($1, $2, $3, $4, $5)
-         on conflict (order_id) do nothing
-         returning id",
-    )
-});
 
 /// The handler of `inventory.reserved` (invoice or decline) and `order.ended` (void).
 #[derive(Debug, Clone, Default)]
@@ -91,21 +80,22 @@ impl Handle<InventoryReserved> for CreateInvoice {
         }
         let invoice_id = Uuid::now_v7();
         let created = InvoiceCreated { order_id: reserved.order_id, job_id: reserved.job_id, invoice_id, total_cents };
+        // The invoice and its `invoice.created` in one statement (one round trip). The outbox row
+        // is selected from the inserted invoice, so an order invoiced before under another message
+        // id gets neither: it was announced then.
+        let invoice = |effect: &mut sqlx::QueryBuilder<sqlx::Postgres>| {
+            effect.push("insert into invoices (id, order_id, job_id, total_cents, lines) values (");
+            effect
+                .separated(", ")
+                .push_bind(invoice_id)
+                .push_bind(reserved.order_id)
+                .push_bind(reserved.job_id)
+                .push_bind(total_cents)
+                .push_bind(sqlx::types::Json(&reserved.lines));
+            effect.push(") on conflict (order_id) do nothing returning id");
+        };
         let announced = outbox::Outgoing::of(&created, context.job_id);
-        INSERT_INVOICE
-            .query(
-                |effect| {
-                    effect
-                        .bind(invoice_id)
-                        .bind(reserved.order_id)
-                        .bind(reserved.job_id)
-                        .bind(total_cents)
-                        .bind(sqlx::types::Json(&reserved.lines))
-                },
-                announced,
-            )
-            .execute(&mut *tx)
-            .await?;
+        outbox::with_effect(invoice, announced).build().execute(&mut *tx).await?;
         Ok(())
     }
 }

@@ -4,10 +4,7 @@
 //! reservation (invoiced) or releases it and announces `inventory.released` (any other end). Each
 //! in the runtime's one transaction.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    sync::LazyLock,
-};
+use std::collections::{BTreeMap, BTreeSet};
 
 use messaging::prelude::*;
 use shop::{
@@ -186,17 +183,6 @@ impl LockBatch<OrderPlaced> for ReserveStock {
     }
 }
 
-/// The reservation and its `inventory.reserved` in one statement (one round trip). The outbox row
-/// is selected from the inserted reservation, so an order reserved before under another message id
-/// gets neither, and the statement's row count says which happened.
-static INSERT_RESERVATION: LazyLock<outbox::WithEffect> = LazyLock::new(|| {
-    outbox::WithEffect::new(
-        "insert into reservations (id, order_id, job_id, lines) values ($1, $2, $3, $4)
-         on conflict (order_id) do nothing
-         returning id",
-    )
-});
-
 /// Reserve all lines or none, in three round trips: lock the order's stock rows and read them,
 /// write the reservation with its `inventory.reserved`, take the stock. A refusal is decided on
 /// the locked rows before anything is written, so it needs no savepoint to undo, and the caller's
@@ -242,14 +228,17 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
         lines: order.lines.clone(),
         deadline: order.deadline,
     };
+    // The reservation and its `inventory.reserved` in one statement (one round trip). The outbox
+    // row is selected from the inserted reservation, so an order reserved before under another
+    // message id gets neither, and the statement's row count says which happened.
+    let reservation = |effect: &mut sqlx::QueryBuilder<sqlx::Postgres>| {
+        effect.push("insert into reservations (id, order_id, job_id, lines) values (");
+        let mut values = effect.separated(", ");
+        values.push_bind(reservation_id).push_bind(order.order_id).push_bind(order.job_id).push_bind(Json(&lines));
+        effect.push(") on conflict (order_id) do nothing returning id");
+    };
     let announced = outbox::Outgoing::of(&reserved, job_id);
-    let written = INSERT_RESERVATION
-        .query(
-            |effect| effect.bind(reservation_id).bind(order.order_id).bind(order.job_id).bind(Json(&lines)),
-            announced,
-        )
-        .execute(&mut *tx)
-        .await?;
+    let written = outbox::with_effect(reservation, announced).build().execute(&mut *tx).await?;
     if written.rows_affected() == 0 {
         return Ok(Reservation::AlreadyMade);
     }

@@ -3,14 +3,11 @@
 //! if and only if the change committed. The insert trigger (migration `0001_messaging.sql`) wakes
 //! the relay with `NOTIFY outbox` at commit.
 
-use std::{
-    sync::{Arc, LazyLock},
-    time::Duration,
-};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, SqlSafeStr, SqlStr, postgres::PgArguments, types::Json};
+use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, types::Json};
 use uuid::Uuid;
 
 use crate::{contracts::Contract, envelope::Headers};
@@ -59,105 +56,63 @@ impl serde_json::ser::Formatter for JsonbText {
     }
 }
 
-static INSERT: LazyLock<String> = LazyLock::new(|| {
-    format!("insert into outbox ({COLUMNS}, {SCHEDULE}) values ($1, $2, $3, $4, $5, $6, {})", schedule_values(7))
-});
-
 /// The outbox columns a new message fills, in [`Outgoing`]'s order.
 const COLUMNS: &str = "message_id, message_type, exchange, routing_key, payload, headers";
 
 /// The columns of a message's deliver-at time ([`Outgoing::at`]), after [`COLUMNS`].
 const SCHEDULE: &str = "available_at, scheduled";
 
-/// [`SCHEDULE`]'s values from one bound `timestamptz` parameter, `$n`: null means now.
-fn schedule_values(n: usize) -> String {
-    format!("coalesce(${n}::timestamptz, now()), ${n}::timestamptz is not null")
-}
-
-/// A Postgres query with its arguments, as [`WithEffect::query`] hands it to be bound.
-pub type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
-
 /// A statement that writes a service's effect and, only if the effect wrote a row, the message
-/// that announces it: one round trip, and never the one without the other. The effect is one
-/// data-modifying statement with `returning` that writes at most one row (typically `insert … on
-/// conflict do nothing returning id`), whose parameters are its own, `$1` on; the message's
-/// values are bound after them, at numbers this type works out.
+/// that announces it: one round trip, and never the one without the other. `effect` writes one
+/// data-modifying statement with `returning` that writes at most one row (typically `insert …
+/// on conflict do nothing returning id`) into a [`QueryBuilder`]: its text with `push`, each value
+/// with `push_bind`, which numbers it. The message's values follow, numbered the same way: no
+/// parameter is counted by hand (decision 0026). The statement's `rows_affected` is 1 if the
+/// effect wrote its row (and the message was written), 0 if not.
 ///
 /// ```
-/// use messaging::{contracts::Contract, outbox::{Outgoing, WithEffect}};
+/// use messaging::{contracts::Contract, outbox::{self, Outgoing}};
 /// # #[derive(serde::Serialize)] struct Shipped { order_id: uuid::Uuid }
 /// # impl Contract for Shipped { const TYPE: &'static str = "shipped"; const EXCHANGE: &'static str = "shop"; }
-/// static SHIP: std::sync::LazyLock<WithEffect> = std::sync::LazyLock::new(|| {
-///     WithEffect::new("insert into shipments (id, order_id) values ($1, $2) on conflict do nothing returning id")
-/// });
 ///
 /// # async fn ship(tx: &mut sqlx::PgConnection, id: uuid::Uuid, order_id: uuid::Uuid) -> sqlx::Result<()> {
 /// let shipped = Shipped { order_id };
-/// let written = SHIP
-///     .query(|effect| effect.bind(id).bind(order_id), Outgoing::of(&shipped, None))
-///     .execute(tx)
-///     .await?;
+/// let written = outbox::with_effect(
+///     |effect| {
+///         effect.push("insert into shipments (id, order_id) values (");
+///         effect.separated(", ").push_bind(id).push_bind(order_id);
+///         effect.push(") on conflict do nothing returning id");
+///     },
+///     Outgoing::of(&shipped, None),
+/// )
+/// .build()
+/// .execute(tx)
+/// .await?;
 /// // 0: the shipment existed already, and nothing was announced again.
 /// let new = written.rows_affected() == 1;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
-pub struct WithEffect {
-    sql: SqlStr,
+pub fn with_effect<C: Contract>(
+    effect: impl FnOnce(&mut QueryBuilder<Postgres>),
+    message: Outgoing<'_, C>,
+) -> QueryBuilder<Postgres> {
+    let mut statement = QueryBuilder::new("with effect as (");
+    effect(&mut statement);
+    statement.push(format_args!(") insert into outbox ({COLUMNS}, {SCHEDULE}) select "));
+    message.push_values(&mut statement);
+    statement.push(" from effect limit 1");
+    statement
 }
 
-impl WithEffect {
-    /// The statement for `effect` (see [`WithEffect`]).
-    pub fn new(effect: &str) -> Self {
-        let first = highest_parameter(effect) + 1;
-        let values: Vec<String> = (first..first + 6).map(|n| format!("${n}")).collect();
-        let values = values.join(", ");
-        let schedule = schedule_values(first + 6);
-        let sql = format!(
-            "with effect as ({effect}) insert into outbox ({COLUMNS}, {SCHEDULE}) select {values}, {schedule} from effect \
-             limit 1"
-        );
-        // Built from the caller's statement text and our own column list and placeholders: no
-        // value is ever spliced in, every value is bound. Held shared, so each query clones a
-        // pointer, not the text.
-        Self { sql: AssertSqlSafe(Arc::<str>::from(sql)).into_sql_str() }
-    }
-
-    /// The query: `bind_effect` binds the effect's parameters, then `message`'s values follow.
-    /// Its `rows_affected` is 1 if the effect wrote its row (and the message was written), 0 if
-    /// not.
-    pub fn query<'q, C: Contract>(
-        &'q self,
-        bind_effect: impl FnOnce(Query<'q>) -> Query<'q>,
-        message: Outgoing<'q, C>,
-    ) -> Query<'q> {
-        message.bind_to(bind_effect(sqlx::query(self.sql.clone())))
-    }
-}
-
-/// The highest `$n` in `sql` (0 if none).
-fn highest_parameter(sql: &str) -> usize {
-    sql.split('$')
-        .skip(1)
-        .filter_map(|after| after.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
-        .max()
-        .unwrap_or(0)
-}
-
-/// The outbox rows a statement of the caller's writes for many messages at once, selected from a
-/// relation of its own (`from`, e.g. a CTE and its `order by`), each column given as an
-/// expression over it: `insert into outbox (…) select … from …`. For one message beside one
-/// effect, [`WithEffect`] does the numbering too.
+/// The outbox rows a statement of the caller's writes for many messages of one contract at once,
+/// selected from a relation of its own (`from`, e.g. a CTE and its `order by`): `insert into
+/// outbox (…) select … from …`. The per-row columns are expressions over that relation (column
+/// names, never values); the contract's type and exchange are bound. For one message beside one
+/// effect, [`with_effect`] binds its values too.
 #[derive(Debug, Clone, Copy)]
 pub struct Selected<'a> {
     /// The message ids (a new UUIDv7 each).
     pub message_id: &'a str,
-    /// The contracts' types.
-    pub message_type: &'a str,
-    /// Their exchanges.
-    pub exchange: &'a str,
-    /// Their routing keys (their types).
-    pub routing_key: &'a str,
     /// The bodies, `jsonb`.
     pub payload: &'a str,
     /// The headers ([`Headers`]), `jsonb`.
@@ -167,22 +122,22 @@ pub struct Selected<'a> {
 }
 
 impl Selected<'_> {
-    /// The `insert` statement, selecting from `from` (which may carry `where` and `order by`:
-    /// the rows are published in the order they are inserted).
-    pub fn insert_from(&self, from: &str) -> String {
-        let Self { message_id, message_type, exchange, routing_key, payload, headers, deliver_at } = self;
-        let (columns, schedule) = match deliver_at {
-            Some(at) => (format!("{COLUMNS}, {SCHEDULE}"), format!(", {at}, true")),
-            None => (COLUMNS.to_owned(), String::new()),
-        };
-        format!(
-            "insert into outbox ({columns}) select {message_id}, {message_type}, {exchange}, {routing_key}, {payload}, \
-             {headers}{schedule} from {from}"
-        )
+    /// Push the `insert` statement of messages of contract `C`, selecting from `from` (which may
+    /// carry `where` and `order by`: the rows are published in the order they are inserted).
+    pub fn push_insert<C: Contract>(&self, statement: &mut QueryBuilder<Postgres>, from: &str) {
+        let Self { message_id, payload, headers, deliver_at } = self;
+        let columns = if deliver_at.is_some() { format!("{COLUMNS}, {SCHEDULE}") } else { COLUMNS.to_owned() };
+        statement.push(format_args!("insert into outbox ({columns}) select {message_id}, "));
+        statement.separated(", ").push_bind(C::TYPE).push_bind(C::EXCHANGE).push_bind(C::TYPE);
+        statement.push(format_args!(", {payload}, {headers}"));
+        if let Some(at) = deliver_at {
+            statement.push(format_args!(", {at}, true"));
+        }
+        statement.push(format_args!(" from {from}"));
     }
 }
 
-/// A message as its outbox row will hold it: what [`enqueue`] inserts, and what [`WithEffect`]
+/// A message as its outbox row will hold it: what [`enqueue`] inserts, and what [`with_effect`]
 /// writes beside an effect. The headers carry the current trace context
 /// ([`crate::runtime::trace::current`]).
 #[derive(Debug)]
@@ -236,21 +191,26 @@ impl<'a, C: Contract> Outgoing<'a, C> {
     /// returns its message id.
     pub async fn enqueue(self, conn: &mut PgConnection) -> sqlx::Result<Uuid> {
         let message_id = self.message_id;
-        self.bind_to(sqlx::query(INSERT.as_str())).execute(conn).await?;
+        let mut statement = QueryBuilder::new(format!("insert into outbox ({COLUMNS}, {SCHEDULE}) values ("));
+        self.push_values(&mut statement);
+        statement.push(")");
+        statement.build().execute(conn).await?;
         Ok(message_id)
     }
 
-    /// Bind its seven values, in the outbox columns' order and its deliver-at time, as the next
-    /// parameters of `query`.
-    fn bind_to(self, query: Query<'a>) -> Query<'a> {
-        query
-            .bind(self.message_id)
-            .bind(self.message_type)
-            .bind(self.exchange)
-            .bind(self.routing_key)
-            .bind(self.payload)
-            .bind(self.headers)
-            .bind(self.deliver_at)
+    /// Push its values, bound, in the outbox columns' order ([`COLUMNS`]), then its deliver-at
+    /// time's ([`SCHEDULE`]: null means now).
+    fn push_values(self, statement: &mut QueryBuilder<Postgres>) {
+        let mut values = statement.separated(", ");
+        values
+            .push_bind(self.message_id)
+            .push_bind(self.message_type)
+            .push_bind(self.exchange)
+            .push_bind(self.routing_key)
+            .push_bind(self.payload)
+            .push_bind(self.headers);
+        statement.push(", coalesce(").push_bind(self.deliver_at).push("::timestamptz, now()), ");
+        statement.push_bind(self.deliver_at).push("::timestamptz is not null");
     }
 }
 
@@ -451,45 +411,53 @@ pub async fn gauges(pool: &PgPool) -> sqlx::Result<OutboxGauges> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Selected, WithEffect, highest_parameter};
+    use super::{Outgoing, Selected, with_effect};
+    use crate::contracts::Contract;
+
+    #[derive(serde::Serialize)]
+    struct Shipped {}
+
+    impl Contract for Shipped {
+        const TYPE: &'static str = "shipped";
+        const EXCHANGE: &'static str = "shop";
+    }
 
     #[test]
-    fn the_message_s_values_follow_the_effect_s_own_parameters() {
-        assert_eq!(highest_parameter("insert into t (a, b) values ($1, $2)"), 2);
-        assert_eq!(highest_parameter("select $10, $9::int, $3"), 10);
-        assert_eq!(highest_parameter("select 1"), 0);
-        let statement = WithEffect::new("insert into t (a) values ($1) returning a");
-        assert!(
-            statement.sql.as_str().ends_with(
-                "select $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()), $8::timestamptz is not null \
-                 from effect limit 1"
-            ),
-            "{:?}",
-            statement.sql
+    fn the_message_s_values_follow_the_effect_s_own_whatever_its_text_holds() {
+        // A `$` in a literal or a dollar-quoted string is text, not a parameter.
+        let mut statement = with_effect(
+            |effect| {
+                effect.push("insert into t (a, b, c) values (").push_bind(1_i32).push(", '$3', $$ $9 $$) returning a");
+            },
+            Outgoing::of(&Shipped {}, None),
         );
+        let sql = statement.sql();
+        assert_eq!(
+            sql.as_str(),
+            "with effect as (insert into t (a, b, c) values ($1, '$3', $$ $9 $$) returning a) insert into outbox \
+             (message_id, message_type, exchange, routing_key, payload, headers, available_at, scheduled) select $2, \
+             $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()), $9::timestamptz is not null from effect limit 1"
+        );
+        let _ = statement.build();
     }
 
     #[test]
     fn selected_rows_name_every_column_in_the_outbox_s_order() {
-        let columns = Selected {
-            message_id: "m",
-            message_type: "$1",
-            exchange: "$2",
-            routing_key: "$1",
-            payload: "p",
-            headers: "h",
-            deliver_at: None,
-        };
+        let columns = Selected { message_id: "m", payload: "p", headers: "h", deliver_at: None };
+        let mut statement = sqlx::QueryBuilder::new("with go as (select 1 as n) ");
+        columns.push_insert::<Shipped>(&mut statement, "go order by n");
         assert_eq!(
-            columns.insert_from("go order by n"),
-            "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers) \
-             select m, $1, $2, $1, p, h from go order by n"
+            statement.sql().as_str(),
+            "with go as (select 1 as n) insert into outbox (message_id, message_type, exchange, routing_key, \
+             payload, headers) select m, $1, $2, $3, p, h from go order by n"
         );
         let scheduled = Selected { deliver_at: Some("at"), ..columns };
+        let mut statement = sqlx::QueryBuilder::new("");
+        scheduled.push_insert::<Shipped>(&mut statement, "go");
         assert_eq!(
-            scheduled.insert_from("go"),
+            statement.sql().as_str(),
             "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers, available_at, \
-             scheduled) select m, $1, $2, $1, p, h, at, true from go"
+             scheduled) select m, $1, $2, $3, p, h, at, true from go"
         );
     }
 }

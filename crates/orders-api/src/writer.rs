@@ -20,7 +20,6 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use messaging::{
-    contracts::Contract,
     envelope::Headers,
     outbox,
     runtime::{
@@ -31,7 +30,7 @@ use messaging::{
 };
 use prometheus_client::metrics::{counter::Counter, family::Family};
 use shop::{OrderDeadline, OrderPlaced};
-use sqlx::{PgConnection, PgPool, types::Json};
+use sqlx::{PgConnection, PgPool, QueryBuilder, types::Json};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
@@ -124,43 +123,31 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
             lines.3.push(line.quantity);
         }
     }
-    sqlx::query_scalar(INSERT_ORDERS.as_str())
-        .bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.ids.job_id).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.placed.customer_id.as_str()).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.claim.as_ref().map(|claim| claim.key.as_str())).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.claim.as_ref().map(|claim| &claim.request)).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.message_id).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| Json(&o.placed)).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| Json(&o.headers)).collect::<Vec<_>>())
-        .bind(lines.0)
-        .bind(lines.1)
-        .bind(lines.2)
-        .bind(lines.3)
-        .bind(OrderPlaced::TYPE)
-        .bind(OrderPlaced::EXCHANGE)
-        .bind(orders.iter().map(|o| o.deadline.message_id).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| Json(&o.deadline.body)).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| Json(&o.deadline.headers)).collect::<Vec<_>>())
-        .bind(orders.iter().map(|o| o.deadline.at).collect::<Vec<_>>())
-        .bind(OrderDeadline::TYPE)
-        .bind(OrderDeadline::EXCHANGE)
-        .fetch_all(conn)
-        .await
-}
-
-/// [`insert_orders`]' statement. Every write selects from `go`: the orders without a key, and
-/// those whose claim was inserted (`returning job_id` names the claimant, also when two orders of
-/// the batch bring the same key).
-static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "with input as (
-             select * from unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::uuid[],
-                                  $7::jsonb[], $8::jsonb[], $15::uuid[], $16::jsonb[], $17::jsonb[],
-                                  $18::timestamptz[])
-                 with ordinality as input (order_id, job_id, customer_id, key, request, message_id,
-                                           payload, headers, deadline_id, deadline_payload,
-                                           deadline_headers, deadline_at, n)
+    // Every write selects from `go`: the orders without a key, and those whose claim was inserted
+    // (`returning job_id` names the claimant, also when two orders of the batch bring the same
+    // key). Each array is bound where it is used, numbered by the builder.
+    let mut statement = QueryBuilder::new("with input as (select * from unnest(");
+    let mut arrays = statement.separated(", ");
+    arrays.push_bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>()).push_unseparated("::uuid[]");
+    arrays.push_bind(orders.iter().map(|o| o.ids.job_id).collect::<Vec<_>>()).push_unseparated("::uuid[]");
+    arrays
+        .push_bind(orders.iter().map(|o| o.placed.customer_id.as_str()).collect::<Vec<_>>())
+        .push_unseparated("::text[]");
+    let keys = orders.iter().map(|o| o.claim.as_ref().map(|claim| claim.key.as_str()));
+    arrays.push_bind(keys.collect::<Vec<_>>()).push_unseparated("::text[]");
+    let requests = orders.iter().map(|o| o.claim.as_ref().map(|claim| &claim.request));
+    arrays.push_bind(requests.collect::<Vec<_>>()).push_unseparated("::jsonb[]");
+    arrays.push_bind(orders.iter().map(|o| o.message_id).collect::<Vec<_>>()).push_unseparated("::uuid[]");
+    arrays.push_bind(orders.iter().map(|o| Json(&o.placed)).collect::<Vec<_>>()).push_unseparated("::jsonb[]");
+    arrays.push_bind(orders.iter().map(|o| Json(&o.headers)).collect::<Vec<_>>()).push_unseparated("::jsonb[]");
+    arrays.push_bind(orders.iter().map(|o| o.deadline.message_id).collect::<Vec<_>>()).push_unseparated("::uuid[]");
+    arrays.push_bind(orders.iter().map(|o| Json(&o.deadline.body)).collect::<Vec<_>>()).push_unseparated("::jsonb[]");
+    let deadline_headers = orders.iter().map(|o| Json(&o.deadline.headers));
+    arrays.push_bind(deadline_headers.collect::<Vec<_>>()).push_unseparated("::jsonb[]");
+    arrays.push_bind(orders.iter().map(|o| o.deadline.at).collect::<Vec<_>>()).push_unseparated("::timestamptz[]");
+    statement.push(
+        ") with ordinality as input (order_id, job_id, customer_id, key, request, message_id, payload, headers,
+                                     deadline_id, deadline_payload, deadline_headers, deadline_at, n)
          ), claim as (
              insert into idempotency_keys (key, request, job_id, order_id)
              select key, request, job_id, order_id from input where key is not null order by key
@@ -172,39 +159,43 @@ static INSERT_ORDERS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
              insert into orders (id, customer_id) select order_id, customer_id from go
          ), new_lines as (
              insert into order_lines (order_id, line_no, sku, quantity)
-             select line.* from unnest($9::uuid[], $10::int[], $11::text[], $12::int[])
-                 as line (order_id, line_no, sku, quantity)
+             select line.* from unnest(",
+    );
+    let mut arrays = statement.separated(", ");
+    arrays.push_bind(lines.0).push_unseparated("::uuid[]");
+    arrays.push_bind(lines.1).push_unseparated("::int[]");
+    arrays.push_bind(lines.2).push_unseparated("::text[]");
+    arrays.push_bind(lines.3).push_unseparated("::int[]");
+    statement.push(
+        ") as line (order_id, line_no, sku, quantity)
              where line.order_id in (select order_id from go)
          ), new_jobs as (
              insert into jobs (id, order_id, order_placed_message_id) select job_id, order_id, message_id from go
          ), new_messages as (
-             {}
+             ",
+    );
+    let placed =
+        outbox::Selected { message_id: "message_id", payload: "payload", headers: "headers", deliver_at: None };
+    placed.push_insert::<OrderPlaced>(&mut statement, "go order by n");
+    statement.push(
+        "
          ), new_deadlines as (
-             {}
+             ",
+    );
+    let deadlines = outbox::Selected {
+        message_id: "deadline_id",
+        payload: "deadline_payload",
+        headers: "deadline_headers",
+        deliver_at: Some("deadline_at"),
+    };
+    deadlines.push_insert::<OrderDeadline>(&mut statement, "go order by n");
+    statement.push(
+        "
          )
          select job_id from go",
-        outbox::Selected {
-            message_id: "message_id",
-            message_type: "$13",
-            exchange: "$14",
-            routing_key: "$13",
-            payload: "payload",
-            headers: "headers",
-            deliver_at: None,
-        }
-        .insert_from("go order by n"),
-        outbox::Selected {
-            message_id: "deadline_id",
-            message_type: "$19",
-            exchange: "$20",
-            routing_key: "$19",
-            payload: "deadline_payload",
-            headers: "deadline_headers",
-            deliver_at: Some("deadline_at"),
-        }
-        .insert_from("go order by n"),
-    )
-});
+    );
+    statement.build_query_scalar().fetch_all(conn).await
+}
 
 /// Why an order was not written.
 #[derive(Debug, thiserror::Error)]
