@@ -95,7 +95,7 @@ impl Handle<InventoryReserved> for CreateInvoice {
             effect.push(") on conflict (order_id) do nothing returning id");
         };
         let announced = outbox::Outgoing::of(&created, context.job_id);
-        outbox::with_effect(invoice, announced).build().execute(&mut *tx).await?;
+        outbox::with_effect(invoice, announced)?.build().execute(&mut *tx).await?;
         Ok(())
     }
 }

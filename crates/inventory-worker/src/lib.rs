@@ -238,7 +238,7 @@ async fn reserve(tx: &mut PgConnection, order: &OrderPlaced, job_id: Option<Uuid
         effect.push(") on conflict (order_id) do nothing returning id");
     };
     let announced = outbox::Outgoing::of(&reserved, job_id);
-    let written = outbox::with_effect(reservation, announced).build().execute(&mut *tx).await?;
+    let written = outbox::with_effect(reservation, announced)?.build().execute(&mut *tx).await?;
     if written.rows_affected() == 0 {
         return Ok(Reservation::AlreadyMade);
     }

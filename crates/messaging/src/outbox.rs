@@ -67,8 +67,9 @@ const SCHEDULE: &str = "available_at, scheduled";
 /// data-modifying statement with `returning` that writes at most one row (typically `insert …
 /// on conflict do nothing returning id`) into a [`QueryBuilder`]: its text with `push`, each value
 /// with `push_bind`, which numbers it. The message's values follow, numbered the same way: no
-/// parameter is counted by hand (decision 0026). The statement's `rows_affected` is 1 if the
-/// effect wrote its row (and the message was written), 0 if not.
+/// parameter is counted by hand (decision 0026), so the text `effect` pushes holds no `$n` of its
+/// own. The statement's `rows_affected` is 1 if the effect wrote its row (and the message was
+/// written), 0 if not. An error if the message's body or headers cannot be serialized.
 ///
 /// ```
 /// use messaging::{contracts::Contract, outbox::{self, Outgoing}};
@@ -84,7 +85,7 @@ const SCHEDULE: &str = "available_at, scheduled";
 ///         effect.push(") on conflict do nothing returning id");
 ///     },
 ///     Outgoing::of(&shipped, None),
-/// )
+/// )?
 /// .build()
 /// .execute(tx)
 /// .await?;
@@ -95,13 +96,13 @@ const SCHEDULE: &str = "available_at, scheduled";
 pub fn with_effect<C: Contract>(
     effect: impl FnOnce(&mut QueryBuilder<Postgres>),
     message: Outgoing<'_, C>,
-) -> QueryBuilder<Postgres> {
+) -> sqlx::Result<QueryBuilder<Postgres>> {
     let mut statement = QueryBuilder::new("with effect as (");
     effect(&mut statement);
     statement.push(format_args!(") insert into outbox ({COLUMNS}, {SCHEDULE}) select "));
-    message.push_values(&mut statement);
+    message.push_values(&mut statement)?;
     statement.push(" from effect limit 1");
-    statement
+    Ok(statement)
 }
 
 /// The outbox rows a statement of the caller's writes for many messages of one contract at once,
@@ -192,26 +193,34 @@ impl<'a, C: Contract> Outgoing<'a, C> {
     pub async fn enqueue(self, conn: &mut PgConnection) -> sqlx::Result<Uuid> {
         let message_id = self.message_id;
         let mut statement = QueryBuilder::new(format!("insert into outbox ({COLUMNS}, {SCHEDULE}) values ("));
-        self.push_values(&mut statement);
+        self.push_values(&mut statement)?;
         statement.push(")");
         statement.build().execute(conn).await?;
         Ok(message_id)
     }
 
     /// Push its values, bound, in the outbox columns' order ([`COLUMNS`]), then its deliver-at
-    /// time's ([`SCHEDULE`]: null means now).
-    fn push_values(self, statement: &mut QueryBuilder<Postgres>) {
+    /// time's ([`SCHEDULE`]: null means now). Its body and headers are serialized first, where a
+    /// failure is an error: the builder panics on a value it cannot encode.
+    fn push_values(self, statement: &mut QueryBuilder<Postgres>) -> sqlx::Result<()> {
+        let (payload, headers) = (serialized(self.payload.0)?, serialized(&self.headers.0)?);
         let mut values = statement.separated(", ");
         values
             .push_bind(self.message_id)
             .push_bind(self.message_type)
             .push_bind(self.exchange)
             .push_bind(self.routing_key)
-            .push_bind(self.payload)
-            .push_bind(self.headers);
+            .push_bind(payload)
+            .push_bind(headers);
         statement.push(", coalesce(").push_bind(self.deliver_at).push("::timestamptz, now()), ");
         statement.push_bind(self.deliver_at).push("::timestamptz is not null");
+        Ok(())
     }
+}
+
+/// `value` as JSON text, to be bound as `jsonb`: serialized here, where a failure is an error.
+fn serialized(value: &impl serde::Serialize) -> sqlx::Result<Json<Box<serde_json::value::RawValue>>> {
+    serde_json::value::to_raw_value(value).map(Json).map_err(|error| sqlx::Error::Encode(Box::new(error)))
 }
 
 /// An unpublished outbox row, claimed by a relay.
@@ -430,7 +439,8 @@ mod tests {
                 effect.push("insert into t (a, b, c) values (").push_bind(1_i32).push(", '$3', $$ $9 $$) returning a");
             },
             Outgoing::of(&Shipped {}, None),
-        );
+        )
+        .expect("serializable");
         let sql = statement.sql();
         assert_eq!(
             sql.as_str(),

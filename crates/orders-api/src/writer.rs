@@ -125,7 +125,9 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
     }
     // Every write selects from `go`: the orders without a key, and those whose claim was inserted
     // (`returning job_id` names the claimant, also when two orders of the batch bring the same
-    // key). Each array is bound where it is used, numbered by the builder.
+    // key). Each array is bound where it is used, numbered by the builder. (The bodies are the
+    // shop's own structs, which serialize without fail: the builder panics on a value it cannot
+    // encode.)
     let mut statement = QueryBuilder::new("with input as (select * from unnest(");
     let mut arrays = statement.separated(", ");
     arrays.push_bind(orders.iter().map(|o| o.ids.order_id).collect::<Vec<_>>()).push_unseparated("::uuid[]");

@@ -158,7 +158,7 @@ pub(super) struct Decision<'r> {
 /// session's end), its start was no crash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Start {
-    /// Not counted (a first delivery, or a ledger that did not answer).
+    /// Not counted (a first delivery, or a session that ended before the ledger answered).
     NotCounted,
     /// Forgotten whatever way the delivery leaves.
     Forget,
@@ -215,8 +215,12 @@ impl<'r> Decision<'r> {
                 Step::Try(Attempt::Apply)
             }
             // The ledger itself fails (not an outage): handle the message; the broker's delivery
-            // limit remains the crash net.
-            Event::Started(Err(_)) => Step::Try(Attempt::Apply),
+            // limit remains the crash net. The start may have been counted all the same (its
+            // answer lost): it is forgotten too, which is harmless if it was not.
+            Event::Started(Err(_)) => {
+                self.start = Start::Forget;
+                Step::Try(Attempt::Apply)
+            }
             Event::Applied(Ok(Applied::Waits { follows })) => self.defer(follows),
             Event::Applied(Ok(applied)) => Step::Settle(Settlement::Ack(applied)),
             Event::Applied(Err(HandlerError::Transient(error) | HandlerError::Unavailable(error))) => {
@@ -488,7 +492,7 @@ mod tests {
         let redelivered = Arrival { redelivered: true, ..first() };
         let (settlement, _, _, forget) =
             run(redelivered, vec![Event::Started(Err(permanent())), Event::Applied(Ok(Applied::Done))], None).await;
-        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), Start::NotCounted));
+        assert_eq!((settlement, forget), (Settlement::Ack(Applied::Done), Start::Forget));
 
         // Unreachable: counted once it answers, then applied.
         let events = vec![Event::Started(Err(outage())), Event::Started(Ok(1)), Event::Applied(Ok(Applied::Done))];

@@ -157,8 +157,10 @@ impl<H: Handler> Runtime<H> {
 
     /// Settle a delivery as decided: ack it, or hand it back; or publish a copy (retry, park,
     /// defer) and then ack, held beside the session's work ([`Io::hold`]) so that a broker that
-    /// blocks publishing holds it, not the deliveries behind. Then its start in the crash ledger,
-    /// if `counted`, is forgotten as [`Start`] says: the delivery leaves a process that lives.
+    /// blocks publishing holds it, not the deliveries behind. Its start in the crash ledger, if
+    /// `counted`, is forgotten as [`Start`] says (before a copy is held, after an ack or a
+    /// hand-back; a crash park's once the park is confirmed): the delivery leaves a process that
+    /// lives.
     async fn settle(
         self: &Arc<Self>,
         delivery: InFlight,
