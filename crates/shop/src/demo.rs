@@ -38,7 +38,7 @@ impl DemoFaults {
         if self.enabled && !COMPILED_IN {
             tracing::warn!("DEMO_FAULTS is on, but this build has no demo faults (the feature `demo-faults`): ignored");
         }
-        Self { enabled: self.enabled && COMPILED_IN }
+        Self { enabled: self.on() }
     }
 
     /// Whether the faults are on: asked for, and in this build.

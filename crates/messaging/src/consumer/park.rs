@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use chrono::Utc;
-use lapin::types::AMQPValue;
+use lapin::{BasicProperties, types::AMQPValue};
 use tracing::Instrument;
+use uuid::Uuid;
 
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
@@ -15,6 +16,13 @@ use crate::{
     publisher::{Pending, PublishError, Publisher},
     runtime::metrics::Handled,
 };
+
+/// The job a retry or a parking of this delivery is reported to (its correlation id), if any: none
+/// for a `job.*` event's own, which would report on itself.
+fn reported_job(properties: &BasicProperties) -> Option<Uuid> {
+    let job_event = properties.kind().as_ref().is_some_and(|kind| contracts::is_job_event(kind.as_str()));
+    envelope::correlation_id(properties).filter(|_| !job_event)
+}
 
 impl<H: Handler> Runtime<H> {
     /// Re-publish a copy to the wait tier for `delay`, then ack the original. The copy goes to the
@@ -36,20 +44,18 @@ impl<H: Handler> Runtime<H> {
         );
         let copy =
             publisher.send(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &raw.data, properties).await?;
-        let message_type = raw.properties.kind().as_ref().map_or("", |kind| kind.as_str());
-        let ids = envelope::correlation_id(&raw.properties).zip(envelope::message_id(&raw.properties));
+        let ids = reported_job(&raw.properties).zip(envelope::message_id(&raw.properties));
         let attempt = retry_count.saturating_add(1);
-        let event =
-            ids.filter(|_| !contracts::is_job_event(message_type)).map(|(job_id, message_id)| JobRetryScheduled {
-                job_id,
-                endpoint: endpoint.name.to_owned(),
-                message_id,
-                message_type: message_type.to_owned(),
-                attempt,
-                next_attempt: attempt.saturating_add(1),
-                next_attempt_at: Utc::now() + delay,
-                error: error.to_owned(),
-            });
+        let event = ids.map(|(job_id, message_id)| JobRetryScheduled {
+            job_id,
+            endpoint: endpoint.name.to_owned(),
+            message_id,
+            message_type: raw.properties.kind().as_ref().map_or("", |kind| kind.as_str()).to_owned(),
+            attempt,
+            next_attempt: attempt.saturating_add(1),
+            next_attempt_at: Utc::now() + delay,
+            error: error.to_owned(),
+        });
         let event = self.send_event(publisher, event).await;
         copy.confirmed().await?;
         self.settle_event(event).await;
@@ -87,9 +93,7 @@ impl<H: Handler> Runtime<H> {
         let parked = publisher
             .send(&endpoint.direct_exchange(), &endpoint.parking_queue(), &delivery.delivery().data, parked_properties)
             .await?;
-        let job_event = properties.kind().as_ref().is_some_and(|kind| contracts::is_job_event(kind.as_str()));
-        let reported = envelope::correlation_id(properties).filter(|_| !job_event);
-        let event = reported.map(|job_id| JobQuarantined {
+        let event = reported_job(properties).map(|job_id| JobQuarantined {
             job_id,
             endpoint: endpoint.name.to_owned(),
             message_id: envelope::message_id(properties),
