@@ -60,8 +60,8 @@ dev:
     base="${DATABASE_URL%/}"
     trap 'kill 0' EXIT INT TERM
     DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 "$bin/orders-api" &
-    DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 "$bin/inventory-worker" &
-    DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 "$bin/billing-worker" &
+    DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 DEMO_CATALOGUE=1 "$bin/inventory-worker" &
+    DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 DEMO_CATALOGUE=1 "$bin/billing-worker" &
     DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 "$bin/relay" &
     wait
 

@@ -16,7 +16,9 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions},
     types::FieldTable,
 };
-use messaging::{consumer::Handler, contracts::Contract, envelope::Incoming, inbox, outbox, publisher::Publisher};
+use messaging::{
+    contracts::Contract, envelope::Incoming, handler::Handler, inbox, outbox, outbox_relay, publisher::Publisher,
+};
 use orders_api::{
     api::{OrderLineRequest, PlaceOrder},
     order::{Accepted, ValidOrder},
@@ -140,15 +142,15 @@ pub async fn smallest_order_transaction(pool: &PgPool, concurrency: usize, count
 }
 
 /// The first `count` outbox rows, exactly as the relay would read them.
-pub async fn outbox_rows(pool: &PgPool, count: usize) -> Vec<outbox::OutboxRow> {
+pub async fn outbox_rows(pool: &PgPool, count: usize) -> Vec<outbox_relay::OutboxRow> {
     let mut tx = pool.begin().await.expect("begin");
-    let rows = outbox::claim_unpublished(&mut tx, count as i64).await.expect("read outbox");
+    let rows = outbox_relay::claim_unpublished(&mut tx, count as i64).await.expect("read outbox");
     tx.rollback().await.expect("rollback");
     rows
 }
 
 /// (b) Publish `rows` with confirms, `window` outstanding at most; returns messages per second.
-pub async fn publish(connection: &Connection, rows: &[outbox::OutboxRow], window: usize) -> f64 {
+pub async fn publish(connection: &Connection, rows: &[outbox_relay::OutboxRow], window: usize) -> f64 {
     let publisher = Publisher::open(connection).await.expect("publisher");
     let started = Instant::now();
     let mut pending = VecDeque::with_capacity(window);
@@ -172,11 +174,11 @@ pub async fn publish(connection: &Connection, rows: &[outbox::OutboxRow], window
 /// `batch` as the relay takes them: the claim (`claim_unpublished` in a transaction, rolled back)
 /// and the mark (`mark_published` and its commit, undone afterwards, untimed). What each used:
 /// the bench's process, Postgres and RabbitMQ, as the relay's own figure counts them.
-pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox::OutboxRow], batch: usize) -> (Used, Used) {
+pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox_relay::OutboxRow], batch: usize) -> (Used, Used) {
     let window = Usage::of_bench();
     for chunk in rows.chunks(batch) {
         let mut tx = pool.begin().await.expect("begin");
-        let claimed = outbox::claim_unpublished(&mut tx, chunk.len() as i64).await.expect("claim");
+        let claimed = outbox_relay::claim_unpublished(&mut tx, chunk.len() as i64).await.expect("claim");
         assert_eq!(claimed.len(), chunk.len(), "the outbox holds the rows to claim");
         tx.rollback().await.expect("rollback");
     }
@@ -185,7 +187,7 @@ pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox::OutboxRow], batch: us
     let window = Usage::of_bench();
     for chunk in ids.chunks(batch) {
         let mut tx = pool.begin().await.expect("begin");
-        outbox::mark_published(&mut tx, chunk).await.expect("mark");
+        outbox_relay::mark_published(&mut tx, chunk).await.expect("mark");
         tx.commit().await.expect("commit");
     }
     let mark = window.finish();

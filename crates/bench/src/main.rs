@@ -242,6 +242,9 @@ impl Bench {
         let inventory_url = env.database_url("inventory");
         let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
         let inventory = env.migrated_pool("inventory", &inventory_worker::MIGRATOR).await;
+        let mut conn = inventory.acquire().await.expect("connection");
+        shop::demo::stock_catalogue(&mut conn).await.expect("the demo's stock");
+        drop(conn);
         sqlx::query("update stock set available = 1000000000 where sku like 'SKU-_'")
             .execute(&inventory)
             .await
@@ -370,6 +373,9 @@ impl Bench {
         inventory.close().await;
 
         let billing = self.limit_pool("limit_billing", &billing_worker::MIGRATOR, size).await;
+        let mut conn = billing.acquire().await.expect("connection");
+        shop::demo::price_catalogue(&mut conn).await.expect("the demo's prices");
+        drop(conn);
         let (endpoint, handler) =
             (billing_worker::worker().endpoint.name, billing_worker::handler(DemoFaults::default()));
         let label = "(e) billing transactions, messages";
@@ -400,7 +406,7 @@ impl Bench {
 
     /// One consumer's limit: [`limits::consumer_transactions`] on `messages`, reported as `label`;
     /// its rate and CPU per message.
-    async fn consumer_limit<H: messaging::consumer::Handler>(
+    async fn consumer_limit<H: messaging::handler::Handler>(
         &mut self,
         label: &str,
         note: &str,

@@ -15,7 +15,7 @@ use std::{
 };
 
 use lapin::{Channel, options::QueueDeclareOptions, types::FieldTable};
-use messaging::outbox::OutboxRow;
+use messaging::outbox_relay::OutboxRow;
 use testkit::process;
 
 use crate::stages::{Usage, Used};

@@ -14,7 +14,7 @@ use lapin::{
     options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use messaging::{outbox, publisher::Publisher, runtime::http};
+use messaging::{publisher::Publisher, runtime::http};
 use shop::exchanges;
 use sqlx::{AssertSqlSafe, PgPool};
 use testkit::process::{self, Process};
@@ -283,13 +283,13 @@ pub async fn naive_relay(pool: &PgPool, connection: &Connection, count: usize, l
     let mut published = 0;
     while published < count && started.elapsed() < limit {
         let mut tx = pool.begin().await.expect("begin");
-        let rows = outbox::claim_unpublished(&mut tx, 1).await.expect("claim");
+        let rows = messaging::outbox_relay::claim_unpublished(&mut tx, 1).await.expect("claim");
         let Some(row) = rows.first() else { break };
         publisher
             .publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties())
             .await
             .expect("publish and confirm");
-        outbox::mark_published(&mut tx, &[row.id]).await.expect("mark");
+        messaging::outbox_relay::mark_published(&mut tx, &[row.id]).await.expect("mark");
         tx.commit().await.expect("commit");
         published += 1;
     }

@@ -7,8 +7,11 @@
 use std::collections::HashMap;
 
 use chrono::Utc;
-use messaging::prelude::*;
-use shop::{End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined, demo::DemoFaults};
+use messaging::{prelude::*, service::BoxFuture};
+use shop::{
+    End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined,
+    demo::{Demo, DemoFaults},
+};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -17,7 +20,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 
 /// The worker: consumes `inventory.reserved` and `order.ended` on endpoint
 /// `billing.inventory-reserved`.
-pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
+pub fn worker() -> Worker<Demo, Routes<CreateInvoice>> {
     Worker {
         name: "billing-worker",
         about: "Invoices reserved orders, and voids the invoices of orders that end otherwise.",
@@ -26,9 +29,20 @@ pub fn worker() -> Worker<DemoFaults, Routes<CreateInvoice>> {
         http_addr: "127.0.0.1:8082",
         migrator: &MIGRATOR,
         endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>(),
-        handler: |faults| handler(*faults),
+        handler: |demo| handler(demo.faults),
         routes: None,
+        prepare: Some(prepare),
     }
+}
+
+/// At start-up: the demo's prices ([`shop::demo::CATALOGUE`]), if `DEMO_CATALOGUE` is on.
+fn prepare<'a>(demo: &'a Demo, pool: &'a sqlx::PgPool) -> BoxFuture<'a, sqlx::Result<()>> {
+    Box::pin(async move {
+        if !demo.catalogue {
+            return Ok(());
+        }
+        shop::demo::price_catalogue(&mut *pool.acquire().await?).await
+    })
 }
 
 /// The endpoint's handler: `inventory.reserved` and `order.ended` to [`CreateInvoice`].

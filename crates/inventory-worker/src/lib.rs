@@ -6,9 +6,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use messaging::prelude::*;
+use messaging::{prelude::*, service::BoxFuture};
 use shop::{
-    End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced, demo::DemoFaults,
+    End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced,
+    demo::{Demo, DemoFaults},
 };
 use sqlx::{PgConnection, types::Json};
 use uuid::Uuid;
@@ -17,7 +18,7 @@ use uuid::Uuid;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/inventory");
 
 /// The worker: consumes `order.placed` and `order.ended` on endpoint `inventory.order-placed`.
-pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
+pub fn worker() -> Worker<Demo, Routes<ReserveStock>> {
     Worker {
         name: "inventory-worker",
         about: "Reserves stock for placed orders, and settles or releases it when they end.",
@@ -30,9 +31,20 @@ pub fn worker() -> Worker<DemoFaults, Routes<ReserveStock>> {
             .consume::<OrderPlaced>()
             .consume::<OrderEnded>()
             .ordered_by_key(),
-        handler: |faults| handler(*faults),
+        handler: |demo| handler(demo.faults),
         routes: None,
+        prepare: Some(prepare),
     }
+}
+
+/// At start-up: the demo's stock ([`shop::demo::CATALOGUE`]), if `DEMO_CATALOGUE` is on.
+fn prepare<'a>(demo: &'a Demo, pool: &'a sqlx::PgPool) -> BoxFuture<'a, sqlx::Result<()>> {
+    Box::pin(async move {
+        if !demo.catalogue {
+            return Ok(());
+        }
+        shop::demo::stock_catalogue(&mut *pool.acquire().await?).await
+    })
 }
 
 /// The endpoint's handler: `order.placed` and `order.ended` to [`ReserveStock`], a batch's stock

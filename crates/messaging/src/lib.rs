@@ -1,51 +1,38 @@
-//! The transactional outbox and inbox over Postgres and RabbitMQ, as a library any service adopts:
-//! the message envelope and what a contract is, broker topology, a confirmed publisher, the
-//! consumer runtime (inbox, retries, parking, the crash bound), the outbox, its own database
-//! tables ([`schema`]), and the runtime every binary starts through ([`service`]: flags, database
-//! start-up, health, metrics, shutdown). It knows nothing of the services built on it: they bring
-//! their own contracts, handlers and tables.
-//!
-//! The guarantees live here, once, so that a service only writes its handlers: see
+//! The transactional outbox and inbox over Postgres and RabbitMQ, as a library any service adopts.
+//! It knows nothing of the services built on it: they bring their own contracts, handlers and
+//! tables. The guarantees live here, once, so that a service only writes its handlers: see
 //! `docs/adding-a-service.md` for a service built on it, `docs/architecture.md` for the flow and
 //! `docs/guarantees.md` for the failure matrix.
 //!
-//! The library is its core, the modules below, and the [`runtime`] they run on. What a service's
-//! code calls (most of it in [`prelude`]):
+//! It is built in layers, each naming only those below it (decision 0027; a test,
+//! `tests/layers.rs`, fails if a module names one above):
 //!
-//! | module | for |
+//! | layer | what it is |
 //! |---|---|
-//! | [`contracts`] | what a message type is ([`contracts::Contract`]); the runtime's job events |
-//! | [`topology`] | an endpoint: its queue, bindings, accepted types ([`topology::Endpoint`]) |
-//! | [`consumer`] | typed handlers ([`consumer::Handle`], [`consumer::Routes`]) and how they fail |
-//! | [`outbox`] | a message beside its effect, in the handler's transaction |
-//! | [`service`] | the binary: [`service::Worker`] for one endpoint, [`service::Service`] for more |
-//! | [`envelope`] | the message as it arrives ([`envelope::Incoming`]), for a raw handler |
-//! | [`inbox`] | the exactly-once record, for a raw handler that writes it itself |
-//! | [`publisher`] | a confirmed publish, for a binary that publishes outside the outbox |
-//! | [`schema`] | messaging's own tables, migrated before a service's own |
+//! | `messaging-core` (a crate of its own, re-exported here) | what a service's code names: [`contracts`], [`envelope`], [`handler`], the [`outbox`] and [`inbox`] writes, [`schema`], [`trace`], [`outage`] |
+//! | [`runtime`] | what a process is built from: settings, database and broker connections, health, metrics, HTTP, TLS, telemetry, shutdown |
+//! | [`topology`], [`publisher`], [`outbox_relay`], [`retention`] | the broker side: what to declare, a confirmed publish, the relay's side of the outbox, deleting what is past its retention |
+//! | [`consumer`] | the consumer runtime: inbox, retries, parking, the crash bound, ordering by key |
+//! | [`service`] | a binary: its settings, its endpoints and routes, one `main` |
 //!
-//! [`runtime`] holds what the service runtime is built from (flags, broker and database start-up,
-//! health, metrics, HTTP, TLS, telemetry, shutdown, retention, failpoints): public for binaries
-//! with a start-up of their own (the relay, `msgctl`) and for the test kit, and nothing a service
-//! built on [`service`] needs to name.
+//! What a service's code calls is mostly in [`prelude`].
+
+pub use messaging_core::{contracts, envelope, handler, inbox, outage, outbox, schema, trace};
 
 pub mod consumer;
-pub mod contracts;
-pub mod envelope;
-pub mod inbox;
-pub mod outbox;
+pub mod outbox_relay;
 pub mod publisher;
+pub mod retention;
 pub mod runtime;
-pub mod schema;
 pub mod service;
 pub mod topology;
 
 /// What a service's code uses most: `use messaging::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        consumer::{Context, Handle, Handler, HandlerError, LockBatch, Reason, Routes},
         contracts::Contract,
         envelope::Incoming,
+        handler::{Context, Handle, Handler, HandlerError, LockBatch, Reason, Routes},
         outbox,
         service::{NoFlags, Worker},
         topology::Endpoint,

@@ -19,13 +19,15 @@ use std::{fmt, future::Future, net::SocketAddr, pin::Pin, process::ExitCode, syn
 
 use axum::Router;
 use clap::{Args, FromArgMatches};
+use messaging_core::{handler::Handler, outage};
 use sqlx::{PgPool, migrate::Migrator};
 use tokio::net::TcpListener;
 
 use crate::{
-    consumer::{self, ConsumerSettings, Handler},
+    consumer::{self, ConsumerArgs, ConsumerSettings},
     runtime::{
-        config::{BrokerArgs, ConsumerArgs, SecretUrl},
+        backoff::Backoff,
+        config::{BrokerArgs, SecretUrl},
         db::{self, PoolSettings, SchemaArgs},
         health::{self, Health},
         serve::{self, HttpArgs},
@@ -34,36 +36,16 @@ use crate::{
     topology::Endpoint,
 };
 
-/// Any error a binary's `main` reports.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-pub use crate::runtime::startup::StartupError;
-
-/// How a binary's `main` ends: success; a [`StartupError`] as `NAME: cannot start: REASON` on
-/// one line and status 2 (as for a bad flag); any other error on one line and status 1.
-pub fn exit(name: &str, outcome: Result<(), BoxError>) -> ExitCode {
-    match outcome {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => match error.downcast_ref::<StartupError>() {
-            Some(refusal) => {
-                tracing::error!(reason = %refusal, "cannot start");
-                eprintln!("{name}: cannot start: {refusal}");
-                ExitCode::from(2)
-            }
-            None => {
-                eprintln!("{name}: {error}");
-                ExitCode::FAILURE
-            }
-        },
-    }
-}
+pub use crate::runtime::startup::{BoxError, StartupError, exit};
+/// The future a [`Prepare`] returns.
+pub use futures_util::future::BoxFuture;
 
 /// A service's consumers, loops and routes, run together until shutdown: start-up, readiness,
 /// serving and stopping, once for every binary.
 ///
 /// ```no_run
 /// # async fn example(pool: sqlx::PgPool, settings: messaging::consumer::ConsumerSettings,
-/// #     handler: impl messaging::consumer::Handler, listener: tokio::net::TcpListener,
+/// #     handler: impl messaging::handler::Handler, listener: tokio::net::TcpListener,
 /// #     http: messaging::runtime::serve::HttpArgs, shutdown: messaging::runtime::shutdown::Shutdown) -> std::io::Result<()> {
 /// use messaging::{runtime::health::Health, service::Service};
 ///
@@ -164,7 +146,14 @@ pub struct Worker<F, H> {
     /// HTTP routes of its own, on its database, served beside the health routes; `None` if it has
     /// none.
     pub routes: Option<fn(PgPool) -> Router>,
+    /// Work done once at start-up, after the migrations and before the first delivery, as its own
+    /// flags ask (the shop's workers write the demo's catalogue); `None` if it has none. An
+    /// unreachable database is waited out; any other failure stops the start.
+    pub prepare: Option<Prepare<F>>,
 }
+
+/// A [`Worker`]'s start-up work on its database, given its own flags.
+pub type Prepare<F> = for<'a> fn(&'a F, &'a PgPool) -> BoxFuture<'a, sqlx::Result<()>>;
 
 /// Connections a [`Worker`]'s pool has for its routes, beside its consumer's.
 const ROUTE_CONNECTIONS: u32 = 4;
@@ -296,6 +285,11 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         let Some(pool) = db::open(database, self.migrator, pool_settings, &shutdown).await? else {
             return Ok(());
         };
+        if let Some(prepare) = self.prepare
+            && !prepared(prepare, &own, &pool, &shutdown).await?
+        {
+            return Ok(());
+        }
         let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
         let mut service = Service::new(health, shutdown).consume(consumer, (self.handler)(&own), &pool);
         if let Some(routes) = self.routes {
@@ -317,6 +311,27 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         main(name, command, |settings, listener, shutdown| async move {
             self.run(settings, listener, shutdown).await.map_err(BoxError::from)
         })
+    }
+}
+
+/// Run `prepare` on `pool` until it succeeds, waiting out an unreachable database with backoff:
+/// `Ok(false)` if shutdown came first, a [`StartupError`] if the database refused it.
+async fn prepared<F>(prepare: Prepare<F>, own: &F, pool: &PgPool, shutdown: &Shutdown) -> Result<bool, StartupError> {
+    let backoff = Backoff::default();
+    let mut failures = 0;
+    loop {
+        match db::within(db::QUERY_DEADLINE, prepare(own, pool)).await {
+            Ok(()) => return Ok(true),
+            Err(error) if outage::is_unreachable(&error) => {
+                let delay = backoff.delay(failures);
+                tracing::warn!(%error, ?delay, "cannot reach the database to prepare it; retrying");
+                failures += 1;
+                if !shutdown.sleep(delay).await {
+                    return Ok(false);
+                }
+            }
+            Err(error) => return Err(StartupError(format!("preparing the database: {}", db::describe(&error)))),
+        }
     }
 }
 

@@ -12,11 +12,9 @@ use lapin::{
     protocol::{AMQPErrorKind, AMQPSoftError},
     types::{AMQPValue, FieldTable, ShortString},
 };
+use messaging_core::contracts::{Contract, JOBS_EXCHANGE};
 
-use crate::{
-    contracts::{Contract, JOBS_EXCHANGE},
-    runtime::duration::format_duration,
-};
+use crate::runtime::duration::format_duration;
 
 /// Returns of one message to the work queue before the broker itself dead-letters it. Every
 /// return the runtime causes counts, handled or not: a crash, a reconnect, a shutdown, each a
@@ -127,7 +125,7 @@ impl Endpoint {
         }
     }
 
-    /// Apply the messages that carry one ordering key ([`crate::envelope::Headers::ordered_by`])
+    /// Apply the messages that carry one ordering key ([`messaging_core::envelope::Headers::ordered_by`])
     /// in the order their outbox rows committed, whatever order they arrive in, across retries
     /// and consumer instances: a message that arrives before an earlier one of its key is applied
     /// goes back to wait (its first wait tier, spending no attempt) and is tried again. Messages
@@ -163,8 +161,8 @@ impl Endpoint {
     }
 
     /// Whether a message of this type and version can be handled here.
-    pub fn check(&self, message_type: &str, version: u32) -> Result<(), crate::envelope::Unreadable> {
-        use crate::envelope::Unreadable;
+    pub fn check(&self, message_type: &str, version: u32) -> Result<(), messaging_core::envelope::Unreadable> {
+        use messaging_core::envelope::Unreadable;
         match self.accepts.iter().find(|(t, _)| *t == message_type) {
             None => Err(Unreadable::UnknownType(message_type.to_owned())),
             Some((_, max)) if version > *max || version == 0 => {
@@ -397,7 +395,7 @@ mod tests {
 
     #[test]
     fn endpoint_names_its_queues_and_checks_versions() {
-        let endpoint = Endpoint::new("status").consume::<crate::contracts::JobQuarantined>();
+        let endpoint = Endpoint::new("status").consume::<messaging_core::contracts::JobQuarantined>();
         assert_eq!(endpoint.bindings, [Binding { exchange: "jobs", routing_key: "job.quarantined" }]);
         assert_eq!(endpoint.parking_queue(), "status.parking");
         assert_eq!(endpoint.dead_lettered_queue(), "status.dead-lettered");

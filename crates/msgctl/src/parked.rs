@@ -491,7 +491,7 @@ async fn redrive_held(
 /// Publish a job event (confirmed). One that reaches no queue (no status consumer bound) is a
 /// warning or a failure, as `unroutable` says.
 async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C, unroutable: Unroutable) -> Result<(), Failure> {
-    let (body, properties) = event.message()?;
+    let (body, properties) = envelope::job_event(event)?;
     match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
         Ok(()) => Ok(()),
         Err(PublishError::Returned(reason)) if unroutable == Unroutable::Warn => {

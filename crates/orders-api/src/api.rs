@@ -13,10 +13,8 @@ use chrono::{DateTime, Utc};
 use messaging::{
     envelope::HEADER_TRACEPARENT as TRACEPARENT,
     outbox,
-    runtime::{
-        db::{self, QUERY_DEADLINE},
-        trace::{self, TraceContext},
-    },
+    runtime::db::{self, QUERY_DEADLINE},
+    trace::{self, TraceContext},
 };
 use serde::{Deserialize, Serialize};
 use shop::OrderLine;
@@ -192,7 +190,7 @@ pub(crate) async fn place_order(
         None => None,
     };
     // The request starts the order's trace, or continues the caller's: the `order.placed` row
-    // names this request's span as its parent (W3C trace context, `messaging::runtime::trace`).
+    // names this request's span as its parent (W3C trace context, `messaging::trace`).
     let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
     let context = TraceContext::continuing(caller);
     // The request's span, under the trace's ids: exported if `OTEL_*` names a collector.

@@ -62,11 +62,7 @@ impl ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        if messaging::runtime::db::is_unreachable(&error) {
-            Self::Unavailable(error.into())
-        } else {
-            Self::internal(error)
-        }
+        if messaging::outage::is_unreachable(&error) { Self::Unavailable(error.into()) } else { Self::internal(error) }
     }
 }
 

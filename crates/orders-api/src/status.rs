@@ -4,8 +4,8 @@
 //! events are harmless.
 
 use messaging::{
-    consumer::{Context, Handle, HandlerError, Routes},
     contracts::{JOBS_EXCHANGE, JobAbandoned, JobQuarantined, JobRedriven, JobRetryScheduled},
+    handler::{Context, Handle, HandlerError, Routes},
     topology::Endpoint,
 };
 use shop::{

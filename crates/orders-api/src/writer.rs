@@ -21,7 +21,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 use messaging::{
     envelope::Headers,
-    outbox,
+    outage, outbox,
     runtime::{
         db::{self, QUERY_DEADLINE},
         failpoint,
@@ -224,7 +224,7 @@ impl WriteError {
     /// is stopping.
     pub fn is_unreachable(&self) -> bool {
         match self {
-            Self::Database(error) => db::is_unreachable(error),
+            Self::Database(error) => outage::is_unreachable(error),
             Self::Batch { unreachable, .. } => *unreachable,
             Self::Stopped => true,
         }
@@ -316,7 +316,7 @@ async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMet
                 }
                 return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect());
             }
-            Err(error) if orders.len() == 1 || db::is_unreachable(&error) => return Err(error),
+            Err(error) if orders.len() == 1 || outage::is_unreachable(&error) => return Err(error),
             Err(error) => error,
         };
         // Nothing of the batch was written: each order again, alone, on the same connection.
@@ -334,7 +334,7 @@ async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMet
         // One request gets the error as it is, the others what it was: still an unreachable
         // database's (a 503) or, for a lone order, its own.
         Err(error) => {
-            let (description, unreachable) = (error.to_string(), db::is_unreachable(&error));
+            let (description, unreachable) = (error.to_string(), outage::is_unreachable(&error));
             std::iter::once(Err(WriteError::Database(error)))
                 .chain(std::iter::repeat_with(|| Err(WriteError::Batch { error: description.clone(), unreachable })))
                 .take(batch.len())

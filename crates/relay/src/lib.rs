@@ -21,9 +21,10 @@
 use std::{collections::HashSet, str::FromStr, time::Duration};
 
 use messaging::{
-    contracts::{Contract, JobEvent, JobQuarantined},
-    outbox,
+    contracts::{Contract, JobQuarantined},
+    envelope, outage, outbox, outbox_relay,
     publisher::{PublishError, Publisher},
+    retention,
     runtime::{
         backoff::Backoff,
         broker::{self, Link, Session, SessionEnd},
@@ -201,9 +202,9 @@ impl OutboxDb {
                 .await
                 .map_err(|error| refused(db::describe(&error))),
             Ok(false) => Ok(()),
-            Err(error) => match messaging::runtime::tls::verification_failure(&error) {
+            Err(error) => match messaging::outage::verification_failure(&error) {
                 Some(reason) => Err(refused(format!("TLS: {reason}"))),
-                None if db::is_unreachable(&error) => Ok(()),
+                None if outage::is_unreachable(&error) => Ok(()),
                 None => Err(refused(db::describe(&error))),
             },
         }
@@ -272,8 +273,8 @@ impl Session for Relay {
                 self.health.readiness.set_overdue(&self.flag(), true);
             }
             // Classified, if the database's: a node that refused a write retires the pool's
-            // connections, so that the next session reconnects (`db::is_unreachable`).
-            let unavailable = matches!(&error, SessionError::Database(e) if db::is_unreachable(e));
+            // connections, so that the next session reconnects (`outage::is_unreachable`).
+            let unavailable = matches!(&error, SessionError::Database(e) if outage::is_unreachable(e));
             tracing::warn!(%error, database_unavailable = unavailable, "relay session ended; restarting");
             return SessionEnd::Lost { was_up };
         }
@@ -490,7 +491,7 @@ impl Relay {
         // Rows confirmed before a broken channel are still marked: marking is what keeps a
         // reconnect from republishing them.
         db::within(db::QUERY_DEADLINE, async {
-            outbox::mark_published(&mut tx, &confirmed).await?;
+            outbox_relay::mark_published(&mut tx, &confirmed).await?;
             tx.commit().await
         })
         .await?;
@@ -519,10 +520,10 @@ impl Relay {
     async fn claim(
         &self,
         limit: i64,
-    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox::OutboxRow>), sqlx::Error> {
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox_relay::OutboxRow>), sqlx::Error> {
         db::within(db::QUERY_DEADLINE, async {
             let mut tx = db::begin(&self.db.pool).await?;
-            let rows = outbox::claim_unpublished(&mut tx, limit).await?;
+            let rows = outbox_relay::claim_unpublished(&mut tx, limit).await?;
             Ok((tx, rows))
         })
         .await
@@ -534,7 +535,7 @@ impl Relay {
     async fn refused(
         &self,
         tx: &mut sqlx::PgConnection,
-        row: &outbox::OutboxRow,
+        row: &outbox_relay::OutboxRow,
         reason: &str,
         backoff: &Backoff,
         closed_the_channel: bool,
@@ -543,9 +544,9 @@ impl Relay {
         tracing::warn!(id = row.id, message_id = %row.message_id, reason, ?retry_after, "publish refused; will retry");
         let record = async {
             if closed_the_channel {
-                outbox::record_refusal(tx, row.id, reason, retry_after).await
+                outbox_relay::record_refusal(tx, row.id, reason, retry_after).await
             } else {
-                outbox::record_failure(tx, row.id, reason, retry_after).await
+                outbox_relay::record_failure(tx, row.id, reason, retry_after).await
             }
         };
         db::within(db::QUERY_DEADLINE, record).await?;
@@ -594,7 +595,7 @@ impl Relay {
             }
         }
         db::within(db::QUERY_DEADLINE, async {
-            outbox::mark_published(&mut tx, &confirmed).await?;
+            outbox_relay::mark_published(&mut tx, &confirmed).await?;
             tx.commit().await
         })
         .await?;
@@ -609,7 +610,7 @@ impl Relay {
     async fn refuse_for_good_or_retry(
         &self,
         tx: &mut sqlx::PgConnection,
-        row: &outbox::OutboxRow,
+        row: &outbox_relay::OutboxRow,
         reason: &str,
         backoff: &Backoff,
         connection: &lapin::Connection,
@@ -631,7 +632,7 @@ impl Relay {
             };
             // Told before the row is parked: if the process dies in between, the row is refused
             // and parked again, and the job told again (the status consumer applies it once).
-            let (body, properties) = event.message().expect("a job event serializes");
+            let (body, properties) = envelope::job_event(&event).expect("a job event serializes");
             let publisher = self.publisher(connection).await?;
             topology::declare_exchanges(publisher.channel(), &[JobQuarantined::EXCHANGE]).await?;
             match publisher.publish(JobQuarantined::EXCHANGE, JobQuarantined::TYPE, &body, properties).await {
@@ -643,7 +644,7 @@ impl Relay {
             publisher.close().await;
         }
         tracing::error!(id = row.id, message_id = %row.message_id, attempt, reason, "outbox row parked: the broker refuses it");
-        db::within(db::QUERY_DEADLINE, outbox::park(tx, row.id, &reason)).await?;
+        db::within(db::QUERY_DEADLINE, outbox_relay::park(tx, row.id, &reason)).await?;
         self.metrics.publish_failed();
         Ok(())
     }
@@ -653,7 +654,7 @@ impl Relay {
 /// pending confirm (or the error that kept it from being sent).
 struct SentBatch {
     tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    rows: Vec<outbox::OutboxRow>,
+    rows: Vec<outbox_relay::OutboxRow>,
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
 }
 
@@ -667,8 +668,8 @@ impl SentBatch {
 /// Delete published rows and idle ordering keys past retention, in small batches, at start-up and
 /// hourly.
 async fn delete_published(db: OutboxDb, retention: Duration, shutdown: Shutdown) {
-    messaging::runtime::retention::run("published outbox rows and ordering keys", shutdown, || {
-        outbox::delete_published_before(&db.pool, retention, messaging::runtime::retention::BATCH)
+    retention::run("published outbox rows and ordering keys", shutdown, || {
+        retention::delete_published_before(&db.pool, retention, retention::BATCH)
     })
     .await;
 }

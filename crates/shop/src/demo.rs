@@ -9,22 +9,95 @@
 //!
 //! Only a build with the feature `demo-faults` has them (decision 0025): the test kit, the demo's
 //! image and `just dev` turn it on; a default build ignores `DEMO_FAULTS`.
+//!
+//! The demo's catalogue ([`CATALOGUE`]: `SKU-1`..`SKU-5` and the faults' SKUs) is written by the
+//! workers at start-up when `DEMO_CATALOGUE` is on ([`Demo::catalogue`]), as compose, the test kit
+//! and `just dev` set it; never by the services' migrations, so a real deployment starts with no
+//! products but its own.
 
-use messaging::consumer::HandlerError;
+use messaging_core::handler::HandlerError;
 
 /// The exit code of a worker that a `CRASH` SKU brings down (`EX_SOFTWARE`), distinct from a
 /// panic's 101, so that a supervisor or a soak can tell the demo's crashes from real ones.
 pub const CRASH_EXIT_CODE: i32 = 70;
 
 /// The `DEMO_FAULTS` flag of a shop worker.
-#[derive(Debug, Clone, Copy, Default, clap::Args)]
+#[derive(Debug, Clone, Copy, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct DemoFaults {
     /// Demo fault injection: FLAKY* SKUs fail twice, POISON* SKUs always, CRASH* SKUs make the
     /// process exit; in billing, DECLINE* SKUs are declined and BILLPOISON* SKUs always fail
     /// (1/0, true/false).
-    #[arg(long = "demo-faults", env = "DEMO_FAULTS", value_name = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
-          value_parser = clap::builder::BoolishValueParser::new())]
+    #[cfg_attr(feature = "clap", arg(long = "demo-faults", env = "DEMO_FAULTS", value_name = "DEMO_FAULTS", default_value = "false", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new()))]
     pub enabled: bool,
+}
+
+/// A shop worker's demo settings: its faults, and whether it writes the demo's catalogue.
+#[derive(Debug, Clone, Copy, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+pub struct Demo {
+    #[cfg_attr(feature = "clap", command(flatten))]
+    #[allow(missing_docs)]
+    pub faults: DemoFaults,
+    /// Write the demo's catalogue (SKU-1..5 and the fault SKUs, with stock and prices) at start-up,
+    /// keeping any row already there (1/0, true/false).
+    #[cfg_attr(feature = "clap", arg(long = "demo-catalogue", env = "DEMO_CATALOGUE", value_name = "DEMO_CATALOGUE",
+          default_value = "false", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new()))]
+    pub catalogue: bool,
+}
+
+/// One product of the demo's catalogue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Product {
+    /// Its SKU.
+    pub sku: &'static str,
+    /// The stock inventory starts it with.
+    pub stock: i32,
+    /// Its unit price in billing, in cents.
+    pub unit_price_cents: i64,
+}
+
+/// The demo's catalogue: what the README's walkthrough, the demo's page and the test suites order.
+pub const CATALOGUE: &[Product] = &[
+    Product { sku: "SKU-1", stock: 1000, unit_price_cents: 1299 },
+    Product { sku: "SKU-2", stock: 1000, unit_price_cents: 2500 },
+    Product { sku: "SKU-3", stock: 500, unit_price_cents: 499 },
+    Product { sku: "SKU-4", stock: 100, unit_price_cents: 10000 },
+    Product { sku: "SKU-5", stock: 10, unit_price_cents: 75 },
+    Product { sku: "FLAKY-1", stock: 1000, unit_price_cents: 1000 },
+    Product { sku: "POISON-1", stock: 1000, unit_price_cents: 1000 },
+    Product { sku: "CRASH-1", stock: 1000, unit_price_cents: 1000 },
+    Product { sku: "DECLINE-1", stock: 1000, unit_price_cents: 1000 },
+    Product { sku: "BILLPOISON-1", stock: 1000, unit_price_cents: 1000 },
+];
+
+/// Inventory's part of the catalogue: each product's stock, unless its SKU is already stocked (a
+/// restart keeps what the demo has sold).
+pub async fn stock_catalogue(conn: &mut sqlx::PgConnection) -> sqlx::Result<()> {
+    let (skus, stock): (Vec<&str>, Vec<i32>) = CATALOGUE.iter().map(|p| (p.sku, p.stock)).unzip();
+    sqlx::query(
+        "insert into stock (sku, available) select * from unnest($1::text[], $2::int[]) on conflict (sku) do nothing",
+    )
+    .bind(skus)
+    .bind(stock)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Billing's part of the catalogue: each product's price, unless its SKU already has one.
+pub async fn price_catalogue(conn: &mut sqlx::PgConnection) -> sqlx::Result<()> {
+    let (skus, prices): (Vec<&str>, Vec<i64>) = CATALOGUE.iter().map(|p| (p.sku, p.unit_price_cents)).unzip();
+    sqlx::query(
+        "insert into prices (sku, unit_price_cents) select * from unnest($1::text[], $2::bigint[])
+         on conflict (sku) do nothing",
+    )
+    .bind(skus)
+    .bind(prices)
+    .execute(conn)
+    .await
+    .map(drop)
 }
 
 /// Whether this build has the demo's faults (the feature `demo-faults`, decision 0025).

@@ -11,13 +11,13 @@ pub mod books;
 pub mod demo;
 
 use chrono::{DateTime, Utc};
-use messaging::contracts::Contract;
+use messaging_core::contracts::Contract;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 /// The shop's topic exchanges, one per producing service (durable). Whoever binds to one or
 /// publishes to one declares it. The consumer runtime's job events go to `messaging`'s own
-/// exchange ([`messaging::contracts::JOBS_EXCHANGE`]).
+/// exchange ([`messaging_core::contracts::JOBS_EXCHANGE`]).
 pub mod exchanges {
     /// `order.placed`, `order.ended`, `order.deadline`.
     pub const ORDERS: &str = "orders";
@@ -37,7 +37,7 @@ pub struct OrderLine {
     pub quantity: i32,
 }
 
-/// The ordering key ([`messaging::outbox::Outgoing::ordered_by`]) under which the orders service
+/// The ordering key ([`messaging_core::outbox::Outgoing::ordered_by`]) under which the orders service
 /// sends an order's `order.placed` and `order.ended`: inventory, ordered by key, applies an order's
 /// end after its placing, whatever order they arrive in (decisions 0023, 0024). The scheduled
 /// `order.deadline` carries none.

@@ -5,9 +5,10 @@
 use std::{sync::Arc, time::Duration};
 
 use messaging::{
-    consumer::{self, Batching, Handler, HandlerError},
+    consumer::{self, Batching},
     contracts::Contract,
     envelope::Incoming,
+    handler::{Handler, HandlerError},
     runtime::{health::Health, shutdown},
     topology::{Endpoint, RetryPolicy},
 };

@@ -144,7 +144,7 @@ async fn two_copies_of_one_message_in_one_batch_are_applied_once() {
     }
     // A second copy of the first order.placed, under its message id (as a relay that died between
     // the confirm and its mark would send it), queued behind the three.
-    let first: messaging::outbox::OutboxRow = sqlx::query_as(
+    let first: messaging::outbox_relay::OutboxRow = sqlx::query_as(
         "select id, message_id, message_type, exchange, routing_key, payload::text as payload, headers, created_at,
                 attempts, refusals
            from outbox where message_type = 'order.placed' order by id limit 1",

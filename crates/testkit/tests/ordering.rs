@@ -9,9 +9,10 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use clap::Parser;
 use messaging::{
-    consumer::{self, Batching, Handler, HandlerError},
+    consumer::{self, Batching},
     contracts::Contract,
     envelope::Incoming,
+    handler::{Handler, HandlerError},
     outbox::Outgoing,
     runtime::{health::Health, shutdown},
     topology::{Endpoint, RetryPolicy},

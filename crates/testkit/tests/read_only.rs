@@ -8,7 +8,7 @@
 //! Made for real on the test's databases: `default_transaction_read_only` set on each, and every
 //! session ended (as a failover ends them), so that each service reconnects into read-only
 //! sessions. When writes come back, those sessions stay read-only: the services must notice and
-//! reconnect by themselves (`messaging::runtime::db::retire_connections`), as they must when a
+//! reconnect by themselves (`messaging::outage::retire_connections`), as they must when a
 //! failover leaves them on the old primary.
 
 use std::time::Duration;

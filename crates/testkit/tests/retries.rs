@@ -12,9 +12,10 @@ use chrono::Utc;
 use common::count;
 use lapin::types::AMQPValue;
 use messaging::{
-    consumer::{self, Batching, ConsumerSettings, Handler, HandlerError},
+    consumer::{self, Batching, ConsumerSettings},
     contracts::{Contract, JobRetryScheduled},
     envelope::{self, Headers, Incoming},
+    handler::{Handler, HandlerError},
     publisher::Publisher,
     runtime::{
         health::Health,

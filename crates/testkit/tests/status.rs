@@ -341,7 +341,7 @@ async fn a_database_of_the_previous_release_migrates_forward_and_its_old_jobs_st
     let previous = std::env::temp_dir().join(format!("orders-migrations-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&previous).expect("folder");
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    for folder in ["crates/messaging/migrations", "migrations/orders"] {
+    for folder in ["crates/messaging-core/migrations", "migrations/orders"] {
         for entry in std::fs::read_dir(workspace.join(folder)).expect("migrations") {
             let path = entry.expect("entry").path();
             let name = path.file_name().expect("name").to_string_lossy().into_owned();

@@ -9,7 +9,7 @@ use lapin::{
     options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use messaging::{envelope, runtime::trace::TraceContext};
+use messaging::{envelope, trace::TraceContext};
 use serde_json::Value;
 use sqlx::PgPool;
 use testkit::{

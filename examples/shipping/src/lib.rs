@@ -38,6 +38,7 @@ pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
         endpoint: Endpoint::new("shipping.order-ended").consume::<OrderEnded>(),
         handler: |_| Routes::new(ScheduleShipment).on::<OrderEnded>(),
         routes: Some(routes),
+        prepare: None,
     }
 }
 

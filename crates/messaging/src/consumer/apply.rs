@@ -1,20 +1,18 @@
 //! The transaction of one message, or of one batch: inbox row, handler, commit, all or nothing,
 //! within the handler timeout.
 
+use messaging_core::{envelope::Incoming, inbox, trace};
 use sqlx::PgConnection;
 use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{
-    Applied, Handler, HandlerError, Runtime,
+    Handler, HandlerError, Runtime,
+    decide::Applied,
     ordering::{self, Turn},
     settle::Member,
 };
-use crate::{
-    envelope::Incoming,
-    inbox,
-    runtime::{db, duration::format_duration, failpoint, metrics::Handling, trace},
-};
+use crate::runtime::{db, duration::format_duration, failpoint, metrics::Handling};
 
 impl<H: Handler> Runtime<H> {
     /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,
@@ -114,4 +112,15 @@ async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), Handler
     tx.commit().await?;
     failpoint::hit(failpoint::WORKER_AFTER_COMMIT).await;
     Ok(())
+}
+
+impl Applied {
+    /// How its transaction ended, for `message_handling_duration_seconds`.
+    pub(super) fn handling(self) -> Handling {
+        match self {
+            Self::Done => Handling::Succeeded,
+            Self::Duplicate => Handling::Duplicate,
+            Self::Waits { .. } => Handling::Deferred,
+        }
+    }
 }

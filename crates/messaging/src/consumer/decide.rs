@@ -26,11 +26,24 @@
 
 use std::{future::Future, time::Duration};
 
-use super::{Applied, HandlerError, Reason};
+use messaging_core::handler::{HandlerError, Reason};
+
 use crate::{
     runtime::{backoff::Backoff, shutdown::Shutdown},
     topology::RetryPolicy,
 };
+
+/// The outcome of the transaction for one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Applied {
+    Done,
+    Duplicate,
+    /// Rolled back, nothing applied: its endpoint is ordered by key, and the key has not passed
+    /// place `follows`, the earlier message this one waits for.
+    Waits {
+        follows: i64,
+    },
+}
 
 /// Deferrals a message may take before it is parked: a generous bound on a wait that only a bug
 /// could make endless (an earlier message that never comes).

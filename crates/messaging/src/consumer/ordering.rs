@@ -22,11 +22,11 @@
 //! both moves is in the migration, as two functions (`inbox_take_turn`, `inbox_give_up_place`).
 
 use lapin::types::AMQPValue;
+use messaging_core::envelope::{self, Ordering};
 use sqlx::PgConnection;
 
 use super::{Handler, Runtime, acks::InFlight};
 use crate::{
-    envelope::{self, Ordering},
     publisher::{PublishError, Publisher},
     runtime::{db, metrics::Handled},
     topology::Endpoint,

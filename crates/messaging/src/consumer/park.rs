@@ -6,13 +6,15 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use lapin::{BasicProperties, types::AMQPValue};
+use messaging_core::{
+    contracts::{self, JobEvent, JobQuarantined, JobRetryScheduled},
+    envelope,
+};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
-    contracts::{self, JobEvent, JobQuarantined, JobRetryScheduled},
-    envelope,
     publisher::{Pending, PublishError, Publisher},
     runtime::metrics::Handled,
 };
@@ -127,7 +129,7 @@ impl<H: Handler> Runtime<H> {
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).
     async fn send_event<C: JobEvent>(&self, publisher: &Publisher, event: Option<C>) -> Option<Pending> {
-        let (body, properties) = event?.message().ok()?;
+        let (body, properties) = envelope::job_event(&event?).ok()?;
         match publisher.send(C::EXCHANGE, C::TYPE, &body, properties).await {
             Ok(pending) => Some(pending),
             Err(error) => {

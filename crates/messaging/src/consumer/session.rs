@@ -23,6 +23,7 @@ use lapin::{
     options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions},
     types::FieldTable,
 };
+use messaging_core::trace;
 use tokio::{task::JoinSet, time::Instant};
 use uuid::Uuid;
 
@@ -37,7 +38,6 @@ use crate::{
     runtime::{
         broker::{self, Session, SessionEnd},
         shutdown::{self, Shutdown},
-        trace,
     },
     topology,
 };

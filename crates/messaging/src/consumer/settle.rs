@@ -5,24 +5,23 @@
 use std::sync::Arc;
 
 use lapin::message::Delivery;
+use messaging_core::{
+    envelope::{self, Incoming, Unreadable},
+    trace::{self, TraceContext},
+};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{
-    Applied, Handler, HandlerError, Runtime,
+    Handler, HandlerError, Runtime,
     acks::InFlight,
     crashes,
-    decide::{self, Arrival, Attempt, Decision, Event, Republish, Settlement, Start},
+    decide::{self, Applied, Arrival, Attempt, Decision, Event, Republish, Settlement, Start},
     session::Io,
 };
 use crate::{
-    envelope::{self, Incoming, Unreadable},
     publisher::{PublishError, Publisher},
-    runtime::{
-        db,
-        metrics::Handled,
-        trace::{self, TraceContext},
-    },
+    runtime::{db, metrics::Handled},
 };
 
 /// A delivery as it arrived: decoded (or not), with its span and trace context.

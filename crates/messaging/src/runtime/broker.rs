@@ -84,7 +84,7 @@ pub async fn check_tls(nodes: &BrokerNodes) -> Result<(), crate::runtime::startu
                 let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "checked".into())).await;
             }
             Err(error) => {
-                if let Some(reason) = crate::runtime::tls::verification_failure(&error) {
+                if let Some(reason) = messaging_core::outage::verification_failure(&error) {
                     let refusal = format!("the broker at {url}: TLS: {reason}");
                     return Err(crate::runtime::startup::StartupError(refusal));
                 }

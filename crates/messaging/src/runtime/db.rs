@@ -9,15 +9,7 @@
 //! that has gone silent (a black hole, where the server's cancel never arrives and the kernel
 //! would wait about 15 minutes).
 
-use std::{
-    future::Future,
-    str::FromStr,
-    sync::{
-        LazyLock,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::{Duration, Instant},
-};
+use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
     AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Transaction,
@@ -25,6 +17,8 @@ use sqlx::{
     pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
 };
+
+use messaging_core::outage::{is_unreachable, retired};
 
 use crate::runtime::{
     backoff::Backoff, config::SecretUrl, duration::parse_duration, shutdown::Shutdown, startup::StartupError,
@@ -128,7 +122,7 @@ pub fn pool_options(max_connections: u32, acquire_timeout: Duration, check_each_
 
 /// Whether the database answers within two seconds, as a primary that takes writes: not a standby
 /// (`pg_is_in_recovery`) and not a session left read-only (`transaction_read_only`). A node that
-/// refuses writes is no more use to a service than one that is down ([`is_wrong_node`]).
+/// refuses writes is no more use to a service than one that is down ([`is_wrong_node`](messaging_core::outage::is_wrong_node)).
 pub async fn takes_writes(pool: &PgPool) -> bool {
     let query = sqlx::query_scalar::<_, bool>(
         "select not pg_is_in_recovery() and current_setting('transaction_read_only') = 'off'",
@@ -215,7 +209,7 @@ pub struct Database<'a> {
 }
 
 /// Connect, create the database if it is missing and the role may, apply messaging's migrations
-/// and then the service's `migrator` ([`crate::schema::migrate`]), and check that the runtime role
+/// and then the service's `migrator` ([`messaging_core::schema::migrate`]), and check that the runtime role
 /// holds every grant the service needs. Retries with backoff, from the start, while the server
 /// cannot be reached (it may still be starting) or a connection is lost midway. Anything that no wait would cure (a certificate that does not
 /// verify, bad credentials, a bad migration, a missing grant) is a [`StartupError`] naming the
@@ -272,7 +266,7 @@ pub async fn open(
 /// pending otherwise.
 async fn migrate(options: &PgConnectOptions, migrator: &Migrator) -> Result<(), sqlx::Error> {
     let migrating = PgPoolOptions::new().max_connections(1).connect_with(options.clone()).await?;
-    let migrated = crate::schema::migrate(&migrating, migrator).await;
+    let migrated = messaging_core::schema::migrate(&migrating, migrator).await;
     let denied = |error: &MigrateError| match error {
         MigrateError::Execute(sqlx::Error::Database(e))
         | MigrateError::ExecuteMigration(sqlx::Error::Database(e), _)
@@ -285,7 +279,7 @@ async fn migrate(options: &PgConnectOptions, migrator: &Migrator) -> Result<(), 
     let outcome = match migrated {
         Err(error) => match denied(&error) {
             None => Err(sqlx::Error::from(error)),
-            Some(message) => match crate::schema::pending(&migrating, migrator).await {
+            Some(message) => match messaging_core::schema::pending(&migrating, migrator).await {
                 Ok(pending) if pending.is_empty() => Ok(()),
                 Ok(pending) => Err(sqlx::Error::Configuration(
                     format!(
@@ -330,7 +324,7 @@ async fn grant_outbox(options: &PgConnectOptions, role: &str) -> Result<(), sqlx
 
 /// One line for a start-up error: rustls' reason for a certificate, else sqlx's message.
 pub fn describe(error: &sqlx::Error) -> String {
-    match (crate::runtime::tls::verification_failure(error), error) {
+    match (messaging_core::outage::verification_failure(error), error) {
         (Some(reason), _) => format!("TLS: {reason}"),
         // Ours (a missing grant, a role that may not migrate): the message alone.
         (None, sqlx::Error::Configuration(message)) => message.to_string(),
@@ -413,105 +407,5 @@ pub async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()
             .into(),
         )),
         Err(error) => Err(error),
-    }
-}
-
-/// Whether an error means "the database is not available to us (yet)", worth waiting for: the
-/// server is not there, or it is there and is not the primary ([`is_wrong_node`]). A TLS
-/// handshake that fails is one too, unless it failed on a verdict about the certificates
-/// ([`crate::runtime::tls::verification_failure`]): a connection that dies during the handshake (or
-/// during the `SSLRequest` before it, which sqlx reports as an unexpected response) is an outage.
-///
-/// Every error the services meet is classified here, so this is also where a wrong node is acted
-/// on: it [retires](retire_connections) the connections opened so far.
-pub fn is_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
-            crate::runtime::tls::verification_failure(error).is_none()
-        }
-        sqlx::Error::Tls(_) => crate::runtime::tls::verification_failure(error).is_none(),
-        sqlx::Error::Protocol(message) => message.starts_with("unexpected response from SSLRequest"),
-        sqlx::Error::Database(_) if is_wrong_node(error) => {
-            retire_connections();
-            true
-        }
-        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down (an
-        // administrator's, or a failover's, `admin_shutdown`), crashing or starting up.
-        sqlx::Error::Database(e) => {
-            e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
-        }
-        // A connection lost while the migrations were checked or applied (each applies in a
-        // transaction of its own, which the loss rolls back): start-up waits and tries again.
-        sqlx::Error::Migrate(migrate) => match &**migrate {
-            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => is_unreachable(e),
-            _ => false,
-        },
-        _ => false,
-    }
-}
-
-/// Whether the server refused a write because it is not (or no longer) the primary: SQLSTATE
-/// 25006, `read_only_sql_transaction`, from a hot standby, a demoted primary, or a session a
-/// failover left read-only (`default_transaction_read_only`). The database is then unavailable to
-/// a writer, exactly like one that is down: nothing is the message's or the request's fault.
-///
-/// What answered is still there, and may answer read-only for good (a standby behind a stale
-/// address), so [`is_unreachable`] calls [`retire_connections`] on seeing it: every pool then
-/// reconnects, which resolves the address again, instead of handing out the same read-only
-/// sessions.
-pub fn is_wrong_node(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("25006"))
-}
-
-/// When the last [`retire_connections`] happened, in milliseconds after [`ORIGIN`] (0: never).
-static RETIRED_AT: AtomicU64 = AtomicU64::new(0);
-
-/// The instant [`RETIRED_AT`] counts from: the first time either is used.
-static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
-
-/// Have every pool of this process ([`pool_options`]) close, instead of handing out, each
-/// connection opened before now: a node refused a write ([`is_wrong_node`]), so connections made
-/// before may all be on it. Connections opened after this are kept, unless they are refused again.
-/// One flag for the process, not per pool: an error does not say which pool it came from, and a
-/// needless reconnect costs one connect.
-pub fn retire_connections() {
-    let now = u64::try_from(ORIGIN.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
-    RETIRED_AT.fetch_max(now, Ordering::Relaxed);
-}
-
-/// Whether a connection opened `age` ago was opened before the last [`retire_connections`].
-fn retired(age: Duration) -> bool {
-    match RETIRED_AT.load(Ordering::Relaxed) {
-        0 => false,
-        at => {
-            let since = ORIGIN.elapsed().saturating_sub(Duration::from_millis(at));
-            age > since
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{MigrateError, is_unreachable, retire_connections, retired};
-    use std::time::Duration;
-
-    #[test]
-    fn a_connection_lost_while_migrating_is_an_outage_and_a_failed_migration_is_not() {
-        let lost = || sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed connection"));
-        let migrating = |error| sqlx::Error::Migrate(Box::new(MigrateError::Execute(error)));
-        assert!(is_unreachable(&migrating(lost())), "lost while checking what is applied");
-        let applying = sqlx::Error::Migrate(Box::new(MigrateError::ExecuteMigration(lost(), 106)));
-        assert!(is_unreachable(&applying), "lost while applying one");
-        let changed = sqlx::Error::Migrate(Box::new(MigrateError::VersionMismatch(106)));
-        assert!(!is_unreachable(&changed), "a migration changed after it was applied: no wait cures it");
-        assert!(!is_unreachable(&migrating(sqlx::Error::Protocol("garbled".into()))));
-    }
-
-    #[test]
-    fn connections_opened_before_a_retirement_are_closed_and_later_ones_kept() {
-        retire_connections();
-        assert!(retired(Duration::from_secs(3600)), "opened an hour ago");
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(!retired(Duration::from_millis(5)), "opened after the retirement");
     }
 }

@@ -12,14 +12,12 @@ use axum::{
     response::IntoResponse,
     routing::get,
 };
+use messaging_core::outbox;
 use sqlx::PgPool;
 
-use crate::{
-    outbox,
-    runtime::{
-        metrics::{self, ByDatabase, ByDatabaseState, Metrics},
-        shutdown::Shutdown,
-    },
+use crate::runtime::{
+    metrics::{self, ByDatabase, ByDatabaseState, Metrics},
+    shutdown::Shutdown,
 };
 
 /// Named readiness flags: each long-running session (a consumer, a relay loop) sets its own.

@@ -8,13 +8,17 @@
 //! /run/ca.pem&certfile=/run/client.pem&keyfile=/run/client.key`. They are read at every connect, so
 //! a rotated certificate is picked up by the next reconnect.
 //!
-//! A certificate that does not verify is not an outage: [`verification_failure`] tells it apart,
+//! A certificate that does not verify is not an outage: `messaging_core::outage::verification_failure`
+//! tells it apart,
 //! and the binaries stop at start-up with one line that names the server and rustls' reason
-//! ([`crate::service::StartupError`]).
+//! ([`crate::runtime::startup::StartupError`]).
 
-use std::{error::Error as StdError, path::PathBuf, sync::Arc};
+use std::{path::PathBuf, sync::Arc};
 
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use messaging_core::outage::UnreadableFile;
+#[cfg(test)]
+use messaging_core::outage::verification_failure;
 
 /// The query keys (RabbitMQ's URI spec) that name TLS files, removed from a URL before it is used.
 pub const QUERY_KEYS: [&str; 3] = ["cacertfile", "certfile", "keyfile"];
@@ -120,18 +124,6 @@ impl TlsFiles {
     }
 }
 
-/// A TLS file named by a connection that cannot be read: the next try would fail the same way.
-#[derive(Debug)]
-struct UnreadableFile(String);
-
-impl std::fmt::Display for UnreadableFile {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl StdError for UnreadableFile {}
-
 /// The first TLS file a Postgres URL names (`sslrootcert`, `sslcert`, `sslkey`, which sqlx reads
 /// itself) that cannot be read, as a start-up refusal: sqlx reports a missing one as an I/O error,
 /// which would otherwise be waited out as an outage for ever.
@@ -150,40 +142,6 @@ pub fn unreadable_postgres_file(url: &str) -> Option<String> {
 fn system_roots() -> &'static [rustls::pki_types::CertificateDer<'static>] {
     static ROOTS: std::sync::OnceLock<Vec<rustls::pki_types::CertificateDer<'static>>> = std::sync::OnceLock::new();
     ROOTS.get_or_init(|| rustls_native_certs::load_native_certs().certs)
-}
-
-/// The reason a TLS handshake failed, if `error` (or anything it wraps) is one that retrying
-/// cannot cure: a certificate that does not verify (unknown issuer, expired, not valid for the
-/// name), a TLS alert from the server (it refused our certificate), or TLS files that cannot be
-/// read. `None` for everything else, which is worth retrying.
-pub fn verification_failure(error: &(dyn StdError + 'static)) -> Option<String> {
-    let mut next = Some(error);
-    while let Some(error) = next {
-        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
-            // A verdict on the certificates or the parameters, which the next try would repeat;
-            // not a handshake cut short or garbled by a failing connection.
-            return matches!(
-                tls,
-                rustls::Error::InvalidCertificate(_)
-                    | rustls::Error::AlertReceived(_)
-                    | rustls::Error::NoCertificatesPresented
-                    | rustls::Error::PeerIncompatible(_)
-                    | rustls::Error::UnsupportedNameType
-                    | rustls::Error::InvalidCertRevocationList(_)
-            )
-            .then(|| tls.to_string());
-        }
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            if let Some(found) = io.get_ref().and_then(|inner| verification_failure(inner)) {
-                return Some(found);
-            }
-            if let Some(unreadable) = io.get_ref().and_then(|inner| inner.downcast_ref::<UnreadableFile>()) {
-                return Some(unreadable.to_string());
-            }
-        }
-        next = error.source();
-    }
-    None
 }
 
 #[cfg(test)]

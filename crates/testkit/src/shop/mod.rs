@@ -248,6 +248,7 @@ impl Shop {
             }
             if matches!(service, Service::Inventory | Service::Billing) {
                 vars.push(("DEMO_FAULTS", options.demo_faults.to_string()));
+                vars.push(("DEMO_CATALOGUE", "true".to_owned()));
             }
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
             let process = Process::spawn(&instance.to_string(), process::binary(service.binary()), vars, &log_dir);

@@ -8,11 +8,11 @@ use std::collections::BTreeMap;
 
 use clap::Parser;
 use messaging::{
-    consumer::Handler,
+    handler::Handler,
     runtime::shutdown::{self, Shutdown},
     service::{BoxError, Worker},
 };
-use shop::demo::DemoFaults;
+use shop::demo::Demo;
 use sqlx::PgPool;
 use testkit::{
     TestEnv,
@@ -52,7 +52,7 @@ pub async fn start_with(options: Options) -> Shop {
     tasks.push((Service::Api, tokio::spawn(run)));
     http.insert(Service::Api, url);
 
-    let faults = ["--demo-faults".to_owned(), options.demo_faults.to_string()];
+    let faults = ["--demo-faults", &options.demo_faults.to_string(), "--demo-catalogue", "true"].map(str::to_owned);
     let inventory = inventory_worker::worker();
     let args = [flags(inventory.name, inventory.database), faults.to_vec()].concat();
     let (url, task) = spawn_worker(inventory, args, stop.clone()).await;
@@ -78,7 +78,7 @@ pub async fn start_with(options: Options) -> Shop {
 /// Start a worker built on `messaging::service::Worker` as a task of this process, with `args`;
 /// its base URL and its task.
 async fn spawn_worker<H: Handler>(
-    worker: Worker<DemoFaults, H>,
+    worker: Worker<Demo, H>,
     args: Vec<String>,
     stop: Shutdown,
 ) -> (String, JoinHandle<Result<(), BoxError>>) {

@@ -2,7 +2,7 @@
 //! through the standard `OTEL_*` environment variables and off unless one names an endpoint.
 //!
 //! Which spans: every `tracing` span that records a `trace_id` and a `span_id` (hex, as
-//! [`TraceContext::record_on`](crate::runtime::trace::TraceContext::record_on) writes them): the
+//! [`TraceContext::record_on`](messaging_core::trace::TraceContext::record_on) writes them): the
 //! API's `POST /orders` and each consumer's delivery span. Their ids are the ones that travel in
 //! the `traceparent` headers, so the collector sees one order as one trace across every service.
 //! The span's other fields become its attributes; `otel.kind` (`server`, `consumer`, …) and

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::runtime::trace::TraceContext;
+use messaging_core::trace::TraceContext;
 
 fn config(vars: &[(&str, &str)]) -> Result<Option<Config>, String> {
     let vars: HashMap<String, String> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();

@@ -3,10 +3,7 @@
 //! if and only if the change committed. The insert trigger (migration `0001_messaging.sql`) wakes
 //! the relay with `NOTIFY outbox` at commit.
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
-use lapin::BasicProperties;
 use sqlx::{PgConnection, PgPool, Postgres, QueryBuilder, types::Json};
 use uuid::Uuid;
 
@@ -72,7 +69,7 @@ const SCHEDULE: &str = "available_at, scheduled";
 /// written), 0 if not. An error if the message's body or headers cannot be serialized.
 ///
 /// ```
-/// use messaging::{contracts::Contract, outbox::{self, Outgoing}};
+/// use messaging_core::{contracts::Contract, outbox::{self, Outgoing}};
 /// # #[derive(serde::Serialize)] struct Shipped { order_id: uuid::Uuid }
 /// # impl Contract for Shipped { const TYPE: &'static str = "shipped"; const EXCHANGE: &'static str = "shop"; }
 ///
@@ -140,7 +137,7 @@ impl Selected<'_> {
 
 /// A message as its outbox row will hold it: what [`enqueue`] inserts, and what [`with_effect`]
 /// writes beside an effect. The headers carry the current trace context
-/// ([`crate::runtime::trace::current`]).
+/// ([`crate::trace::current`]).
 #[derive(Debug)]
 pub struct Outgoing<'a, C> {
     /// A new UUIDv7.
@@ -223,146 +220,6 @@ fn serialized(value: &impl serde::Serialize) -> sqlx::Result<Json<Box<serde_json
     serde_json::value::to_raw_value(value).map(Json).map_err(|error| sqlx::Error::Encode(Box::new(error)))
 }
 
-/// An unpublished outbox row, claimed by a relay.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct OutboxRow {
-    /// Publication order.
-    pub id: i64,
-    /// Stable message id.
-    pub message_id: Uuid,
-    /// e.g. `user.registered`.
-    pub message_type: String,
-    /// Target exchange.
-    pub exchange: String,
-    /// Routing key.
-    pub routing_key: String,
-    /// The JSON body as text, exactly as stored.
-    pub payload: String,
-    /// Correlation id, traceparent, version.
-    pub headers: Json<Headers>,
-    /// When the business change committed (the AMQP timestamp).
-    pub created_at: DateTime<Utc>,
-    /// Failed publish attempts so far, of any kind.
-    pub attempts: i32,
-    /// Of those, the publishes that closed the channel ([`record_refusal`]): what parks a row.
-    pub refusals: i32,
-}
-
-impl OutboxRow {
-    /// The AMQP properties this row is published with.
-    pub fn properties(&self) -> BasicProperties {
-        self.headers.properties(self.message_id, &self.message_type, self.created_at)
-    }
-}
-
-/// Lock up to `limit` unpublished rows that are due, oldest first, skipping rows another relay
-/// holds and parked rows ([`park`]): several relays can run against one database without
-/// publishing a row twice in steady state. The locks last until the caller's transaction ends.
-/// Scheduled rows ([`Outgoing::at`]) are looked up apart, by due time, in their own index.
-pub async fn claim_unpublished(conn: &mut PgConnection, limit: i64) -> sqlx::Result<Vec<OutboxRow>> {
-    sqlx::query_as(
-        "with due as (
-            select id from outbox
-             where published_at is null and not scheduled and parked_at is null and available_at <= now()
-             order by id limit $1
-               for update skip locked
-         ), due_scheduled as (
-            select id from outbox
-             where published_at is null and scheduled and parked_at is null and available_at <= now()
-             order by available_at limit $1
-               for update skip locked
-         )
-         select id, message_id, message_type, exchange, routing_key, payload::text as payload,
-                headers, created_at, attempts, refusals
-           from outbox
-          where id in (select id from due union all select id from due_scheduled)
-          order by id
-          limit $1",
-    )
-    .bind(limit)
-    .fetch_all(conn)
-    .await
-}
-
-/// Mark exactly these rows as published (one statement for the whole confirmed batch).
-pub async fn mark_published(conn: &mut PgConnection, ids: &[i64]) -> sqlx::Result<()> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    sqlx::query("update outbox set published_at = now(), last_error = null where id = any($1)")
-        .bind(ids)
-        .execute(conn)
-        .await
-        .map(drop)
-}
-
-/// Record a failed publish (returned, nacked): the row stays unpublished and is not claimed again
-/// before `retry_after` has passed.
-pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
-    record_attempt(conn, id, error, retry_after, 0).await
-}
-
-/// Record a publish that closed the channel on its own (the broker refuses the row itself): as
-/// [`record_failure`], and counted in `refusals`, on which parking ([`park`]) is decided.
-pub async fn record_refusal(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
-    record_attempt(conn, id, error, retry_after, 1).await
-}
-
-async fn record_attempt(
-    conn: &mut PgConnection,
-    id: i64,
-    error: &str,
-    retry_after: Duration,
-    refusals: i32,
-) -> sqlx::Result<()> {
-    let retry_ms = i64::try_from(retry_after.as_millis()).unwrap_or(i64::MAX);
-    sqlx::query(
-        "update outbox
-            set attempts = attempts + 1,
-                refusals = refusals + $4,
-                last_error = $2,
-                available_at = now() + $3 * interval '1 millisecond'
-          where id = $1",
-    )
-    .bind(id)
-    .bind(error)
-    .bind(retry_ms)
-    .bind(refusals)
-    .execute(conn)
-    .await
-    .map(drop)
-}
-
-/// Set a row the broker keeps refusing aside, with the broker's reason: the claim skips it from now
-/// on (the rows behind it flow) until an operator re-arms it (`msgctl outbox retry`).
-pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result<()> {
-    sqlx::query(
-        "update outbox set attempts = attempts + 1, refusals = refusals + 1, last_error = $2, parked_at = now()
-          where id = $1",
-    )
-    .bind(id)
-    .bind(error)
-    .execute(conn)
-    .await
-    .map(drop)
-}
-
-/// Delete up to `batch` rows published more than `retention` ago, and as many ordering keys that
-/// have numbered no message for that long (decision 0024: such a key starts again at place 1);
-/// returns the larger of the two counts, so a caller deleting batch after batch goes on while
-/// either table has more.
-pub async fn delete_published_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
-    let statements = [
-        "delete from outbox where id in (select id from outbox
-          where published_at < now() - $1 * interval '1 millisecond' limit $2)",
-        // `numbered_at` checked again on the row deleted: a key that numbered a row meanwhile stays.
-        "delete from outbox_key_sequences where key in (select key from outbox_key_sequences
-          where numbered_at < now() - $1 * interval '1 millisecond' limit $2)
-          and numbered_at < now() - $1 * interval '1 millisecond'",
-    ];
-    crate::runtime::retention::delete_each(pool, &statements, retention, batch).await
-}
-
 /// The outbox's state for `/metrics`, read with queries whose cost does not grow with the rows
 /// already published: each walks a partial index of unpublished rows (`outbox_unpublished`,
 /// `outbox_scheduled`), so an outbox that keeps 50 million published rows for its retention costs
@@ -373,7 +230,7 @@ pub struct OutboxGauges {
     /// Rows waiting to be published (parked rows, and scheduled rows not yet due, aside), counted
     /// up to [`COUNT_CAP`] of each kind.
     pub unpublished: i64,
-    /// Rows parked ([`park`]), counted among the first [`COUNT_CAP`] unpublished rows of each kind.
+    /// Rows parked (the relay's `park`), counted among the first [`COUNT_CAP`] unpublished rows of each kind.
     pub parked: i64,
     /// Scheduled rows ([`Outgoing::at`]) not yet due, counted up to [`COUNT_CAP`]: they wait by
     /// design, and count in neither the backlog nor its age.

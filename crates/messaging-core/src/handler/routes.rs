@@ -15,7 +15,6 @@ use super::{Handler, HandlerError};
 use crate::{
     contracts::Contract,
     envelope::{Incoming, Unreadable},
-    topology::Endpoint,
 };
 
 /// What the runtime knows of the message being handled, besides its body.
@@ -67,7 +66,7 @@ type BatchLock<H> =
 /// [`Routes::on`]. It is the [`Handler`] a consumer runs.
 ///
 /// ```
-/// use messaging::{consumer::{Context, Handle, HandlerError, Routes}, contracts::Contract, topology::Endpoint};
+/// use messaging_core::{contracts::Contract, handler::{Context, Handle, HandlerError, Routes}};
 /// # #[derive(serde::Serialize, serde::Deserialize)] struct Paid { order_id: uuid::Uuid }
 /// # impl Contract for Paid { const TYPE: &'static str = "paid"; const EXCHANGE: &'static str = "shop"; }
 /// struct MarkPaid;
@@ -79,9 +78,8 @@ type BatchLock<H> =
 ///     }
 /// }
 ///
-/// let endpoint = Endpoint::new("orders.paid").consume::<Paid>();
 /// let handler = Routes::new(MarkPaid).on::<Paid>();
-/// assert_eq!(handler.check(&endpoint), Ok(()));
+/// assert_eq!(handler.check(&["paid"]), Ok(()));
 /// ```
 pub struct Routes<H> {
     handler: H,
@@ -130,20 +128,15 @@ impl<H: Send + Sync + 'static> Routes<H> {
         self.routes.iter().map(|(message_type, _)| *message_type)
     }
 
-    /// Whether it routes exactly what `endpoint` accepts: a type accepted and not routed would be
-    /// parked on arrival, and a route for a type not accepted would never run.
-    pub fn check(&self, endpoint: &Endpoint) -> Result<(), String> {
-        let unrouted: Vec<&str> =
-            endpoint.accepts.iter().map(|(t, _)| *t).filter(|t| self.types().all(|known| known != *t)).collect();
-        let unaccepted: Vec<&str> =
-            self.types().filter(|t| endpoint.accepts.iter().all(|(accepted, _)| accepted != t)).collect();
+    /// Whether it routes exactly the types in `accepts` (its endpoint's): a type accepted and not
+    /// routed would be parked on arrival, and a route for a type not accepted would never run.
+    pub fn check(&self, accepts: &[&str]) -> Result<(), String> {
+        let unrouted: Vec<&str> = accepts.iter().copied().filter(|t| self.types().all(|known| known != *t)).collect();
+        let unaccepted: Vec<&str> = self.types().filter(|t| !accepts.contains(t)).collect();
         if unrouted.is_empty() && unaccepted.is_empty() {
             return Ok(());
         }
-        Err(format!(
-            "endpoint {} accepts {unrouted:?} with no route, and has routes for {unaccepted:?} it does not accept",
-            endpoint.name
-        ))
+        Err(format!("accepts {unrouted:?} with no route, and has routes for {unaccepted:?} it does not accept"))
     }
 
     /// The typed handler it routes to.
@@ -209,18 +202,15 @@ impl<H: Send + Sync + 'static> Handler for Routes<H> {
         }
     }
 
-    fn check_routes(&self, endpoint: &Endpoint) -> Result<(), String> {
-        self.check(endpoint)
+    fn check_routes(&self, accepts: &[&str]) -> Result<(), String> {
+        self.check(accepts)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::{Context, Handle, HandlerError, Routes};
-    use crate::{
-        contracts::{JobQuarantined, JobRedriven},
-        topology::Endpoint,
-    };
+    use crate::contracts::{Contract, JobQuarantined, JobRedriven};
 
     struct Both;
 
@@ -238,7 +228,7 @@ mod tests {
 
     #[test]
     fn routes_must_take_exactly_what_the_endpoint_accepts() {
-        let endpoint = Endpoint::new("e").accept::<JobQuarantined>().accept::<JobRedriven>();
+        let endpoint = [JobQuarantined::TYPE, JobRedriven::TYPE];
         let both = Routes::new(Both).on::<JobQuarantined>().on::<JobRedriven>();
         assert_eq!(both.check(&endpoint), Ok(()));
         assert_eq!(both.types().collect::<Vec<_>>(), ["job.quarantined", "job.redriven"]);
@@ -247,7 +237,7 @@ mod tests {
         let refusal = one.check(&endpoint).expect_err("job.redriven has no route");
         assert!(refusal.contains(r#"accepts ["job.redriven"] with no route"#), "{refusal}");
 
-        let narrow = Endpoint::new("e").accept::<JobQuarantined>();
+        let narrow = [JobQuarantined::TYPE];
         let refusal = both.check(&narrow).expect_err("job.redriven is not accepted");
         assert!(refusal.contains(r#"routes for ["job.redriven"]"#), "{refusal}");
     }

@@ -2,9 +2,7 @@
 //! the first statement of the handler's transaction, so "processed" commits together with the
 //! effect: a redelivered message finds its row and is skipped, never applied twice.
 
-use std::time::Duration;
-
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 /// Record `message_id` as processed in the caller's transaction. `false` means it was processed
@@ -16,7 +14,7 @@ use uuid::Uuid;
 /// ```no_run
 /// # async fn apply(pool: sqlx::PgPool, message_id: uuid::Uuid) -> sqlx::Result<()> {
 /// let mut tx = pool.begin().await?;
-/// if messaging::inbox::record(&mut tx, message_id, "parcel.shipped", "billing.parcel-shipped").await? {
+/// if messaging_core::inbox::record(&mut tx, message_id, "parcel.shipped", "billing.parcel-shipped").await? {
 ///     // The effect, in the same transaction: it commits with the inbox row, or neither does.
 ///     sqlx::query("update invoices set shipped = true where message_id = $1").bind(message_id).execute(&mut *tx).await?;
 /// }
@@ -62,40 +60,4 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
     .await?;
     let mut new: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
     Ok(ids.iter().map(|id| new.remove(id)).collect())
-}
-
-/// Delete up to `batch` inbox rows received more than `retention` ago, as many crash counts
-/// (`delivery_starts`) last started that long ago, and as many ordering keys that have not moved
-/// for that long, with their given-up places (decision 0024); returns the largest of the counts,
-/// so a caller deleting batch after batch goes on while any table has more.
-pub async fn delete_received_before(pool: &PgPool, retention: Duration, batch: i64) -> sqlx::Result<u64> {
-    let statements = [
-        "delete from inbox where message_id in (select message_id from inbox
-          where received_at < now() - $1 * interval '1 millisecond' limit $2)",
-        "delete from delivery_starts where (endpoint, message_id) in (select endpoint, message_id from delivery_starts
-          where last_started_at < now() - $1 * interval '1 millisecond' limit $2)",
-        // Given-up places the key never got to (their key moves, but never reached them).
-        "delete from inbox_key_given_up where (endpoint, key, follows) in (select endpoint, key, follows
-          from inbox_key_given_up where given_up_at < now() - $1 * interval '1 millisecond' limit $2)",
-    ];
-    let most = crate::runtime::retention::delete_each(pool, &statements, retention, batch).await?;
-    // A key is forgotten with its given-up places, so that a key made anew does not step over
-    // them. `moved_at` is checked again on the row deleted: a key that moved meanwhile stays.
-    let keys: i64 = sqlx::query_scalar(
-        "with forgotten as (
-             delete from inbox_key_positions
-              where (endpoint, key) in (select endpoint, key from inbox_key_positions
-                                         where moved_at < now() - $1 * interval '1 millisecond' limit $2)
-                and moved_at < now() - $1 * interval '1 millisecond'
-             returning endpoint, key
-         ), places as (
-             delete from inbox_key_given_up g using forgotten f where g.endpoint = f.endpoint and g.key = f.key
-         )
-         select count(*) from forgotten",
-    )
-    .bind(crate::runtime::retention::millis(retention))
-    .bind(batch)
-    .fetch_one(pool)
-    .await?;
-    Ok(most.max(u64::try_from(keys).unwrap_or(0)))
 }

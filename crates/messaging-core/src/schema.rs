@@ -1,5 +1,5 @@
 //! The tables `messaging` itself needs in every service database (the outbox, the inbox, the
-//! crash ledger), shipped inside this crate (`crates/messaging/migrations`) and applied by
+//! crash ledger), shipped inside this crate (`crates/messaging-core/migrations`) and applied by
 //! [`migrate`] in the same run as the service's own migrations (decision 0006).
 //!
 //! Both sets share sqlx's one `_sqlx_migrations` table, so their versions must differ: messaging
@@ -56,13 +56,13 @@ pub async fn pending(pool: &PgPool, service: &Migrator) -> Result<Vec<i64>, Migr
 
 /// Apply messaging's migrations and then `service`'s to `pool`'s database, in one run under
 /// sqlx's advisory lock (several instances may start together). The service runtime does this at
-/// start-up ([`crate::runtime::db::open`]); a tool of its own calls it directly.
+/// start-up (`messaging::runtime::db::open`); a tool of its own calls it directly.
 ///
 /// ```no_run
 /// static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/billing");
 ///
 /// # async fn up(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-/// messaging::schema::migrate(&pool, &MIGRATOR).await
+/// messaging_core::schema::migrate(&pool, &MIGRATOR).await
 /// # }
 /// ```
 pub async fn migrate(pool: &PgPool, service: &Migrator) -> Result<(), MigrateError> {

@@ -14,7 +14,7 @@ pub const JOBS_EXCHANGE: &str = "jobs";
 /// A message type: its name (also its routing key), exchange and current major version.
 ///
 /// ```
-/// use messaging::contracts::Contract;
+/// use messaging_core::contracts::Contract;
 /// use serde::{Deserialize, Serialize};
 ///
 /// /// A parcel left the warehouse.
@@ -49,7 +49,7 @@ pub trait Contract: Serialize {
 
     /// The job a message of this contract belongs to, as its body names it, if it does: the
     /// runtime's fallback when a message carries no correlation id
-    /// ([`crate::consumer::Context::job_id`]).
+    /// (the handler's `Context::job_id`).
     fn job(&self) -> Option<Uuid> {
         None
     }
@@ -81,19 +81,6 @@ pub fn is_job_event(message_type: &str) -> bool {
 pub trait JobEvent: Contract {
     /// The job it is about.
     fn job_id(&self) -> Uuid;
-
-    /// Its body and AMQP properties as published: a new message id, the job as correlation id.
-    fn message(&self) -> serde_json::Result<(Vec<u8>, lapin::BasicProperties)>
-    where
-        Self: Sized,
-    {
-        let properties = crate::envelope::Headers::of::<Self>(Some(self.job_id())).properties(
-            Uuid::now_v7(),
-            Self::TYPE,
-            chrono::Utc::now(),
-        );
-        Ok((serde_json::to_vec(self)?, properties))
-    }
 }
 
 /// A step of a job failed transiently and will be tried again.

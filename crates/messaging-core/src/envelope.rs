@@ -78,10 +78,10 @@ fn default_version() -> u32 {
 impl Headers {
     /// Headers for a message of contract `C` belonging to job `correlation_id`: the version is
     /// the contract's, never chosen by hand.
-    /// It carries the current trace context ([`crate::runtime::trace::current`]) if there is one: a message
+    /// It carries the current trace context ([`crate::trace::current`]) if there is one: a message
     /// written while handling a delivery or a request continues its trace.
     pub fn of<C: crate::contracts::Contract>(correlation_id: Option<Uuid>) -> Self {
-        let traceparent = crate::runtime::trace::current().map(|context| context.traceparent());
+        let traceparent = crate::trace::current().map(|context| context.traceparent());
         Self { traceparent, ..Self::raw(correlation_id, C::VERSION) }
     }
 
@@ -135,6 +135,13 @@ impl Headers {
             None => properties,
         }
     }
+}
+
+/// A job event's body and AMQP properties as published: a new message id, the job as correlation
+/// id, and the current trace context.
+pub fn job_event<E: crate::contracts::JobEvent>(event: &E) -> serde_json::Result<(Vec<u8>, BasicProperties)> {
+    let properties = Headers::of::<E>(Some(event.job_id())).properties(Uuid::now_v7(), E::TYPE, Utc::now());
+    Ok((serde_json::to_vec(event)?, properties))
 }
 
 /// Why a delivery cannot be handed to a handler. Such a message is parked at once: no retry can
@@ -200,7 +207,7 @@ impl Ordering {
     /// message without `earlier` follows the place just before its own.
     ///
     /// ```
-    /// use messaging::envelope::Ordering;
+    /// use messaging_core::envelope::Ordering;
     ///
     /// let earlier = [("order.placed".to_owned(), 1), ("order.deadline".to_owned(), 2)].into();
     /// let ended = Ordering { key: "order-7".into(), seq: 3, earlier: Some(earlier) };

@@ -5,8 +5,8 @@
 //! writes to its outbox, or the runtime publishes about it (job events), names the delivery span
 //! as its parent.
 //!
-//! The context of the work in progress lives in a task-local ([`scope`], [`current`]), so that
-//! [`crate::outbox::enqueue`] picks it up without every handler passing it along.
+//! The context of the work in progress lives in a task-local ([`scope`], [`current`]), so that a
+//! message written to the outbox picks it up without every handler passing it along.
 
 use std::{fmt, future::Future};
 

@@ -1,0 +1,161 @@
+//! What a database error means to a writer: the database is not available to it (down, starting,
+//! restarting, or a node that no longer takes writes), which is waited out and costs the work
+//! nothing; or a verdict that a retry would repeat. Handlers, the consumer, the relay and the API
+//! all classify their errors here, once.
+
+use std::{
+    error::Error as StdError,
+    sync::{
+        LazyLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use sqlx::migrate::MigrateError;
+
+/// Whether an error means "the database is not available to us (yet)", worth waiting for: the
+/// server is not there, or it is there and is not the primary ([`is_wrong_node`]). A TLS
+/// handshake that fails is one too, unless it failed on a verdict about the certificates
+/// ([`verification_failure`]): a connection that dies during the handshake (or
+/// during the `SSLRequest` before it, which sqlx reports as an unexpected response) is an outage.
+///
+/// Every error the services meet is classified here, so this is also where a wrong node is acted
+/// on: it [retires](retire_connections) the connections opened so far.
+pub fn is_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
+            verification_failure(error).is_none()
+        }
+        sqlx::Error::Tls(_) => verification_failure(error).is_none(),
+        sqlx::Error::Protocol(message) => message.starts_with("unexpected response from SSLRequest"),
+        sqlx::Error::Database(_) if is_wrong_node(error) => {
+            retire_connections();
+            true
+        }
+        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down (an
+        // administrator's, or a failover's, `admin_shutdown`), crashing or starting up.
+        sqlx::Error::Database(e) => {
+            e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
+        }
+        // A connection lost while the migrations were checked or applied (each applies in a
+        // transaction of its own, which the loss rolls back): start-up waits and tries again.
+        sqlx::Error::Migrate(migrate) => match &**migrate {
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => is_unreachable(e),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// Whether the server refused a write because it is not (or no longer) the primary: SQLSTATE
+/// 25006, `read_only_sql_transaction`, from a hot standby, a demoted primary, or a session a
+/// failover left read-only (`default_transaction_read_only`). The database is then unavailable to
+/// a writer, exactly like one that is down: nothing is the message's or the request's fault.
+///
+/// What answered is still there, and may answer read-only for good (a standby behind a stale
+/// address), so [`is_unreachable`] calls [`retire_connections`] on seeing it: every pool then
+/// reconnects, which resolves the address again, instead of handing out the same read-only
+/// sessions.
+pub fn is_wrong_node(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("25006"))
+}
+
+/// When the last [`retire_connections`] happened, in milliseconds after [`ORIGIN`] (0: never).
+static RETIRED_AT: AtomicU64 = AtomicU64::new(0);
+
+/// The instant [`RETIRED_AT`] counts from: the first time either is used.
+static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Have every pool of this process (those made by `messaging::runtime::db::pool_options`, which
+/// asks [`retired`]) close, instead of handing out, each connection opened before now: a node
+/// refused a write ([`is_wrong_node`]), so connections made before may all be on it. Connections opened after this are kept, unless they are refused again.
+/// One flag for the process, not per pool: an error does not say which pool it came from, and a
+/// needless reconnect costs one connect.
+pub fn retire_connections() {
+    let now = u64::try_from(ORIGIN.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
+    RETIRED_AT.fetch_max(now, Ordering::Relaxed);
+}
+
+/// Whether a connection opened `age` ago was opened before the last [`retire_connections`].
+pub fn retired(age: Duration) -> bool {
+    match RETIRED_AT.load(Ordering::Relaxed) {
+        0 => false,
+        at => {
+            let since = ORIGIN.elapsed().saturating_sub(Duration::from_millis(at));
+            age > since
+        }
+    }
+}
+
+/// The reason a TLS handshake failed, if `error` (or anything it wraps) is one that retrying
+/// cannot cure: a certificate that does not verify (unknown issuer, expired, not valid for the
+/// name), a TLS alert from the server (it refused our certificate), or TLS files that cannot be
+/// read. `None` for everything else, which is worth retrying.
+pub fn verification_failure(error: &(dyn StdError + 'static)) -> Option<String> {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            // A verdict on the certificates or the parameters, which the next try would repeat;
+            // not a handshake cut short or garbled by a failing connection.
+            return matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::AlertReceived(_)
+                    | rustls::Error::NoCertificatesPresented
+                    | rustls::Error::PeerIncompatible(_)
+                    | rustls::Error::UnsupportedNameType
+                    | rustls::Error::InvalidCertRevocationList(_)
+            )
+            .then(|| tls.to_string());
+        }
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            if let Some(found) = io.get_ref().and_then(|inner| verification_failure(inner)) {
+                return Some(found);
+            }
+            if let Some(unreadable) = io.get_ref().and_then(|inner| inner.downcast_ref::<UnreadableFile>()) {
+                return Some(unreadable.to_string());
+            }
+        }
+        next = error.source();
+    }
+    None
+}
+
+/// A TLS file named by a connection that cannot be read: the next try would fail the same way.
+#[derive(Debug)]
+pub struct UnreadableFile(pub String);
+
+impl std::fmt::Display for UnreadableFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl StdError for UnreadableFile {}
+
+#[cfg(test)]
+mod tests {
+    use super::{MigrateError, is_unreachable, retire_connections, retired};
+    use std::time::Duration;
+
+    #[test]
+    fn a_connection_lost_while_migrating_is_an_outage_and_a_failed_migration_is_not() {
+        let lost = || sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed connection"));
+        let migrating = |error| sqlx::Error::Migrate(Box::new(MigrateError::Execute(error)));
+        assert!(is_unreachable(&migrating(lost())), "lost while checking what is applied");
+        let applying = sqlx::Error::Migrate(Box::new(MigrateError::ExecuteMigration(lost(), 106)));
+        assert!(is_unreachable(&applying), "lost while applying one");
+        let changed = sqlx::Error::Migrate(Box::new(MigrateError::VersionMismatch(106)));
+        assert!(!is_unreachable(&changed), "a migration changed after it was applied: no wait cures it");
+        assert!(!is_unreachable(&migrating(sqlx::Error::Protocol("garbled".into()))));
+    }
+
+    #[test]
+    fn connections_opened_before_a_retirement_are_closed_and_later_ones_kept() {
+        retire_connections();
+        assert!(retired(Duration::from_secs(3600)), "opened an hour ago");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!retired(Duration::from_millis(5)), "opened after the retirement");
+    }
+}

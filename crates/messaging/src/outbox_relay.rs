@@ -1,0 +1,135 @@
+//! The relay's side of the outbox ([`messaging_core::outbox`], from `messaging-core`, is the writers'): claim the rows that are
+//! due, mark what the broker confirmed, record a failed publish, and set aside a row the broker
+//! keeps refusing.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use messaging_core::envelope::Headers;
+use sqlx::{PgConnection, types::Json};
+use uuid::Uuid;
+
+/// An unpublished outbox row, claimed by a relay.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    /// Publication order.
+    pub id: i64,
+    /// Stable message id.
+    pub message_id: Uuid,
+    /// e.g. `user.registered`.
+    pub message_type: String,
+    /// Target exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// The JSON body as text, exactly as stored.
+    pub payload: String,
+    /// Correlation id, traceparent, version.
+    pub headers: Json<Headers>,
+    /// When the business change committed (the AMQP timestamp).
+    pub created_at: DateTime<Utc>,
+    /// Failed publish attempts so far, of any kind.
+    pub attempts: i32,
+    /// Of those, the publishes that closed the channel ([`record_refusal`]): what parks a row.
+    pub refusals: i32,
+}
+
+impl OutboxRow {
+    /// The AMQP properties this row is published with.
+    pub fn properties(&self) -> BasicProperties {
+        self.headers.properties(self.message_id, &self.message_type, self.created_at)
+    }
+}
+
+/// Lock up to `limit` unpublished rows that are due, oldest first, skipping rows another relay
+/// holds and parked rows ([`park`]): several relays can run against one database without
+/// publishing a row twice in steady state. The locks last until the caller's transaction ends.
+/// Scheduled rows ([`Outgoing::at`](messaging_core::outbox::Outgoing::at)) are looked up apart, by due time, in their own index.
+pub async fn claim_unpublished(conn: &mut PgConnection, limit: i64) -> sqlx::Result<Vec<OutboxRow>> {
+    sqlx::query_as(
+        "with due as (
+            select id from outbox
+             where published_at is null and not scheduled and parked_at is null and available_at <= now()
+             order by id limit $1
+               for update skip locked
+         ), due_scheduled as (
+            select id from outbox
+             where published_at is null and scheduled and parked_at is null and available_at <= now()
+             order by available_at limit $1
+               for update skip locked
+         )
+         select id, message_id, message_type, exchange, routing_key, payload::text as payload,
+                headers, created_at, attempts, refusals
+           from outbox
+          where id in (select id from due union all select id from due_scheduled)
+          order by id
+          limit $1",
+    )
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}
+
+/// Mark exactly these rows as published (one statement for the whole confirmed batch).
+pub async fn mark_published(conn: &mut PgConnection, ids: &[i64]) -> sqlx::Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("update outbox set published_at = now(), last_error = null where id = any($1)")
+        .bind(ids)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Record a failed publish (returned, nacked): the row stays unpublished and is not claimed again
+/// before `retry_after` has passed.
+pub async fn record_failure(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
+    record_attempt(conn, id, error, retry_after, 0).await
+}
+
+/// Record a publish that closed the channel on its own (the broker refuses the row itself): as
+/// [`record_failure`], and counted in `refusals`, on which parking ([`park`]) is decided.
+pub async fn record_refusal(conn: &mut PgConnection, id: i64, error: &str, retry_after: Duration) -> sqlx::Result<()> {
+    record_attempt(conn, id, error, retry_after, 1).await
+}
+
+async fn record_attempt(
+    conn: &mut PgConnection,
+    id: i64,
+    error: &str,
+    retry_after: Duration,
+    refusals: i32,
+) -> sqlx::Result<()> {
+    let retry_ms = i64::try_from(retry_after.as_millis()).unwrap_or(i64::MAX);
+    sqlx::query(
+        "update outbox
+            set attempts = attempts + 1,
+                refusals = refusals + $4,
+                last_error = $2,
+                available_at = now() + $3 * interval '1 millisecond'
+          where id = $1",
+    )
+    .bind(id)
+    .bind(error)
+    .bind(retry_ms)
+    .bind(refusals)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Set a row the broker keeps refusing aside, with the broker's reason: the claim skips it from now
+/// on (the rows behind it flow) until an operator re-arms it (`msgctl outbox retry`).
+pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result<()> {
+    sqlx::query(
+        "update outbox set attempts = attempts + 1, refusals = refusals + 1, last_error = $2, parked_at = now()
+          where id = $1",
+    )
+    .bind(id)
+    .bind(error)
+    .execute(conn)
+    .await
+    .map(drop)
+}
