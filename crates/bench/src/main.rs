@@ -280,9 +280,9 @@ impl Bench {
     }
 
     /// A service's variables, on database `url` (for the relay, its outbox databases,
-    /// comma-separated).
+    /// comma-separated). The workers write the demo's catalogue, which the orders are made of.
     fn service_vars(&self, url: &str) -> Vec<(&'static str, String)> {
-        vec![("DATABASE_URL", url.to_owned()), ("AMQP_URL", self.env.amqp_url())]
+        vec![("DATABASE_URL", url.to_owned()), ("AMQP_URL", self.env.amqp_url()), ("DEMO_CATALOGUE", "true".to_owned())]
     }
 
     /// The servers with our exact work, no service code; and from them the relay's floor and the

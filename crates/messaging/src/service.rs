@@ -19,7 +19,7 @@ use std::{fmt, future::Future, net::SocketAddr, pin::Pin, process::ExitCode, syn
 
 use axum::Router;
 use clap::{Args, FromArgMatches};
-use messaging_core::{handler::Handler, outage};
+use messaging_core::handler::{Handler, HandlerError};
 use sqlx::{PgPool, migrate::Migrator};
 use tokio::net::TcpListener;
 
@@ -148,7 +148,8 @@ pub struct Worker<F, H> {
     pub routes: Option<fn(PgPool) -> Router>,
     /// Work done once at start-up, after the migrations and before the first delivery, as its own
     /// flags ask (the shop's workers write the demo's catalogue); `None` if it has none. An
-    /// unreachable database is waited out; any other failure stops the start.
+    /// unreachable database, or an error a handler would retry, is waited out; any other failure
+    /// stops the start.
     pub prepare: Option<Prepare<F>>,
 }
 
@@ -314,23 +315,27 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
     }
 }
 
-/// Run `prepare` on `pool` until it succeeds, waiting out an unreachable database with backoff:
-/// `Ok(false)` if shutdown came first, a [`StartupError`] if the database refused it.
+/// Run `prepare` on `pool` until it succeeds: an unreachable database, and what a handler's error
+/// would retry (a lock waited for too long, a deadlock, a cancelled statement), are tried again
+/// with backoff. `Ok(false)` if shutdown came first, a [`StartupError`] if the database refused it
+/// on its merits.
 async fn prepared<F>(prepare: Prepare<F>, own: &F, pool: &PgPool, shutdown: &Shutdown) -> Result<bool, StartupError> {
     let backoff = Backoff::default();
     let mut failures = 0;
     loop {
-        match db::within(db::QUERY_DEADLINE, prepare(own, pool)).await {
+        let error = match db::within(db::QUERY_DEADLINE, prepare(own, pool)).await {
             Ok(()) => return Ok(true),
-            Err(error) if outage::is_unreachable(&error) => {
-                let delay = backoff.delay(failures);
-                tracing::warn!(%error, ?delay, "cannot reach the database to prepare it; retrying");
-                failures += 1;
-                if !shutdown.sleep(delay).await {
-                    return Ok(false);
-                }
-            }
-            Err(error) => return Err(StartupError(format!("preparing the database: {}", db::describe(&error)))),
+            Err(error) => error,
+        };
+        let described = db::describe(&error);
+        if let HandlerError::Permanent(_) = HandlerError::from(error) {
+            return Err(StartupError(format!("preparing the database: {described}")));
+        }
+        let delay = backoff.delay(failures);
+        tracing::warn!(error = %described, ?delay, "cannot prepare the database yet; retrying");
+        failures += 1;
+        if !shutdown.sleep(delay).await {
+            return Ok(false);
         }
     }
 }

@@ -73,11 +73,15 @@ pub const CATALOGUE: &[Product] = &[
 ];
 
 /// Inventory's part of the catalogue: each product's stock, unless its SKU is already stocked (a
-/// restart keeps what the demo has sold).
+/// restart keeps what the demo has sold). The SKUs already there are left out before the insert,
+/// so that a restart does not wait on an order holding one of their rows.
 pub async fn stock_catalogue(conn: &mut sqlx::PgConnection) -> sqlx::Result<()> {
     let (skus, stock): (Vec<&str>, Vec<i32>) = CATALOGUE.iter().map(|p| (p.sku, p.stock)).unzip();
     sqlx::query(
-        "insert into stock (sku, available) select * from unnest($1::text[], $2::int[]) on conflict (sku) do nothing",
+        "insert into stock (sku, available)
+         select sku, available from unnest($1::text[], $2::int[]) as product (sku, available)
+          where not exists (select 1 from stock s where s.sku = product.sku)
+         on conflict (sku) do nothing",
     )
     .bind(skus)
     .bind(stock)
@@ -90,7 +94,9 @@ pub async fn stock_catalogue(conn: &mut sqlx::PgConnection) -> sqlx::Result<()> 
 pub async fn price_catalogue(conn: &mut sqlx::PgConnection) -> sqlx::Result<()> {
     let (skus, prices): (Vec<&str>, Vec<i64>) = CATALOGUE.iter().map(|p| (p.sku, p.unit_price_cents)).unzip();
     sqlx::query(
-        "insert into prices (sku, unit_price_cents) select * from unnest($1::text[], $2::bigint[])
+        "insert into prices (sku, unit_price_cents)
+         select sku, price from unnest($1::text[], $2::bigint[]) as product (sku, price)
+          where not exists (select 1 from prices p where p.sku = product.sku)
          on conflict (sku) do nothing",
     )
     .bind(skus)

@@ -1,7 +1,7 @@
 //! The demo's catalogue is data the demo asks for (`DEMO_CATALOGUE`), not the services' schema:
 //! migrated databases hold no product; each worker writes its part at start-up when the setting is
 //! on, keeping what is already there; and a database seeded by the earlier migrations loses the
-//! demo's rows that nothing used, and keeps the ones an order did.
+//! demo's rows that nothing used or changed, and keeps the others.
 
 use std::path::Path;
 
@@ -102,7 +102,7 @@ async fn migrate_as_an_earlier_release(pool: &PgPool, service: &str, before: &st
 }
 
 #[tokio::test]
-async fn a_database_seeded_by_an_earlier_release_keeps_only_the_demo_rows_an_order_used() {
+async fn a_database_seeded_by_an_earlier_release_keeps_only_the_demo_rows_an_order_used_or_someone_changed() {
     let env = TestEnv::new().await;
     let inventory = env.pool("inventory").await;
     migrate_as_an_earlier_release(&inventory, "inventory", "0006").await;
@@ -129,6 +129,12 @@ async fn a_database_seeded_by_an_earlier_release_keeps_only_the_demo_rows_an_ord
         .execute(&inventory)
         .await
         .expect("hold");
+    // SKU-4 was restocked and never ordered; SKU-5's price was changed.
+    sqlx::query("update stock set available = 5000 where sku = 'SKU-4'").execute(&inventory).await.expect("restock");
+    sqlx::query("update prices set unit_price_cents = 80 where sku = 'SKU-5'")
+        .execute(&billing)
+        .await
+        .expect("reprice");
     sqlx::query(
         "insert into invoices (id, order_id, total_cents, lines)
          values (gen_random_uuid(), gen_random_uuid(), 2598, '[{\"sku\": \"SKU-1\", \"quantity\": 2}]')",
@@ -140,8 +146,8 @@ async fn a_database_seeded_by_an_earlier_release_keeps_only_the_demo_rows_an_ord
     // This release migrates forward.
     messaging::schema::migrate(&inventory, &inventory_worker::MIGRATOR).await.expect("migrate inventory");
     messaging::schema::migrate(&billing, &billing_worker::MIGRATOR).await.expect("migrate billing");
-    assert_eq!(stocked(&inventory, "stock").await, ["SKU-1", "SKU-2", "SKU-3"]);
-    assert_eq!(stocked(&billing, "prices").await, ["SKU-1"]);
+    assert_eq!(stocked(&inventory, "stock").await, ["SKU-1", "SKU-2", "SKU-3", "SKU-4"]);
+    assert_eq!(stocked(&billing, "prices").await, ["SKU-1", "SKU-5"]);
     let sku_1: (i32, i32, i32) = sqlx::query_as("select available, reserved, settled from stock where sku = 'SKU-1'")
         .fetch_one(&inventory)
         .await
