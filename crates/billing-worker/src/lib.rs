@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use chrono::Utc;
-use messaging::{prelude::*, service::BoxFuture};
+use messaging::prelude::*;
 use shop::{
     End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined,
     demo::{Demo, DemoFaults},
@@ -31,18 +31,9 @@ pub fn worker() -> Worker<Demo, Routes<CreateInvoice>> {
         endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>(),
         handler: |demo| handler(demo.faults),
         routes: None,
-        prepare: Some(prepare),
+        // The demo's catalogue, if DEMO_CATALOGUE asks.
+        prepare: Some(|demo, pool| Box::pin(demo.prices(pool))),
     }
-}
-
-/// At start-up: the demo's prices ([`shop::demo::CATALOGUE`]), if `DEMO_CATALOGUE` is on.
-fn prepare<'a>(demo: &'a Demo, pool: &'a sqlx::PgPool) -> BoxFuture<'a, sqlx::Result<()>> {
-    Box::pin(async move {
-        if !demo.catalogue {
-            return Ok(());
-        }
-        shop::demo::price_catalogue(&mut *pool.acquire().await?).await
-    })
 }
 
 /// The endpoint's handler: `inventory.reserved` and `order.ended` to [`CreateInvoice`].

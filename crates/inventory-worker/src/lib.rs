@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use messaging::{prelude::*, service::BoxFuture};
+use messaging::prelude::*;
 use shop::{
     End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced,
     demo::{Demo, DemoFaults},
@@ -33,18 +33,9 @@ pub fn worker() -> Worker<Demo, Routes<ReserveStock>> {
             .ordered_by_key(),
         handler: |demo| handler(demo.faults),
         routes: None,
-        prepare: Some(prepare),
+        // The demo's catalogue, if DEMO_CATALOGUE asks.
+        prepare: Some(|demo, pool| Box::pin(demo.stock(pool))),
     }
-}
-
-/// At start-up: the demo's stock ([`shop::demo::CATALOGUE`]), if `DEMO_CATALOGUE` is on.
-fn prepare<'a>(demo: &'a Demo, pool: &'a sqlx::PgPool) -> BoxFuture<'a, sqlx::Result<()>> {
-    Box::pin(async move {
-        if !demo.catalogue {
-            return Ok(());
-        }
-        shop::demo::stock_catalogue(&mut *pool.acquire().await?).await
-    })
 }
 
 /// The endpoint's handler: `order.placed` and `order.ended` to [`ReserveStock`], a batch's stock

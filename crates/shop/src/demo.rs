@@ -47,6 +47,18 @@ pub struct Demo {
     pub catalogue: bool,
 }
 
+impl Demo {
+    /// At inventory's start-up: its part of the catalogue ([`stock_catalogue`]), if asked.
+    pub async fn stock(&self, pool: &sqlx::PgPool) -> sqlx::Result<()> {
+        if self.catalogue { stock_catalogue(&mut *pool.acquire().await?).await } else { Ok(()) }
+    }
+
+    /// At billing's start-up: its part of the catalogue ([`price_catalogue`]), if asked.
+    pub async fn prices(&self, pool: &sqlx::PgPool) -> sqlx::Result<()> {
+        if self.catalogue { price_catalogue(&mut *pool.acquire().await?).await } else { Ok(()) }
+    }
+}
+
 /// One product of the demo's catalogue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Product {
