@@ -66,7 +66,7 @@ impl RetryPolicy {
 
     /// The wait before retrying a message that has been retried `retry_count` times already, or
     /// `None` if it has used up its attempts (attempt = `retry_count + 1` = `max_attempts`).
-    pub fn next_delay(&self, retry_count: u32) -> Option<Duration> {
+    pub(crate) fn next_delay(&self, retry_count: u32) -> Option<Duration> {
         if retry_count.saturating_add(1) >= self.max_attempts {
             return None;
         }

@@ -115,7 +115,7 @@ pub async fn connect_any(nodes: &BrokerNodes, first: usize, name: &str) -> lapin
 /// Connect, trying the nodes in turn from `first` and waiting with backoff after each round in
 /// which none answered, until one does (its connection and index) or shutdown is asked for
 /// (`None`). With one node, every failed try is a round.
-pub async fn connect_with_backoff(
+pub(crate) async fn connect_with_backoff(
     nodes: &BrokerNodes,
     first: usize,
     name: &str,
@@ -165,7 +165,11 @@ pub trait Session {
 /// `connection.blocked` when a resource alarm (memory, disk) stops it reading from a connection
 /// that publishes, and `connection.unblocked` when the alarms clear. lapin then writes nothing on
 /// the connection, acks included, until unblocked. Runs until aborted (at the session's end).
-pub fn watch_blocked(connection: &Connection, name: String, readiness: &Arc<Readiness>) -> tokio::task::JoinHandle<()> {
+pub(crate) fn watch_blocked(
+    connection: &Connection,
+    name: String,
+    readiness: &Arc<Readiness>,
+) -> tokio::task::JoinHandle<()> {
     use futures_util::StreamExt;
     let mut events = connection.events_listener();
     let readiness = Arc::clone(readiness);

@@ -55,7 +55,7 @@ pub async fn request(
 }
 
 /// [`request`] with a raw byte body, on a connection of its own, within 30 seconds.
-pub async fn request_bytes(
+pub(crate) async fn request_bytes(
     method: &str,
     url: &str,
     headers: &[(&str, &str)],

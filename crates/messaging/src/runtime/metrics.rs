@@ -335,7 +335,7 @@ impl EndpointMetrics {
     }
 
     /// Count a consumer session that started consuming.
-    pub fn session_started(&self) {
+    pub(crate) fn session_started(&self) {
         self.sessions.inc();
     }
 

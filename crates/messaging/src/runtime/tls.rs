@@ -21,7 +21,7 @@ use messaging_core::outage::UnreadableFile;
 use messaging_core::outage::verification_failure;
 
 /// The query keys (RabbitMQ's URI spec) that name TLS files, removed from a URL before it is used.
-pub const QUERY_KEYS: [&str; 3] = ["cacertfile", "certfile", "keyfile"];
+pub(crate) const QUERY_KEYS: [&str; 3] = ["cacertfile", "certfile", "keyfile"];
 
 /// The files a connection's TLS uses, beside the system's roots.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub struct TlsFiles {
 
 impl TlsFiles {
     /// The files named in `url`'s query (`cacertfile`, `certfile`, `keyfile`).
-    pub fn of_url(url: &url::Url) -> Self {
+    pub(crate) fn of_url(url: &url::Url) -> Self {
         let named = |key: &str| url.query_pairs().find(|(k, _)| k == key).map(|(_, v)| PathBuf::from(v.as_ref()));
         Self { ca: named("cacertfile"), cert: named("certfile"), key: named("keyfile") }
     }
@@ -89,7 +89,7 @@ impl TlsFiles {
     }
 
     /// A rustls client configuration: the system's roots and the CA file, the client identity.
-    pub fn client_config(&self) -> std::io::Result<rustls::ClientConfig> {
+    pub(crate) fn client_config(&self) -> std::io::Result<rustls::ClientConfig> {
         use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
         let invalid = |what: &str, error: &dyn std::fmt::Display| {
             std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: {error}"))
