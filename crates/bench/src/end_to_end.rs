@@ -1,7 +1,9 @@
 //! The end-to-end section: every service together, against the same run's baseline (one message
-//! per transaction), on hot SKUs and a wide catalog; latency at 25, 50 and 90 % of the sustained
-//! rate, commit -> publish, and each service's peak memory; then two instances of every service
-//! (the APIs behind one balancer) on hot SKUs.
+//! per transaction), on hot SKUs and a wide catalog. Two capacities, named apart: D, the rate at
+//! which the shop drains a burst, and M, the highest open-loop paced rate it sustains; latency at
+//! 25, 50 and 90 % of M with where the time goes and what an order costs there; commit -> publish;
+//! each service's peak memory; then two instances of every service (the APIs behind one balancer)
+//! on hot SKUs.
 
 use std::time::Duration;
 
@@ -15,12 +17,31 @@ use testkit::{
 use super::{Bench, WIDE_CATALOG};
 use crate::{
     limits::Catalog,
+    open_loop::{self, Ends, Latency, Offered, Phase, Search},
     report::Report,
     stages::{self, Cpu, Usage, percentiles, start_as, stop},
 };
 
-/// The shares of the sustained rate latency is measured at, unless `--loads` says otherwise.
+/// The shares of M latency is measured at, unless `--loads` says otherwise.
 pub(super) const LOADS: [f64; 3] = [0.25, 0.5, 0.9];
+
+/// Where M's search starts, as a share of D.
+const SEARCH_FROM: f64 = 0.3;
+
+/// How many times each latency phase runs: each quantile reported is the median of these.
+const REPEATS: u64 = 2;
+
+/// Where the time goes between the steps [`stages::order_steps`] reads: the span ending at each
+/// step, starting at the one before (the first, at the order's due time).
+const SPANS: [&str; 7] = [
+    "due -> the API's transaction (load, HTTP, API)",
+    "-> order.placed claimed (API tx, orders outbox)",
+    "-> inventory's tx (publish, queue, batch wait)",
+    "-> inventory.reserved claimed (tx, outbox)",
+    "-> billing's tx (publish, queue, batch wait)",
+    "-> invoice.created claimed (tx, outbox)",
+    "-> succeeded (publish, queue, status consumer)",
+];
 
 /// What the end-to-end section measured that the targets check.
 pub(super) struct EndToEnd {
@@ -28,12 +49,26 @@ pub(super) struct EndToEnd {
     pub(super) cpu: Cpu,
     /// CPU seconds per order at the baseline (one message per transaction).
     pub(super) cpu_unbatched: Cpu,
-    /// POST -> succeeded p99 at each share of the sustained rate measured ([`LOADS`]), ms.
-    pub(super) p99: Vec<(f64, f64)>,
+    /// D: the drain of a burst at the shipped defaults on hot SKUs, orders/s.
+    pub(super) drain: f64,
+    /// M: the highest open-loop paced rate sustained, orders/s, if any rate was.
+    pub(super) capacity: Option<f64>,
+    /// What each share of M measured ([`LOADS`]).
+    pub(super) at_shares: Vec<AtShare>,
     /// Commit -> publish p50 and p99, ms.
     pub(super) commit_to_publish: (f64, f64),
     /// The largest service's peak RSS, MiB.
     pub(super) peak_rss: f64,
+}
+
+/// What a share of M measured.
+pub(super) struct AtShare {
+    /// The share of M.
+    pub(super) share: f64,
+    /// POST -> succeeded, each quantile the median of the repeats.
+    pub(super) latency: Latency,
+    /// CPU seconds per order, every process together.
+    pub(super) cpu: f64,
 }
 
 /// What an end-to-end phase cost.
@@ -82,6 +117,12 @@ impl PhaseCost {
         }
         let note = "transactions committed in the three databases, per order";
         report.figure("cpu", &format!("{label}: commits"), self.commits, "/ord", note);
+        // A backend sleeps until its client's next message arrives, so its wake-ups bound the
+        // round trips from above (Postgres's own background processes add theirs).
+        if let Some((_, postgres)) = self.wake_ups.iter().find(|(name, _)| name == POSTGRES) {
+            let note = "postgres wake-ups per commit: at most, round trips per transaction";
+            report.figure("cpu", &format!("{label}: round trips"), postgres / self.commits, "/tx", note);
+        }
         let note = "deadlocks Postgres broke in the three databases over the phase";
         report.figure("cpu", &format!("{label}: deadlocks"), self.deadlocks as f64, "", note);
         let note = "share of the machine's CPU time in use over the phase";
@@ -139,9 +180,12 @@ impl Meter {
     }
 }
 
+/// The name every Postgres process's wake-ups are reported under.
+const POSTGRES: &str = "postgres (all)";
+
 /// Wake-ups so far of each of `pids`, then of every Postgres and every RabbitMQ process.
 fn wake_ups(pids: &[(String, u32)]) -> Vec<(String, u64)> {
-    let servers = [("postgres (all)", "postgres"), ("rabbitmq (all)", "beam.smp")];
+    let servers = [(POSTGRES, "postgres"), ("rabbitmq (all)", "beam.smp")];
     let services = pids.iter().map(|(name, pid)| (name.clone(), stages::wake_ups(*pid)));
     services.chain(servers.map(|(name, comm)| (name.to_owned(), stages::wake_ups_of(comm)))).collect()
 }
@@ -169,14 +213,17 @@ fn report_wake_up_fit(report: &mut Report, phases: &[(f64, f64)]) {
     report.figure("wake-ups", "share of CPU per order the fit explains", (1.0 - residual / total) * 100.0, "%", "R²");
 }
 
-/// The CPU a paced load asks for each second, as a share of what the sustained phase used:
-/// `load` (its share of the sustained rate) × its CPU per order / the sustained phase's. Over 1,
-/// it asks for more than the machine gave the sustained phase, so a backlog has to grow until
-/// batches are nearly as full as there, and the latency grows with the phase's length rather than
-/// with any one hop. It then understates: the backlog's fuller batches have already lowered the
-/// phase's CPU per order.
-fn cpu_demand(load: f64, cpu_per_order: f64, sustained_cpu_per_order: f64) -> f64 {
-    load * cpu_per_order / sustained_cpu_per_order
+/// A phase's verdict in a few words: how much completed, what the API refused, how the orders in
+/// flight and the p99 moved.
+fn describe(verdict: &open_loop::Verdict) -> String {
+    let mut said = format!("{:.1} % completed", verdict.completed_share * 100.0);
+    if verdict.refused > 0 || verdict.ended_otherwise > 0 {
+        said += &format!(" ({} refused, {} ended otherwise)", verdict.refused, verdict.ended_otherwise);
+    }
+    said + &format!(
+        ", in flight {:+.0} (at most {:.0}), p99 {:.0} -> {:.0} ms",
+        verdict.growth, verdict.growth_bound, verdict.p99_first, verdict.p99_last
+    )
 }
 
 /// The database name at the end of a Postgres URL.
@@ -238,12 +285,17 @@ impl Bench {
         phases.extend([cpu_hot.point(), cpu_wide.point()]);
         report.figure("e2e", "sustained / baseline (BATCH_SIZE=1, PREFETCH=16)", hot / unbatched, "x", "same run");
 
-        let mut p99 = Vec::new();
-        let sustained = (hot, cpu_hot.cpu.total());
-        for load in self.args.loads.clone().unwrap_or_else(|| LOADS.to_vec()) {
-            let (at, cost) = self.latency_at(load, sustained, &api_addr, &billing, &processes).await;
-            p99.push((load, at));
-            phases.push(cost.point());
+        let capacity = match self.args.capacity {
+            Some(given) => Some(given),
+            None => self.capacity(hot, &api_addr).await,
+        };
+        let mut at_shares = Vec::new();
+        if let Some(capacity) = capacity {
+            for share in self.args.loads.clone().unwrap_or_else(|| LOADS.to_vec()) {
+                let (at, cost) = self.latency_at(share, capacity, &cpu_hot, &api_addr, &billing, &processes).await;
+                at_shares.push(at);
+                phases.push(cost.point());
+            }
         }
         let commit_to_publish = self.commit_to_publish().await;
         let mut peak_rss = 0.0_f64;
@@ -279,7 +331,15 @@ impl Bench {
         for process in processes {
             stop(process).await;
         }
-        EndToEnd { cpu: cpu_hot.cpu, cpu_unbatched: cpu_unbatched.cpu, p99, commit_to_publish, peak_rss }
+        EndToEnd {
+            cpu: cpu_hot.cpu,
+            cpu_unbatched: cpu_unbatched.cpu,
+            drain: hot,
+            capacity,
+            at_shares,
+            commit_to_publish,
+            peak_rss,
+        }
     }
 
     /// `instances` of each of the four services, with `extra` variables; where orders go (the API,
@@ -359,45 +419,126 @@ impl Bench {
         ["orders", "inventory", "billing"].iter().map(|service| db_name(&self.env.database_url(service))).collect()
     }
 
-    /// POST -> succeeded at `load` × the `sustained` rate, and where the time goes: the p99, ms, and
-    /// what an order cost meanwhile, which is also reported with how busy the machine was and
-    /// with the CPU the load demanded ([`cpu_demand`]). Batches are smaller when orders arrive
-    /// paced than in a backlog, so an order may cost more than in the sustained phase.
-    /// `sustained` is that phase's rate, orders/s, and its CPU seconds per order.
+    /// A paced phase at `rate` orders/s, shaped by the arguments; `seed` picks its Poisson
+    /// schedule.
+    fn phase(&self, rate: f64, seed: u64) -> Phase {
+        Phase {
+            rate,
+            arrivals: self.args.arrivals,
+            warm_up: Duration::from_secs(self.args.warm_up_secs),
+            window: Duration::from_secs(self.args.window_secs),
+            seed,
+        }
+    }
+
+    /// Offer a paced phase of hot-SKU orders and wait for them to end: what it offered and how its
+    /// orders ended.
+    async fn paced(&self, phase: Phase, api_addr: &str) -> (Offered, Ends) {
+        let offered = open_loop::offer(api_addr, Catalog::Hot, phase, &self.orders).await;
+        let ends = open_loop::ends(&self.orders, &offered.jobs()).await;
+        (offered, ends)
+    }
+
+    /// M: the highest open-loop paced rate the shop sustains ([`Offered::verdict`]), searched
+    /// for from 0.3 × `drain` (D) up by ×1.25 until a step fails, then by bisection to within 10 %
+    /// ([`Search`]). Each step is reported with what failed, if anything. `None` if no rate was
+    /// sustained, or if a step's orders had not all ended [`open_loop::END_WAIT`] after it: the
+    /// shop is then not fit to measure latency on.
+    async fn capacity(&mut self, drain: f64, api_addr: &str) -> Option<f64> {
+        println!("\n== capacity: the highest paced rate sustained (M), from 0.3 D ==");
+        let mut search = Search::new(SEARCH_FROM * drain);
+        let mut seed = 0;
+        while let Some(rate) = search.next_rate() {
+            seed += 1;
+            let (offered, ends) = self.paced(self.phase(rate, seed), api_addr).await;
+            let verdict = offered.verdict(&ends);
+            search.record(rate, verdict.sustained());
+            let outcome = if verdict.sustained() { "sustained".to_owned() } else { verdict.failures.join("; ") };
+            let note = format!("{outcome}; {}", describe(&verdict));
+            self.report.figure("capacity", &format!("step at {:.2} D", rate / drain), rate, "/s", &note);
+            if !ends.all(&offered.jobs()) {
+                println!(
+                    "  capacity: not measured, a step's orders had not all ended {:?} after it",
+                    open_loop::END_WAIT
+                );
+                return None;
+            }
+        }
+        let arrivals = format!("{:?} arrivals", self.args.arrivals).to_lowercase();
+        let note =
+            format!("open loop, {arrivals}, {} s windows after {} s", self.args.window_secs, self.args.warm_up_secs);
+        let Some(capacity) = search.capacity() else {
+            let lowest = search.lowest_failed().unwrap_or(f64::NAN);
+            println!("  capacity: no rate was sustained, down to {lowest:.0}/s");
+            return None;
+        };
+        self.report.figure("capacity", "M, the highest paced rate sustained", capacity, "/s", &note);
+        let failed = search.lowest_failed().map_or("none failed".to_owned(), |rate| format!("{rate:.0}/s failed"));
+        self.report.figure("capacity", "M / D", capacity / drain, "x", &format!("D: the drain, above; {failed}"));
+        Some(capacity)
+    }
+
+    /// POST -> succeeded at `share` × `capacity` (M), open loop, each quantile the median of
+    /// [`REPEATS`] windows; where the time goes between the steps; and what an order cost
+    /// meanwhile, against `drain`, what an order cost in the drain (phase 2).
     async fn latency_at(
         &mut self,
-        load: f64,
-        (sustained, sustained_cpu): (f64, f64),
+        share: f64,
+        capacity: f64,
+        drain: &PhaseCost,
         api_addr: &str,
         billing: &PgPool,
         processes: &[Process],
-    ) -> (f64, PhaseCost) {
-        let offered = load * sustained;
+    ) -> (AtShare, PhaseCost) {
+        let rate = share * capacity;
         let meter = self.meter(processes).await;
-        let sent = stages::post_orders_at(api_addr, self.args.concurrency, self.args.orders, offered).await;
-        let sent_ids: Vec<uuid::Uuid> = sent.iter().map(|(id, _)| *id).collect();
-        stages::wait_succeeded(&self.orders, &sent_ids).await;
-        let cost = meter.finish(self, sent.len()).await;
-        let mut steps = stages::latency_steps(&self.orders, &self.inventory, billing, &sent).await;
-        let (_, latencies) = steps.pop().expect("the last step is succeeded");
-        let (p50, p95, p99) = percentiles(&latencies);
-        let (at, note) = (format!("at {:.0} %", load * 100.0), format!("offered {offered:.0}/s"));
+        let (mut repeats, mut window, mut accepted) = (Vec::new(), Vec::new(), 0);
+        for repeat in 0..REPEATS {
+            let (offered, ends) = self.paced(self.phase(rate, 100 + repeat), api_addr).await;
+            accepted += offered.jobs().len();
+            window.extend(offered.in_window().filter_map(|order| Some((order.job?, order.due))));
+            repeats.push(offered.verdict(&ends));
+        }
+        let cost = meter.finish(self, accepted).await;
+        let latency = Latency::median(&repeats.iter().map(|verdict| verdict.latency).collect::<Vec<_>>());
+        let at = format!("at {:.0} % of M", share * 100.0);
+        let arrivals = format!("{:?}", self.args.arrivals).to_lowercase();
+        let note = format!("offered {rate:.0}/s, {arrivals}; median of {REPEATS} windows");
         let report = &mut self.report;
-        report.figure("e2e", &format!("POST -> succeeded p50 {at}"), p50, "ms", &note);
-        report.figure("e2e", &format!("POST -> succeeded p95 {at}"), p95, "ms", &note);
-        report.figure("e2e", &format!("POST -> succeeded p99 {at}"), p99, "ms", &note);
+        let quantiles = [("p50", latency.p50), ("p99", latency.p99), ("p99.9", latency.p999), ("max", latency.max)];
+        for (quantile, value) in quantiles {
+            report.figure("e2e", &format!("POST -> succeeded {quantile} {at}"), value, "ms", &note);
+        }
+        for (repeat, verdict) in repeats.iter().enumerate() {
+            let held = if verdict.sustained() { "sustained" } else { "not sustained" };
+            let note = format!("{held}; {}", describe(verdict));
+            report.figure("e2e", &format!("  window {} {at}: p99", repeat + 1), verdict.latency.p99, "ms", &note);
+        }
         let note = format!("{}; machine {:.0} % busy", cost.cpu.split("services"), cost.busy * 100.0);
         report.figure("e2e", &format!("  CPU per order {at}"), cost.cpu.total() * 1e6, "us/ord", &note);
-        let demand = cpu_demand(load, cost.cpu.total(), sustained_cpu) * 100.0;
-        report.figure("e2e", &format!("  CPU demanded {at}"), demand, "%", "of what the sustained phase used");
+        let ((wake_ups, cpu), (drain_wake_ups, drain_cpu)) = (cost.point(), drain.point());
+        report.figure("e2e", &format!("  CPU per order {at} / the drain's"), cpu / drain_cpu, "x", "");
+        let note = "every process's, services and servers";
+        report.figure("e2e", &format!("  wake-ups per order {at} / the drain's"), wake_ups / drain_wake_ups, "x", note);
         cost.report(report, &at);
-        // Where that time goes: p50 and p99 from the send to each step before it.
-        for (step, latencies) in steps {
-            let (p50, _, p99) = percentiles(&latencies);
-            report.figure("e2e", &format!("  to {step}, p50"), p50, "ms", "");
-            report.figure("e2e", &format!("  to {step}, p99"), p99, "ms", "");
+        // Where the time goes: each span between two steps, over the windows' orders.
+        let steps = stages::order_steps(&self.orders, &self.inventory, billing, &window).await;
+        let mut spans: Vec<_> = SPANS.iter().map(|_| open_loop::histogram()).collect();
+        for (due, times) in &steps {
+            let mut from = Some(*due);
+            for (span, to) in spans.iter_mut().zip(times) {
+                if let (Some(from), Some(to)) = (from, to) {
+                    open_loop::record(span, from, *to);
+                }
+                from = *to;
+            }
         }
-        (p99, cost)
+        for (name, span) in SPANS.iter().zip(&spans) {
+            let Latency { p50, p99, .. } = Latency::of(span);
+            report.figure("e2e", &format!("  {name}, p50"), p50, "ms", "");
+            report.figure("e2e", &format!("  {name}, p99"), p99, "ms", "");
+        }
+        (AtShare { share, latency, cpu }, cost)
     }
 
     /// Commit -> publish with the relay idle on NOTIFY: p50 and p99, ms.

@@ -9,6 +9,7 @@
 
 mod end_to_end;
 mod limits;
+mod open_loop;
 mod peers;
 mod report;
 mod stages;
@@ -67,11 +68,24 @@ struct Args {
     /// repeatable.
     #[arg(long = "service-var", value_name = "NAME=VALUE", value_parser = name_value)]
     service_vars: Vec<(String, String)>,
-    /// The shares of the sustained rate to measure latency at, instead of 0.25,0.5,0.9 (e.g.
-    /// `0.1,0.15`): to find the paced rate whose load demands a given share of the CPU. Only with
-    /// `--end-to-end-only`, which checks no targets.
+    /// The shares of M (the highest paced rate sustained) to measure latency at, instead of
+    /// 0.25,0.5,0.9. Only with `--end-to-end-only`, which checks no targets.
     #[arg(long, value_delimiter = ',', value_parser = share, requires = "end_to_end_only")]
     loads: Option<Vec<f64>>,
+    /// M in orders/s, instead of searching for it (the search takes 5 to 10 minutes): to measure
+    /// latency at shares of a known M. Only with `--end-to-end-only`.
+    #[arg(long, value_parser = share, requires = "end_to_end_only")]
+    capacity: Option<f64>,
+    /// How the paced phases' orders arrive.
+    #[arg(long, value_enum, default_value_t = open_loop::Arrivals::Poisson)]
+    arrivals: open_loop::Arrivals,
+    /// Seconds each paced phase offers orders before its measured window.
+    #[arg(long, default_value_t = 10)]
+    warm_up_secs: u64,
+    /// Seconds of each paced phase's measured window. Below 30, a p99 rests on too few of the
+    /// slowest orders to compare runs by.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(3..))]
+    window_secs: u64,
     /// Also write the JSON summary to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -94,11 +108,11 @@ fn name_value(s: &str) -> Result<(String, String), String> {
     Ok((name.to_owned(), value.to_owned()))
 }
 
-/// A share of the sustained rate: a number above 0 (above 1 offers more than it).
+/// A share of M, or a rate: a finite number above 0.
 fn share(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(share) if share.is_finite() && share > 0.0 => Ok(share),
-        _ => Err(format!("`{s}` is not a share of the sustained rate above 0, such as 0.25")),
+        _ => Err(format!("`{s}` is not a number above 0, such as 0.25")),
     }
 }
 /// SKUs of the wide catalog.
@@ -121,6 +135,9 @@ struct Bench {
     /// The worker's default prefetch and batch size.
     prefetch: u16,
     batch: usize,
+    /// The first and last id of the outbox rows the relay's drain publishes and the peers' tables
+    /// are filled from: set by [`Bench::limits`].
+    relay_rows: Option<(i64, i64)>,
 }
 
 /// What the limits section measured, in messages (or commits) per second.
@@ -147,6 +164,21 @@ impl Floor {
     }
 }
 
+/// What a peer drained, at one of its settings.
+struct PeerDrain {
+    peer: String,
+    /// `defaults` or `tuned` ([`peers::SETTINGS`]).
+    setting: &'static str,
+    /// Rows per second.
+    rate: f64,
+    /// CPU seconds per message: the peer's, Postgres's and RabbitMQ's.
+    cpu_per_message: f64,
+    /// Our relay's drain of the same rows just before, rows per second.
+    relay_rate: f64,
+    /// Its CPU seconds per message: the relay's, Postgres's and RabbitMQ's.
+    relay_cpu_per_message: f64,
+}
+
 /// What the stages section measured.
 struct Stages {
     relay_rate: f64,
@@ -170,7 +202,7 @@ async fn main() {
     }
     let limits = bench.limits().await;
     let stages = bench.stages().await;
-    let peers = if bench.args.skip_peers { Vec::new() } else { bench.peers(&stages).await };
+    let peers = if bench.args.skip_peers { Vec::new() } else { bench.peers().await };
     if !skip_scale {
         bench.scale().await;
     }
@@ -271,6 +303,7 @@ impl Bench {
             worker,
             prefetch: defaults.prefetch,
             batch: usize::from(defaults.batch_size),
+            relay_rows: None,
         }
     }
 
@@ -302,8 +335,9 @@ impl Bench {
         report.figure("limit", "(a') smallest order transaction commits", smallest, "/s", &note);
         let order_cpu = report_usage(report, "limit", who, &smallest_used, n);
         let rows = limits::outbox_rows(&self.orders, n).await;
-        // The same rows fill each peer's table.
+        // The same rows fill each peer's table, and our relay drains them again beside each peer.
         peers::write_rows(&rows, &self.peer_rows());
+        self.relay_rows = rows.iter().map(|row| row.id).min().zip(rows.iter().map(|row| row.id).max());
         // The broker's rate swings most from run to run on this shared machine: the median of three.
         // Its CPU is the three runs' alone: the purges between them are not a publish's work.
         let (mut b_runs, mut b_used) = (Vec::new(), Used::default());
@@ -487,10 +521,12 @@ impl Bench {
     }
 
     /// Each peer at its defaults and tuned, on its own database filled from the same rows as our
-    /// relay's drain, into a quorum queue of its own: its drain rate and CPU per message, and our
-    /// relay's ratio to each. Returns (peer and setting, drain rate) for the targets.
-    async fn peers(&mut self, stages: &Stages) -> Vec<(String, &'static str, f64)> {
-        println!("\n== peers: published outbox relays on the same rows ==");
+    /// relay's drain, into a quorum queue of its own: its drain rate and CPU per message. Our relay
+    /// drains the same rows again just before each peer's run, so each ratio compares two drains
+    /// of one moment, not a peer with a figure from an earlier section. Returns what each drained,
+    /// for the targets.
+    async fn peers(&mut self) -> Vec<PeerDrain> {
+        println!("\n== peers: published outbox relays on the same rows, each beside our relay ==");
         let peers = match peers::install() {
             Ok(peers) => peers,
             Err(error) => {
@@ -506,6 +542,7 @@ impl Bench {
                 self.env.pool(&database).await.close().await;
                 let database_url = self.env.database_url(&database);
                 peer.fill(&database_url, &self.peer_rows()).await;
+                let (relay_rate, relay_cpu) = self.relay_again().await;
                 let queue = format!("peer.{}.{setting}", peer.name);
                 let log = self.log_dir.join(format!("{}-{setting}.log", peer.name));
                 let (amqp_url, n) = (self.env.amqp_url(), self.args.messages);
@@ -528,17 +565,49 @@ impl Bench {
                 self.report.figure("peers", &label, drain.rate, "/s", &note);
                 let who = format!("{}, Postgres, RabbitMQ", peer.name);
                 let per_message = report_usage(&mut self.report, "peers", &who, &drain.used, drain.published as usize);
-                self.report.figure("peers", "  our relay's drain / this", stages.relay_rate / drain.rate, "x", "");
-                let cpu = per_message.total() / stages.relay_cpu_per_message.total();
+                let note = format!("{n} rows, just before; {}", relay_cpu.split("relay"));
+                self.report.figure("peers", "  our relay's drain beside it", relay_rate, "/s", &note);
+                self.report.figure("peers", "  our relay's drain / this", relay_rate / drain.rate, "x", "");
+                let cpu = per_message.total() / relay_cpu.total();
                 self.report.figure("peers", "  this CPU per message / our relay's", cpu, "x", "");
                 self.channel
                     .queue_delete(queue.as_str().into(), Default::default())
                     .await
                     .expect("delete the peer's queue");
-                rates.push((peer.name.clone(), setting, drain.rate));
+                rates.push(PeerDrain {
+                    peer: peer.name.clone(),
+                    setting,
+                    rate: drain.rate,
+                    cpu_per_message: per_message.total(),
+                    relay_rate,
+                    relay_cpu_per_message: relay_cpu.total(),
+                });
             }
         }
         rates
+    }
+
+    /// Our relay draining the rows of its stage drain again (marked unpublished), as in
+    /// [`Bench::stages`]: its rate and CPU seconds per message (relay, Postgres, RabbitMQ).
+    async fn relay_again(&mut self) -> (f64, Cpu) {
+        let (first, last) = self.relay_rows.expect("the limits chose the relay's rows");
+        let rows = sqlx::query("update outbox set published_at = null where id between $1 and $2")
+            .bind(first)
+            .bind(last)
+            .execute(&self.orders)
+            .await
+            .expect("the rows unpublished again")
+            .rows_affected();
+        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
+        let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
+        wait_count(&self.orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT)
+            .await;
+        let used = window.finish();
+        stop(relay).await;
+        let filter = format!("id between {first} and {last}");
+        let rate = rate_from_timestamps(&self.orders, "outbox", "published_at", &filter).await;
+        self.purge().await;
+        (rate, used.cpu.per(rows as f64))
     }
 
     /// The relay with an empty outbox, with published history, and with a backlog.
@@ -618,14 +687,15 @@ impl Bench {
     }
 
     /// The targets, against this run's own figures.
-    fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd, peers: &[(String, &str, f64)]) {
+    fn targets(&mut self, limits: &Limits, stages: &Stages, end_to_end: &EndToEnd, peers: &[PeerDrain]) {
         let report = &mut self.report;
-        for (peer, setting, rate) in peers {
-            let (bound, name) = match *setting {
-                "defaults" => (5.0, format!("relay drain / {peer} at its defaults >= 5")),
-                _ => (2.0, format!("relay drain / {peer} tuned >= 2")),
-            };
-            report.at_least(name, stages.relay_rate / rate, bound);
+        // At its defaults a peer shows its configuration more than its design: only the tuned
+        // runs have targets.
+        for drain in peers.iter().filter(|drain| drain.setting != "defaults") {
+            let peer = &drain.peer;
+            report.at_least(format!("relay drain / {peer} tuned >= 3"), drain.relay_rate / drain.rate, 3.0);
+            let cpu = drain.relay_cpu_per_message / drain.cpu_per_message;
+            report.at_most(format!("relay CPU per message / {peer} tuned's <= 0.5"), cpu, 0.5);
         }
         let (c2p50, c2p99) = end_to_end.commit_to_publish;
         let order_cost = end_to_end.cpu.total() / limits.order_floor.total().total();
@@ -637,16 +707,38 @@ impl Bench {
         report.at_least("relay drain / naive relay >= 10", stages.relay_rate / stages.naive, 10.0);
         report.at_least("inventory drain / (d) >= 0.7", stages.worker_rate / limits.d, 0.7);
         report.below("commit -> publish p50 ms < 5", c2p50, 5.0);
-        report.below("commit -> publish p99 ms < 20", c2p99, 20.0);
-        for (load, p99) in &end_to_end.p99 {
-            let bound = match *load {
-                0.5 => 150.0,
-                0.9 => 400.0,
-                _ => continue,
-            };
-            report.below(format!("POST -> succeeded p99 ms at {:.0} % load < {bound}", load * 100.0), *p99, bound);
-        }
+        report.below("commit -> publish p99 ms < 10", c2p99, 10.0);
         report.below("peak RSS MiB, largest service < 64", end_to_end.peak_rss, 64.0);
+        // Without M there is no latency at its shares either: each of those targets is missed too.
+        let Some(capacity) = end_to_end.capacity else {
+            report.at_least("M / D >= 0.75 (M not found)", 0.0, 0.75);
+            report.below("POST -> succeeded p99 ms at 50 % of M < 150 (M not found)", f64::NAN, 150.0);
+            report.below("POST -> succeeded p99 ms at 90 % of M < 400 (M not found)", f64::NAN, 400.0);
+            report.at_most("CPU per order at 25 % of M / the drain's <= 2.5 (M not found)", f64::NAN, 2.5);
+            report.at_most("CPU per order at 50 % of M / the drain's <= 1.6 (M not found)", f64::NAN, 1.6);
+            return;
+        };
+        report.at_least("M / D >= 0.75", capacity / end_to_end.drain, 0.75);
+        for at in &end_to_end.at_shares {
+            let share = format!("{:.0} % of M", at.share * 100.0);
+            let p99 = match at.share {
+                0.5 => Some(150.0),
+                0.9 => Some(400.0),
+                _ => None,
+            };
+            if let Some(bound) = p99 {
+                report.below(format!("POST -> succeeded p99 ms at {share} < {bound}"), at.latency.p99, bound);
+            }
+            let cpu = match at.share {
+                0.25 => Some(2.5),
+                0.5 => Some(1.6),
+                _ => None,
+            };
+            if let Some(bound) = cpu {
+                let name = format!("CPU per order at {share} / the drain's <= {bound}");
+                report.at_most(name, at.cpu / end_to_end.cpu.total(), bound);
+            }
+        }
     }
 }
 
@@ -656,7 +748,7 @@ mod tests {
     use clap::Parser;
 
     #[test]
-    fn loads_are_shares_above_zero_and_only_for_an_end_to_end_run() {
+    fn loads_and_a_given_capacity_are_numbers_above_zero_and_only_for_an_end_to_end_run() {
         let args = Args::try_parse_from(["bench", "--end-to-end-only", "--loads", "0.1,0.15"]).expect("loads");
         assert_eq!(args.loads, Some(vec![0.1, 0.15]));
         assert_eq!(Args::try_parse_from(["bench"]).expect("defaults").loads, None);
@@ -666,7 +758,13 @@ mod tests {
         for bad in ["0", "-0.5", "half", "0.25,", "NaN", "inf"] {
             let arg = format!("--loads={bad}");
             assert!(Args::try_parse_from(["bench", "--end-to-end-only", &arg]).is_err(), "{bad}");
+            let arg = format!("--capacity={bad}");
+            assert!(Args::try_parse_from(["bench", "--end-to-end-only", &arg]).is_err(), "{bad}");
         }
+        let args = Args::try_parse_from(["bench", "--end-to-end-only", "--capacity", "420"]).expect("capacity");
+        assert_eq!(args.capacity, Some(420.0));
+        // A full run searches for M: the targets compare it with D.
+        assert!(Args::try_parse_from(["bench", "--capacity", "420"]).is_err());
     }
 
     #[test]

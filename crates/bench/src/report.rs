@@ -11,17 +11,37 @@ struct Figure {
     note: String,
 }
 
+/// How a target's figure must compare with its bound.
+#[derive(Clone, Copy)]
+enum Bound {
+    AtLeast,
+    Below,
+    AtMost,
+}
+
 /// One target: a figure against its bound.
 struct Target {
     name: String,
     actual: f64,
     bound: f64,
-    at_least: bool,
+    compare: Bound,
 }
 
 impl Target {
     fn met(&self) -> bool {
-        if self.at_least { self.actual >= self.bound } else { self.actual < self.bound }
+        match self.compare {
+            Bound::AtLeast => self.actual >= self.bound,
+            Bound::Below => self.actual < self.bound,
+            Bound::AtMost => self.actual <= self.bound,
+        }
+    }
+
+    fn operator(&self) -> &'static str {
+        match self.compare {
+            Bound::AtLeast => ">=",
+            Bound::Below => "<",
+            Bound::AtMost => "<=",
+        }
     }
 }
 
@@ -41,12 +61,17 @@ impl Report {
 
     /// `actual >= bound`.
     pub fn at_least(&mut self, name: impl Into<String>, actual: f64, bound: f64) {
-        self.targets.push(Target { name: name.into(), actual, bound, at_least: true });
+        self.targets.push(Target { name: name.into(), actual, bound, compare: Bound::AtLeast });
     }
 
     /// `actual < bound`.
     pub fn below(&mut self, name: impl Into<String>, actual: f64, bound: f64) {
-        self.targets.push(Target { name: name.into(), actual, bound, at_least: false });
+        self.targets.push(Target { name: name.into(), actual, bound, compare: Bound::Below });
+    }
+
+    /// `actual <= bound`.
+    pub fn at_most(&mut self, name: impl Into<String>, actual: f64, bound: f64) {
+        self.targets.push(Target { name: name.into(), actual, bound, compare: Bound::AtMost });
     }
 
     /// The whole table, then the targets.
@@ -57,7 +82,7 @@ impl Report {
         }
         println!("\ntargets");
         for t in &self.targets {
-            let op = if t.at_least { ">=" } else { "<" };
+            let op = t.operator();
             let verdict = if t.met() { "met" } else { "NOT MET" };
             println!("  {:<58} {:>10.2} {op} {:<8.2} {verdict}", t.name, t.actual, t.bound);
         }
@@ -73,7 +98,7 @@ impl Report {
         let targets: Vec<Value> = self
             .targets
             .iter()
-            .map(|t| json!({"name": t.name, "actual": t.actual, "bound": t.bound, "atLeast": t.at_least, "met": t.met()}))
+            .map(|t| json!({"name": t.name, "actual": t.actual, "bound": t.bound, "operator": t.operator(), "met": t.met()}))
             .collect();
         json!({"figures": figures, "targets": targets})
     }

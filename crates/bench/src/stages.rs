@@ -144,56 +144,24 @@ pub async fn post_orders(api: &str, concurrency: usize, count: usize, catalog: C
     (count as f64 / started.elapsed().as_secs_f64(), jobs)
 }
 
-fn job_id(body: &[u8]) -> Uuid {
+/// The job id of a 202's body.
+pub fn job_id(body: &[u8]) -> Uuid {
     let json: serde_json::Value = serde_json::from_slice(body).expect("202 body");
     json["jobId"].as_str().and_then(|id| id.parse().ok()).expect("jobId")
 }
 
-/// POST `count` orders at `rate` per second in all, spread over `concurrency` paced connections;
-/// returns each job id with the wall-clock time its request was sent.
-pub async fn post_orders_at(api: &str, concurrency: usize, count: usize, rate: f64) -> Vec<(Uuid, SystemTime)> {
-    let per_lane = count.div_ceil(concurrency);
-    let mut tasks = tokio::task::JoinSet::new();
-    for lane in 0..concurrency {
-        let api = api.to_owned();
-        let interval = Duration::from_secs_f64(concurrency as f64 / rate);
-        tasks.spawn(async move {
-            // Lanes start staggered so the offered load is even.
-            tokio::time::sleep(interval.mul_f64(lane as f64 / concurrency as f64)).await;
-            let mut connection = http::Connection::open(&format!("http://{api}")).await.expect("connect to the API");
-            let mut ticks = tokio::time::interval(interval);
-            let mut sent = Vec::with_capacity(per_lane);
-            for i in 0..per_lane {
-                ticks.tick().await;
-                let body = serde_json::to_string(&sample_order(lane * per_lane + i, Catalog::Hot)).expect("json");
-                let at = SystemTime::now();
-                let response =
-                    connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.expect("POST /orders");
-                assert_eq!(response.status, 202);
-                sent.push((job_id(&response.body), at));
-            }
-            sent
-        });
-    }
-    let mut sent = Vec::with_capacity(count);
-    while let Some(joined) = tasks.join_next().await {
-        sent.extend(joined.expect("client task"));
-    }
-    sent
-}
-
-/// Where the time from each send to `succeeded` goes: for each step an order passes, the
-/// milliseconds from its send to that step, sorted. The steps are read from the databases' own
-/// timestamps, each a transaction's start (`now()`): the API's transaction, then for each message
-/// the relay's claim (`published_at` is set in the transaction that claims, publishes, awaits the
-/// confirm and marks) and the next consumer's transaction. The last step is `succeeded`, the
-/// status consumer's transaction for `invoice.created`.
-pub async fn latency_steps(
+/// For each of `sent` (a job, and when its order was due) that has succeeded: when it was due,
+/// and when it reached each step it passes (`None` where no row tells). The steps are read from
+/// the databases' own timestamps, each a transaction's start (`now()`): the API's transaction,
+/// then for each message the relay's claim (`published_at` is set in the transaction that claims,
+/// publishes, awaits the confirm and marks) and the next consumer's transaction; the last is
+/// `succeeded`, the status consumer's transaction for `invoice.created`.
+pub async fn order_steps(
     orders: &PgPool,
     inventory: &PgPool,
     billing: &PgPool,
     sent: &[(Uuid, SystemTime)],
-) -> Vec<(&'static str, Vec<f64>)> {
+) -> Vec<(SystemTime, [Option<SystemTime>; 7])> {
     let ids: Vec<Uuid> = sent.iter().map(|(id, _)| *id).collect();
     type Times = (Uuid, DateTime<Utc>, Option<DateTime<Utc>>, DateTime<Utc>);
     let jobs: Vec<Times> = sqlx::query_as(
@@ -208,41 +176,23 @@ pub async fn latency_steps(
     // The status consumer's transaction is `succeeded` itself (`updated_at`, its `now()`).
     let invoiced = hop(billing, "invoice.created", None, &ids).await;
     let sent_at: HashMap<Uuid, SystemTime> = sent.iter().copied().collect();
-    let mut steps: Vec<(&'static str, Vec<f64>)> = [
-        "the API's transaction",
-        "order.placed claimed by the relay",
-        "inventory's transaction",
-        "inventory.reserved claimed by the relay",
-        "billing's transaction",
-        "invoice.created claimed by the relay",
-        "succeeded",
-    ]
-    .into_iter()
-    .map(|name| (name, Vec::with_capacity(jobs.len())))
-    .collect();
-    for (job, created, published, succeeded) in jobs {
-        let Some(sent) = sent_at.get(&job) else { continue };
-        let (placed, reserved, invoiced) =
-            (placed.get(&job).copied(), reserved.get(&job).copied(), invoiced.get(&job).copied());
-        let times = [
-            Some(created),
-            published,
-            placed.and_then(|(_, received)| received),
-            reserved.and_then(|(published, _)| published),
-            reserved.and_then(|(_, received)| received),
-            invoiced.and_then(|(published, _)| published),
-            Some(succeeded),
-        ];
-        for ((_, latencies), at) in steps.iter_mut().zip(times) {
-            if let Some(at) = at {
-                latencies.push(SystemTime::from(at).duration_since(*sent).unwrap_or_default().as_secs_f64() * 1000.0);
-            }
-        }
-    }
-    for (_, latencies) in &mut steps {
-        latencies.sort_by(f64::total_cmp);
-    }
-    steps
+    jobs.into_iter()
+        .filter_map(|(job, created, published, succeeded)| {
+            let sent = *sent_at.get(&job)?;
+            let (placed, reserved, invoiced) =
+                (placed.get(&job).copied(), reserved.get(&job).copied(), invoiced.get(&job).copied());
+            let times = [
+                Some(created),
+                published,
+                placed.and_then(|(_, received)| received),
+                reserved.and_then(|(published, _)| published),
+                reserved.and_then(|(_, received)| received),
+                invoiced.and_then(|(published, _)| published),
+                Some(succeeded),
+            ];
+            Some((sent, times.map(|at| at.map(SystemTime::from))))
+        })
+        .collect()
 }
 
 /// One hop's times, by job: for the message of `message_type` each of the jobs `ids` sent from
