@@ -64,6 +64,14 @@ impl Cluster {
         String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 
+    /// `rabbitmqctl ARGS...` beside node `node` (1 to 3), tried up to 10 times 2 s apart: for a
+    /// command that must land on a node that may be busy rejoining its cluster. Its output;
+    /// panics if every try failed.
+    pub async fn ctl(&self, node: usize, args: &[&str]) -> String {
+        let node = node.to_string();
+        self.run(&[&["ctl-retrying", node.as_str()][..], args].concat()).await
+    }
+
     /// `kill -9` of node `node` (1 to 3): a node that dies.
     pub async fn kill(&self, node: usize) {
         self.run(&["kill", &node.to_string()]).await;

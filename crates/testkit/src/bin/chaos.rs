@@ -248,6 +248,11 @@ async fn main() -> ExitCode {
         eprintln!("chaos: node faults need the cluster: eval \"$(.ci/rabbitmq-cluster env)\" first");
         return ExitCode::from(2);
     }
+    // Whole before the first fault, whatever ran on it before (a failed suite may leave a node
+    // down or cut off).
+    if let Some(cluster) = &cluster {
+        cluster.restore().await;
+    }
     println!(
         "chaos: {} orders at {}/s, {} instance(s) of each service; {} kills, {} cuts, {} node kills, {} node stops, \
          {} partitions, {} quorum losses, {} alarms; seed {seed}",
@@ -703,13 +708,11 @@ async fn quorum_loss(shop: &mut Shop, cluster: &Cluster, havoc: &mut Havoc) {
 
 /// A memory alarm on `node` for 10 to 20 s, its watermark put back as it was.
 async fn alarm(shop: &mut Shop, cluster: &Cluster, node: usize, havoc: &mut Havoc) {
-    let node_arg = node.to_string();
-    let before =
-        cluster.run(&["ctl", &node_arg, "-q", "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."]).await;
-    cluster.run(&["ctl", &node_arg, "set_vm_memory_high_watermark", "0.0000001"]).await;
+    let before = cluster.ctl(node, &["-q", "eval", "vm_memory_monitor:get_vm_memory_high_watermark()."]).await;
+    cluster.ctl(node, &["set_vm_memory_high_watermark", "0.0000001"]).await;
     let held = fastrand::u64(10..20);
     println!("chaos: memory alarm on {} for {held} s", cluster.name(node));
     havoc.supervise_for(shop, Duration::from_secs(held)).await;
     let restore = format!("vm_memory_monitor:set_vm_memory_high_watermark({before}).");
-    cluster.run(&["ctl", &node_arg, "-q", "eval", &restore]).await;
+    cluster.ctl(node, &["-q", "eval", &restore]).await;
 }
