@@ -150,6 +150,11 @@ pub async fn offer(api: &str, catalog: Catalog, phase: Phase, orders_db: &PgPool
 }
 
 /// POST order `index` of `catalog`, on an idle connection or a new one; its job if accepted.
+///
+/// An idle connection may have been closed by the API meanwhile (it closes one that sends no
+/// request within its header timeout, 10 s), so a request that fails on one is sent once more on
+/// a new connection, as HTTP clients do. Each order carries an Idempotency-Key: if the first try
+/// did reach the API, the second is answered with the same job, not a second order.
 async fn post(
     url: &str,
     idle: &Mutex<Vec<http::Connection>>,
@@ -158,13 +163,21 @@ async fn post(
     catalog: Catalog,
 ) -> Option<Uuid> {
     let _permit = connections.acquire().await.ok()?;
+    let body = serde_json::to_string(&sample_order(index, catalog)).expect("json");
+    let key = Uuid::new_v4().to_string();
+    let headers = [("idempotency-key", key.as_str())];
     let pooled = idle.lock().expect("idle connections").pop();
+    let reused = pooled.is_some();
     let mut connection = match pooled {
         Some(connection) => connection,
         None => http::Connection::open(url).await.ok()?,
     };
-    let body = serde_json::to_string(&sample_order(index, catalog)).expect("json");
-    let response = connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.ok()?;
+    let mut sent = connection.send("POST", "/orders", &headers, Some(body.as_bytes())).await;
+    if sent.is_err() && reused {
+        connection = http::Connection::open(url).await.ok()?;
+        sent = connection.send("POST", "/orders", &headers, Some(body.as_bytes())).await;
+    }
+    let response = sent.ok()?;
     idle.lock().expect("idle connections").push(connection);
     (response.status == 202).then(|| crate::stages::job_id(&response.body))
 }
