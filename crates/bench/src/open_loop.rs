@@ -113,7 +113,7 @@ pub struct Offered {
 pub async fn offer(api: &str, catalog: Catalog, phase: Phase, orders_db: &PgPool) -> Offered {
     let due = Arc::new(schedule(phase.arrivals, phase.rate, phase.warm_up + phase.window, phase.seed));
     let url = format!("http://{api}");
-    let idle: Arc<Mutex<Vec<http::Connection>>> = Arc::default();
+    let idle: Arc<Idle> = Arc::default();
     let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let answers: Arc<Mutex<Answers>> = Arc::default();
     // The start, by both clocks: the monotonic one paces, the wall clock is what the databases'
@@ -150,36 +150,39 @@ pub async fn offer(api: &str, catalog: Catalog, phase: Phase, orders_db: &PgPool
 }
 
 /// POST order `index` of `catalog`, on an idle connection or a new one; its job if accepted.
-///
-/// An idle connection may have been closed by the API meanwhile (it closes one that sends no
-/// request within its header timeout, 10 s), so a request that fails on one is sent once more on
-/// a new connection, as HTTP clients do. Each order carries an Idempotency-Key: if the first try
-/// did reach the API, the second is answered with the same job, not a second order.
-async fn post(
-    url: &str,
-    idle: &Mutex<Vec<http::Connection>>,
-    connections: &Semaphore,
-    index: usize,
-    catalog: Catalog,
-) -> Option<Uuid> {
+async fn post(url: &str, idle: &Idle, connections: &Semaphore, index: usize, catalog: Catalog) -> Option<Uuid> {
     let _permit = connections.acquire().await.ok()?;
-    let body = serde_json::to_string(&sample_order(index, catalog)).expect("json");
-    let key = Uuid::new_v4().to_string();
-    let headers = [("idempotency-key", key.as_str())];
-    let pooled = idle.lock().expect("idle connections").pop();
-    let reused = pooled.is_some();
-    let mut connection = match pooled {
+    let mut connection = match idle.take() {
         Some(connection) => connection,
         None => http::Connection::open(url).await.ok()?,
     };
-    let mut sent = connection.send("POST", "/orders", &headers, Some(body.as_bytes())).await;
-    if sent.is_err() && reused {
-        connection = http::Connection::open(url).await.ok()?;
-        sent = connection.send("POST", "/orders", &headers, Some(body.as_bytes())).await;
-    }
-    let response = sent.ok()?;
-    idle.lock().expect("idle connections").push(connection);
+    let body = serde_json::to_string(&sample_order(index, catalog)).expect("json");
+    let response = connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.ok()?;
+    idle.put(connection);
     (response.status == 202).then(|| crate::stages::job_id(&response.body))
+}
+
+/// How long a keep-alive connection may sit idle before the load stops using it: under the API's
+/// header timeout (10 s), after which the API closes a connection that has sent no request, and
+/// the next request on it would fail. (HTTP clients keep such an idle timeout for the same
+/// reason; the first run of this load, without one, counted 1 to 9 orders a window as refused.)
+const IDLE_FOR: Duration = Duration::from_secs(5);
+
+/// The load's idle connections, each with when it was last used.
+#[derive(Default)]
+struct Idle(Mutex<Vec<(http::Connection, Instant)>>);
+
+impl Idle {
+    /// The most recently used connection idle for less than [`IDLE_FOR`]; older ones are dropped.
+    fn take(&self) -> Option<http::Connection> {
+        let mut idle = self.0.lock().expect("idle connections");
+        idle.retain(|(_, since)| since.elapsed() < IDLE_FOR);
+        idle.pop().map(|(connection, _)| connection)
+    }
+
+    fn put(&self, connection: http::Connection) {
+        self.0.lock().expect("idle connections").push((connection, Instant::now()));
+    }
 }
 
 /// The answers so far, as the in-flight counter reads them: under one lock, so that an answer is
