@@ -237,8 +237,8 @@ fn env_with<'a>(vars: &'a [(&'a str, String)], extra: &'a [(String, String)]) ->
 }
 
 impl Bench {
-    /// Every service together: the same-run baseline, the defaults on hot SKUs and on a wide
-    /// catalog, latency at 25, 50 and 90 % of the sustained rate, commit -> publish, memory.
+    /// Every service together: the same-run baseline, the defaults on hot SKUs (D) and on a wide
+    /// catalog, M, latency at 25, 50 and 90 % of M, commit -> publish, memory, two of each.
     pub(super) async fn end_to_end(&mut self) -> EndToEnd {
         println!("\n== end to end: every service ==");
         let wide = Catalog::Wide(WIDE_CATALOG);
