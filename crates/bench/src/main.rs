@@ -470,13 +470,7 @@ impl Bench {
         let n = self.args.messages;
         println!("\n== stages: the release binaries ==");
         // Relay: drain (a)'s N order.placed rows.
-        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
-        let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
-        wait_count(&self.orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT)
-            .await;
-        let relay_used = window.finish();
-        stop(relay).await;
-        let relay_rate = rate_from_timestamps(&self.orders, "outbox", "published_at", "true").await;
+        let (relay_rate, relay_used) = self.drain_outbox("true").await;
         self.report.figure("stage", "relay drain (pre-filled outbox)", relay_rate, "/s", &format!("{n} rows"));
         let relay_cpu_per_message =
             report_usage(&mut self.report, "stage", "relay, Postgres, RabbitMQ", &relay_used, n);
@@ -598,14 +592,7 @@ impl Bench {
             .await
             .expect("the rows unpublished again")
             .rows_affected();
-        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
-        let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
-        wait_count(&self.orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT)
-            .await;
-        let used = window.finish();
-        stop(relay).await;
-        let filter = format!("id between {first} and {last}");
-        let rate = rate_from_timestamps(&self.orders, "outbox", "published_at", &filter).await;
+        let (rate, used) = self.drain_outbox(&format!("id between {first} and {last}")).await;
         self.purge().await;
         (rate, used.cpu.per(rows as f64))
     }
@@ -642,12 +629,22 @@ impl Bench {
         let first: i64 =
             sqlx::query_scalar("select coalesce(max(id), 0) from outbox").fetch_one(orders).await.expect("max id");
         stages::fill_outbox(orders, template, rows, false).await;
-        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
-        wait_count(orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT).await;
-        stop(relay).await;
-        let rate = rate_from_timestamps(orders, "outbox", "published_at", &format!("id > {first}")).await;
+        let (rate, _) = self.drain_outbox(&format!("id > {first}")).await;
         println!("  ({label})");
         rate
+    }
+
+    /// Start a relay on the orders outbox, wait until it holds no unpublished row, stop it: the
+    /// rate at which it published the rows `filter` selects ([`rate_from_timestamps`]), and what it,
+    /// Postgres and RabbitMQ used meanwhile.
+    async fn drain_outbox(&self, filter: &str) -> (f64, Used) {
+        let (relay, _) = start("relay", &self.service_vars(&self.orders_url), &self.log_dir).await;
+        let window = stages::Usage::start(&relay.pid().into_iter().collect::<Vec<_>>());
+        wait_count(&self.orders, "select count(*) from outbox where published_at is null and not scheduled", 0, WAIT)
+            .await;
+        let used = window.finish();
+        stop(relay).await;
+        (rate_from_timestamps(&self.orders, "outbox", "published_at", filter).await, used)
     }
 
     /// What an order and a relayed row cost against their floors, as a whole and side by side: the
