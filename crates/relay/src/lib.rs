@@ -154,7 +154,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
         let pool = db::pool_options(4, Duration::from_secs(5), false)
-            .connect_lazy_with(db::bounded(options, &config.db_timeouts));
+            .connect_lazy_with(outbox_relay::claiming(db::bounded(options, &config.db_timeouts)));
         let outbox = OutboxDb { label, pool, url: url.clone() };
         outbox.check().await?;
         databases.push(outbox);
