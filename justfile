@@ -34,6 +34,19 @@ bench *args:
     cargo build --release --bins
     cargo run --release -p bench -- {{args}}
 
+# The benchmark against RabbitMQ 4.3 on three nodes (.ci/rabbitmq-cluster: each quorum queue
+# replicated to all three), Postgres as above; `just bench-rabbitmq43` is the same broker on one
+# node (.ci/rabbitmq4), to compare with.
+bench-cluster *args:
+    cargo build --release --bins
+    bash .ci/rabbitmq-cluster start
+    eval "$(bash .ci/rabbitmq-cluster env)" && cargo run --release -p bench -- {{args}}
+
+bench-rabbitmq43 *args:
+    cargo build --release --bins
+    bash .ci/rabbitmq4 4.3 start
+    eval "$(bash .ci/rabbitmq4 4.3 env)" && cargo run --release -p bench -- {{args}}
+
 # 1,000 clients sending their headers a byte a second against the API, beside ordinary orders.
 slow-clients clients="1000":
     cargo build --release --bins

@@ -71,6 +71,15 @@ pub(super) struct AtShare {
     pub(super) cpu: f64,
 }
 
+/// How long [`Bench::idle`] watches the idle shop.
+const IDLE_WINDOW: Duration = Duration::from_secs(20);
+
+/// What the idle shop costs.
+struct Idle {
+    /// CPU seconds a second, every process together.
+    cpu_per_second: f64,
+}
+
 /// What an end-to-end phase cost.
 struct PhaseCost {
     /// CPU seconds per order of each service process.
@@ -289,10 +298,12 @@ impl Bench {
             Some(given) => Some(given),
             None => self.capacity(hot, &api_addr).await,
         };
+        let idle = self.idle(&processes, &billing).await;
         let mut at_shares = Vec::new();
         if let Some(capacity) = capacity {
             for share in self.args.loads.clone().unwrap_or_else(|| LOADS.to_vec()) {
-                let (at, cost) = self.latency_at(share, capacity, &cpu_hot, &api_addr, &billing, &processes).await;
+                let (at, cost) =
+                    self.latency_at(share, capacity, (&cpu_hot, &idle), &api_addr, &billing, &processes).await;
                 at_shares.push(at);
                 phases.push(cost.point());
             }
@@ -485,7 +496,7 @@ impl Bench {
         &mut self,
         share: f64,
         capacity: f64,
-        drain: &PhaseCost,
+        (drain, idle): (&PhaseCost, &Idle),
         api_addr: &str,
         billing: &PgPool,
         processes: &[Process],
@@ -520,6 +531,10 @@ impl Bench {
         report.figure("e2e", &format!("  CPU per order {at} / the drain's"), cpu / drain_cpu, "x", "");
         let note = "every process's, services and servers";
         report.figure("e2e", &format!("  wake-ups per order {at} / the drain's"), wake_ups / drain_wake_ups, "x", note);
+        let note =
+            format!("the idle shop's {:.0} ms of CPU a second / {rate:.0} orders a second", idle.cpu_per_second * 1e3);
+        let idle_share = idle.cpu_per_second / rate / cpu * 100.0;
+        report.figure("e2e", &format!("  of the CPU per order {at}, the idle shop's"), idle_share, "%", &note);
         cost.report(report, &at);
         // Where the time goes: each span between two steps, over the windows' orders.
         let steps = stages::order_steps(&self.orders, &self.inventory, billing, &window).await;
@@ -539,6 +554,38 @@ impl Bench {
             report.figure("e2e", &format!("  {name}, p99"), p99, "ms", "");
         }
         (AtShare { share, latency, cpu }, cost)
+    }
+
+    /// What the shop costs a second with no order in flight, watched for [`IDLE_WINDOW`] after
+    /// the last order's trail has settled: its timers, probes, heartbeats and polls, and the
+    /// servers' own. At a paced rate r, an order pays idle / r of it whatever the orders do.
+    async fn idle(&mut self, processes: &[Process], billing: &PgPool) -> Idle {
+        // The last phase's orders have succeeded, but their trail (`order.ended`, inventory's
+        // settlement, billing's no-op) may still run: wait until every outbox has published what
+        // is due, then a little for the last deliveries to be applied.
+        let unpublished =
+            "select count(*) from outbox where published_at is null and parked_at is null and not scheduled";
+        for pool in [&self.orders, &self.inventory, billing] {
+            stages::wait_count(pool, unpublished, 0, Duration::from_secs(120)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let meter = self.meter(processes).await;
+        tokio::time::sleep(IDLE_WINDOW).await;
+        // Per second, in the per-order figures' place.
+        let cost = meter.finish(self, IDLE_WINDOW.as_secs() as usize).await;
+        let (wake_ups, cpu_per_second) = cost.point();
+        let report = &mut self.report;
+        let note = format!("{}; machine {:.0} % busy", cost.cpu.split("services"), cost.busy * 100.0);
+        report.figure("e2e", "idle shop: CPU per second", cpu_per_second * 1e6, "us/s", &note);
+        for (name, seconds) in &cost.services {
+            report.figure("cpu", &format!("idle shop: {name}"), seconds * 1e6, "us/s", "CPU time per second");
+        }
+        for (name, count) in &cost.wake_ups {
+            report.figure("wake-ups", &format!("idle shop: {name}"), *count, "/s", "wake-ups per second");
+        }
+        report.figure("e2e", "idle shop: wake-ups per second", wake_ups, "/s", "every process's");
+        report.figure("cpu", "idle shop: commits", cost.commits, "/s", "in the three databases, per second");
+        Idle { cpu_per_second }
     }
 
     /// Commit -> publish with the relay idle on NOTIFY: p50 and p99, ms.

@@ -212,6 +212,19 @@ async fn main() {
     bench.finish(json_path);
 }
 
+/// Which broker the run measures: its version, its nodes (`AMQP_URL` names each node of a
+/// cluster) and the members of `queue`'s Raft group, which a quorum queue replicates every
+/// message to (one on a single node; on a cluster, as many as it was declared with).
+async fn describe_broker(report: &mut Report, env: &TestEnv, queue: &str) {
+    let version = env.broker_version().await;
+    let url = testkit::http::join(env.management_url(), &format!("/api/queues/{}/{queue}", env.vhost()));
+    let response = testkit::http::request("GET", &url, &[], None).await.expect("GET the queue from the management API");
+    let members = response.json()["members"].as_array().map_or(1, Vec::len);
+    let note = format!("RabbitMQ {version}; the inventory worker's quorum queue has {members} members");
+    report.figure("broker", "RabbitMQ nodes named by AMQP_URL", env.amqp_nodes().len() as f64, "", &note);
+    report.figure("broker", "members of each quorum queue", members as f64, "", "its messages are replicated to each");
+}
+
 /// The logs in `dir` with a line at level WARN or ERROR, and how many such lines each has: all but
 /// those a stopping service writes as its sessions close, between "shutdown signal received" and
 /// its next start, when a session logs that it is ready. (A log holds every phase's run of its
@@ -289,9 +302,11 @@ impl Bench {
         let defaults = inventory_worker.try_parse_from(["inventory-worker"]).expect("defaults").common.consumer;
         let worker = inventory_worker.endpoint;
         topology::declare_endpoint(&amqp, &worker, &defaults.retry_policy()).await.expect("endpoint");
+        let mut report = Report::default();
+        describe_broker(&mut report, &env, worker.name).await;
         Self {
             args,
-            report: Report::default(),
+            report,
             env,
             log_dir,
             orders_url,
