@@ -50,18 +50,19 @@ impl OutboxRow {
 /// vacuum removes it, and on a large outbox autovacuum comes only after a fifth of the table has
 /// changed. A plain index scan marks each dead entry it meets as dead (Postgres's
 /// `kill_prior_tuple`), so the next claim skips it without visiting the table. A bitmap scan, the
-/// planner's choice when it expects a few dozen rows, marks nothing, and a sequential scan reads
-/// the whole table: either way every claim read every row published since the last vacuum. At 44
-/// orders/s after a burst, a claim's bitmap scan went through 5,364 entries and 586 table pages
-/// (1.2 ms), and the claims took 47 % of the time Postgres spent in the shop's statements
-/// (`docs/benchmarks.md`, "An order at light load"). Both settings apply to the session's every
-/// statement; the relay's others go by index anyway.
+/// planner's choice when its statistics promise tens to hundreds of unpublished rows, marks
+/// nothing, and a sequential scan reads the whole table: either way every claim read every row
+/// published since the last vacuum. At 44 orders/s after a burst, a claim's bitmap scan went
+/// through 5,364 entries and 586 table pages (1.2 ms), and the claims took half the time Postgres
+/// spent in the shop's statements (`docs/benchmarks.md`, "An order at light load"). An entry can be
+/// marked only once no open snapshot can see its row: a long transaction holds them all back, as
+/// it holds back vacuum. Both settings apply to every statement of the session; each of the
+/// relay's others has an index to go by (decision 0028).
 pub fn claiming(options: PgConnectOptions) -> PgConnectOptions {
     options.options([("enable_bitmapscan", "off"), ("enable_seqscan", "off")])
 }
 
-/// The claim's statement ([`claim_unpublished`]), `$1` the most rows: for `EXPLAIN` in tests and
-/// the bench.
+/// The claim's statement ([`claim_unpublished`]), `$1` the most rows: for `EXPLAIN` in tests.
 pub const CLAIM: &str = "with due as (
             select id from outbox
              where published_at is null and not scheduled and parked_at is null and available_at <= now()

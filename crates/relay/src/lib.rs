@@ -142,6 +142,13 @@ struct OutboxDb {
     url: SecretUrl,
 }
 
+/// What the relay's sessions with an outbox database start with: the server-side bounds every
+/// service's connections get, and the claim planned as a walk of its index
+/// ([`outbox_relay::claiming`], decision 0028).
+pub fn session_options(options: PgConnectOptions, timeouts: &db::DbTimeouts) -> PgConnectOptions {
+    outbox_relay::claiming(db::bounded(options, timeouts))
+}
+
 /// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
     // Before anything is written: a broker whose certificate does not verify stops us here.
@@ -154,7 +161,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
         let pool = db::pool_options(4, Duration::from_secs(5), false)
-            .connect_lazy_with(outbox_relay::claiming(db::bounded(options, &config.db_timeouts)));
+            .connect_lazy_with(session_options(options, &config.db_timeouts));
         let outbox = OutboxDb { label, pool, url: url.clone() };
         outbox.check().await?;
         databases.push(outbox);
