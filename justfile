@@ -36,7 +36,8 @@ bench *args:
 
 # The benchmark against RabbitMQ 4.3 on three nodes (.ci/rabbitmq-cluster: each quorum queue
 # replicated to all three), Postgres as above; `just bench-rabbitmq43` is the same broker on one
-# node (.ci/rabbitmq4), to compare with.
+# node (.ci/rabbitmq4), to compare with. Both start their brokers as root (network namespaces,
+# chroots).
 bench-cluster *args:
     cargo build --release --bins
     bash .ci/rabbitmq-cluster start

@@ -214,14 +214,30 @@ async fn main() {
 
 /// Which broker the run measures: its version, its nodes (`AMQP_URL` names each node of a
 /// cluster) and the members of `queue`'s Raft group, which a quorum queue replicates every
-/// message to (one on a single node; on a cluster, as many as it was declared with).
+/// message to (one on a single node; on a cluster, as many as it was declared with). The
+/// management API lists the members once it has the queue's statistics: asked for up to 10 s.
 async fn describe_broker(report: &mut Report, env: &TestEnv, queue: &str) {
     let version = env.broker_version().await;
     let url = testkit::http::join(env.management_url(), &format!("/api/queues/{}/{queue}", env.vhost()));
-    let response = testkit::http::request("GET", &url, &[], None).await.expect("GET the queue from the management API");
-    let members = response.json()["members"].as_array().map_or(1, Vec::len);
+    let mut members = None;
+    for _ in 0..20 {
+        if let Ok(response) = testkit::http::request("GET", &url, &[], None).await
+            && response.status == 200
+            && let Some(listed) = response.json()["members"].as_array()
+        {
+            members = Some(listed.len());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let nodes = env.amqp_nodes().len() as f64;
+    let Some(members) = members else {
+        let note = format!("RabbitMQ {version}; the management API did not list the quorum queue's members");
+        report.figure("broker", "RabbitMQ nodes named by AMQP_URL", nodes, "", &note);
+        return;
+    };
     let note = format!("RabbitMQ {version}; the inventory worker's quorum queue has {members} members");
-    report.figure("broker", "RabbitMQ nodes named by AMQP_URL", env.amqp_nodes().len() as f64, "", &note);
+    report.figure("broker", "RabbitMQ nodes named by AMQP_URL", nodes, "", &note);
     report.figure("broker", "members of each quorum queue", members as f64, "", "its messages are replicated to each");
 }
 
