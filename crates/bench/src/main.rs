@@ -214,8 +214,8 @@ async fn main() {
 
 /// Which broker the run measures: its version, its nodes (`AMQP_URL` names each node of a
 /// cluster) and the members of `queue`'s Raft group, which a quorum queue replicates every
-/// message to (one on a single node; on a cluster, as many as it was declared with). The
-/// management API lists the members once it has the queue's statistics: asked for up to 10 s.
+/// message to (one on a single node; on a cluster, as many as it was declared with). Asked of the
+/// management API for up to 10 s, in case it has not listed the new queue's members yet.
 async fn describe_broker(report: &mut Report, env: &TestEnv, queue: &str) {
     let version = env.broker_version().await;
     let url = testkit::http::join(env.management_url(), &format!("/api/queues/{}/{queue}", env.vhost()));
