@@ -173,7 +173,9 @@ pub async fn publish(connection: &Connection, rows: &[outbox_relay::OutboxRow], 
 /// The relay's database work on `rows` (unpublished, and left so), each part alone, in batches of
 /// `batch` as the relay takes them: the claim (`claim_unpublished` in a transaction, rolled back)
 /// and the mark (`mark_published` and its commit, undone afterwards, untimed). What each used:
-/// the bench's process, Postgres and RabbitMQ, as the relay's own figure counts them.
+/// the bench's process, Postgres and RabbitMQ, as the relay's own figure counts them. `pool`
+/// should be opened as the relay opens its sessions (`relay::session_options`), or the claim may
+/// be planned differently from the relay's.
 pub async fn claim_and_mark(pool: &PgPool, rows: &[outbox_relay::OutboxRow], batch: usize) -> (Used, Used) {
     let window = Usage::of_bench();
     for chunk in rows.chunks(batch) {

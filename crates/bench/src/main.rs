@@ -394,7 +394,16 @@ impl Bench {
         // or by default).
         let relay = relay::Config::try_parse_from(["relay"]).expect("the relay's defaults").relay;
         let batch = usize::try_from(relay.batch_size).expect("a positive batch size");
-        let (claim, mark) = limits::claim_and_mark(&self.orders, &rows, batch).await;
+        // On a session as the relay opens it (decision 0028: its claim walks the index).
+        let options: sqlx::postgres::PgConnectOptions =
+            self.env.database_url("orders").parse().expect("the orders database's URL");
+        let sessions = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(relay::session_options(options, &messaging::runtime::db::DbTimeouts::default()))
+            .await
+            .expect("connect as the relay does");
+        let (claim, mark) = limits::claim_and_mark(&sessions, &rows, batch).await;
+        sessions.close().await;
         let (claim_cpu, mark_cpu) = (claim.cpu.per(n as f64), mark.cpu.per(n as f64));
         let note = format!("{batch} rows a transaction, rolled back");
         report.figure("limit", "(b') the relay's claim of a row, CPU", claim_cpu.total() * 1e6, "us/row", &note);
