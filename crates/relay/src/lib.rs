@@ -20,6 +20,7 @@
 
 use std::{collections::HashSet, str::FromStr, time::Duration};
 
+use futures_util::FutureExt;
 use messaging::{
     contracts::{Contract, JobQuarantined},
     envelope, outage, outbox, outbox_relay,
@@ -426,9 +427,9 @@ impl Relay {
             }
             () = tokio::time::sleep(self.settings.poll_interval) => {}
         }
-        // Each NOTIFY read so far announced a row committed before this claim begins, which the
-        // claim therefore sees: none of them needs another claim.
-        while listener.next_buffered().is_some() {}
+        // Each NOTIFY received so far announced a row committed before this claim begins, which
+        // the claim therefore sees: none of them needs another claim.
+        drain_received(listener)?;
         self.send_batch(publisher, declared).await
     }
 
@@ -528,6 +529,7 @@ impl Relay {
         &self,
         limit: i64,
     ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox_relay::OutboxRow>), sqlx::Error> {
+        self.metrics.claimed();
         db::within(db::QUERY_DEADLINE, async {
             let mut tx = db::begin(&self.db.pool).await?;
             let rows = outbox_relay::claim_unpublished(&mut tx, limit).await?;
@@ -670,6 +672,23 @@ impl SentBatch {
     fn is_full(&self, batch_size: i64) -> bool {
         self.rows.len() as i64 >= batch_size
     }
+}
+
+/// Take every notification `listener` has already received, without waiting for another: those
+/// read into its connection's buffer and those waiting in its socket. (`PgListener::next_buffered`
+/// returns only those that came while the listener's connection ran a query, none here.) Each
+/// `try_recv` is polled once: sqlx reads a message whole or leaves it buffered, so dropping one
+/// that would wait loses nothing. Without this, each received NOTIFY cost a claim of its own:
+/// after a burst the relay kept claiming, with nothing due, about 290 times a second, until it had
+/// read every NOTIFY of the burst.
+fn drain_received(listener: &mut PgListener) -> Result<(), sqlx::Error> {
+    while let Some(received) = listener.try_recv().now_or_never() {
+        // `None`: the connection was lost (and is being replaced); nothing more was received.
+        if received?.is_none() {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Delete published rows and idle ordering keys past retention, in small batches, at start-up and

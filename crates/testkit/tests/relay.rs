@@ -177,6 +177,46 @@ async fn rows_committed_while_the_relay_runs_are_each_published_on_a_notify_not_
     relay.await.expect("relay task").expect("relay ran");
 }
 
+/// Every NOTIFY the relay has received when it claims announced a row that claim sees. After a
+/// burst of commits, each of its own transaction, the relay is left with many of them received and
+/// unread: it must take them all for one claim, not claim once for each, with nothing due, long
+/// after the burst's rows were published.
+#[tokio::test]
+async fn after_a_burst_the_relay_claims_once_for_the_notifies_it_has_received_not_once_for_each() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    bind_probe(&env).await;
+    let (trigger, _) = shutdown::channel();
+    // No poll within the test, and the shipped linger: a claim answers a NOTIFY, one at most every
+    // 2 ms, while the burst below commits faster than that.
+    let (relay, base) = start_relay_with(&env, &trigger, &[("--poll-interval", "1h"), ("--linger", "2ms")]).await;
+    let burst = 3_000;
+    let fills = (0..4).map(|_| fill_outbox(&pool, burst / 4, 1));
+    let expected: usize = futures_util::future::join_all(fills).await.iter().map(Vec::len).sum();
+    wait_all_published(&pool).await;
+
+    // Nothing is due now and nothing is committed: a claim in this window answers a NOTIFY the
+    // relay had received before it, for rows already published. (Two seconds of watching, not a
+    // wait for a state.)
+    let before = claims(&base).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let idle = claims(&base).await - before;
+    assert!(idle <= 10, "with nothing due, the relay claimed {idle} times in 2 s after the burst");
+    assert_eq!(env.drain(PROBE).await.len(), expected, "every row of the burst delivered once");
+    trigger.trigger();
+    relay.await.expect("relay task").expect("relay ran");
+}
+
+/// The claims the relay at `base` has run (`outbox_claims_total`, its one database).
+async fn claims(base: &str) -> u64 {
+    let metrics = testkit::http::request("GET", &format!("{base}/metrics"), &[], None).await.expect("metrics");
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    text.lines()
+        .find(|line| line.starts_with("outbox_claims_total{"))
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+        .expect("outbox_claims_total in the relay's /metrics")
+}
+
 #[tokio::test]
 async fn relay_started_before_any_queue_marks_nothing_then_delivers_everything() {
     let env = TestEnv::new().await;

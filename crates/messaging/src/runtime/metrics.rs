@@ -35,6 +35,9 @@ pub const DELIVERIES_HELD: &str = "consumer_deliveries_held";
 pub const OUTBOX_PUBLISHED: &str = "outbox_published_total";
 /// Outbox publishes the broker refused (returned, nacked, or closing the channel), by `database`.
 pub const OUTBOX_PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
+/// The relay's claims (a transaction looking for due rows), whether or not they found any, by
+/// `database`: with nothing due, about one a second (the poll), plus one per wake-up by `NOTIFY`.
+pub const OUTBOX_CLAIMS: &str = "outbox_claims_total";
 
 /// Labels: an endpoint.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -113,6 +116,8 @@ pub struct Metrics {
     pub(crate) published: Family<ByDatabase, Counter>,
     /// [`OUTBOX_PUBLISH_FAILURES`].
     pub(crate) publish_failures: Family<ByDatabase, Counter>,
+    /// [`OUTBOX_CLAIMS`].
+    pub(crate) claims: Family<ByDatabase, Counter>,
     /// `message_handling_duration_seconds`: one message's transaction (inbox row, handler,
     /// commit), by endpoint and outcome (succeeded, duplicate, failed, unavailable).
     pub(crate) handling: Histograms<ByOutcome>,
@@ -140,6 +145,7 @@ impl Default for Metrics {
             handling: Family::new_with_constructor(short_durations),
             published: Family::default(),
             publish_failures: Family::default(),
+            claims: Family::default(),
             publish_lag: Family::new_with_constructor(short_durations),
             job_duration: Family::new_with_constructor(job_durations),
             outbox_rows: Family::default(),
@@ -208,6 +214,11 @@ impl Metrics {
             "Outbox publishes the broker refused (returned as unroutable, nacked, or closing the channel); the rows \
              are retried, and one that closes the channel is parked after RELAY_MAX_ATTEMPTS",
             self.publish_failures.clone(),
+        );
+        r.register(
+            "outbox_claims",
+            "The relay's claims of due outbox rows, whether or not they found any",
+            self.claims.clone(),
         );
         r.register_with_unit(
             "outbox_publish_lag",
@@ -362,6 +373,7 @@ impl Drop for Held {
 pub struct OutboxMetrics {
     published: Counter,
     publish_failures: Counter,
+    claims: Counter,
     publish_lag: Histogram,
 }
 
@@ -374,6 +386,11 @@ impl OutboxMetrics {
     /// Count a publish the broker refused (the row is retried, or parked).
     pub fn publish_failed(&self) {
         self.publish_failures.inc();
+    }
+
+    /// Count a claim of due rows, whether or not it found any.
+    pub fn claimed(&self) {
+        self.claims.inc();
     }
 
     /// Record how long a row waited from its commit to its confirm.
@@ -389,6 +406,7 @@ impl Metrics {
         OutboxMetrics {
             published: self.published.get_or_create(&by).clone(),
             publish_failures: self.publish_failures.get_or_create(&by).clone(),
+            claims: self.claims.get_or_create(&by).clone(),
             publish_lag: self.publish_lag.get_or_create(&by).clone(),
         }
     }
