@@ -18,7 +18,7 @@
 //! After `RELAY_MAX_ATTEMPTS` it is parked (the claim skips it), its job is told
 //! (`job.quarantined`), and `msgctl outbox` lists and re-arms it.
 
-use std::{collections::HashSet, str::FromStr, time::Duration};
+use std::{collections::HashSet, str::FromStr, sync::Arc, time::Duration};
 
 use futures_util::FutureExt;
 use messaging::{
@@ -44,6 +44,7 @@ use sqlx::{
     PgPool,
     postgres::{PgConnectOptions, PgListener},
 };
+use tokio::{sync::Notify, task::JoinSet};
 use tracing::Instrument;
 
 /// `relay`: publishes every service's outbox.
@@ -368,8 +369,7 @@ impl Relay {
         // without a change here.
         let mut declared = HashSet::new();
         // LISTEN before the first claim: a row committed in between still wakes us.
-        let mut listener = PgListener::connect_with(&self.db.pool).await?;
-        listener.listen(outbox::NOTIFY_CHANNEL).await?;
+        let mut wakeups = Wakeups::listen(&self.db.pool).await?;
         self.health.readiness.set(&flag, true);
         *was_up = true;
         tracing::info!("relay publishing");
@@ -399,10 +399,10 @@ impl Relay {
                 // A batch that took every due row: a claim now would find nothing, and cost a
                 // transaction per batch when orders arrive paced. The next claim waits for a NOTIFY.
                 Some(batch) => {
-                    let wait = self.send_when_due(&mut listener, &publisher, &mut declared);
+                    let wait = self.send_when_due(&mut wakeups, &publisher, &mut declared);
                     tokio::try_join!(self.settle(batch), wait)?.1
                 }
-                None => self.send_when_due(&mut listener, &publisher, &mut declared).await?,
+                None => self.send_when_due(&mut wakeups, &publisher, &mut declared).await?,
             };
         }
         publisher.close().await;
@@ -413,14 +413,14 @@ impl Relay {
     /// them as [`Self::send_batch`] does. `None` on shutdown, or if nothing was due.
     async fn send_when_due(
         &self,
-        listener: &mut PgListener,
+        wakeups: &mut Wakeups,
         publisher: &Publisher,
         declared: &mut HashSet<String>,
     ) -> Result<Option<SentBatch>, SessionError> {
         tokio::select! {
             () = self.shutdown.triggered() => return Ok(None),
-            notification = listener.recv() => {
-                notification?;
+            woken = wakeups.next() => {
+                woken?;
                 if !self.settings.linger.is_zero() && !self.shutdown.sleep(self.settings.linger).await {
                     return Ok(None);
                 }
@@ -429,7 +429,7 @@ impl Relay {
         }
         // Each NOTIFY received so far announced a row committed before this claim begins, which
         // the claim therefore sees: none of them needs another claim.
-        drain_received(listener)?;
+        wakeups.take();
         self.send_batch(publisher, declared).await
     }
 
@@ -674,21 +674,63 @@ impl SentBatch {
     }
 }
 
-/// Take every notification `listener` has already received, without waiting for another: those
-/// read into its connection's buffer and those waiting in its socket. (`PgListener::next_buffered`
-/// returns only those that came while the listener's connection ran a query, none here.) Each
-/// `try_recv` is polled once: sqlx reads a message whole or leaves it buffered, so dropping one
-/// that would wait loses nothing. Without this, each received NOTIFY cost a claim of its own:
-/// after a burst the relay kept claiming, with nothing due, about 290 times a second, until it had
-/// read every NOTIFY of the burst.
-fn drain_received(listener: &mut PgListener) -> Result<(), sqlx::Error> {
-    while let Some(received) = listener.try_recv().now_or_never() {
-        // `None`: the connection was lost (and is being replaced); nothing more was received.
-        if received?.is_none() {
-            break;
+/// The outbox's NOTIFYs, as wake-ups: however many are received before the relay takes one, they
+/// leave one, since the claim that follows sees every row they announced. (Until 2026-12-05 each
+/// NOTIFY received cost a claim of its own: after a burst the relay claimed about 290 times a
+/// second with nothing due, until it had read them all.)
+///
+/// A task of its own receives them. The relay gives up a wait for a NOTIFY whenever its fallback
+/// poll or shutdown comes first, and `PgListener::recv` may be given up while it reads, but not
+/// while it reconnects: it hands its notification channel to the new connection before that
+/// connection's `LISTEN` has returned, and a connection dropped there goes back to the pool still
+/// listening.
+struct Wakeups {
+    /// Holds one wake-up at most: `notify_one` with nobody waiting stores a single permit.
+    notify: Arc<Notify>,
+    /// The receiving task, which ends only with the listener's error; aborted when this drops.
+    receiving: JoinSet<sqlx::Error>,
+}
+
+impl Wakeups {
+    /// `LISTEN` on `pool`'s database, done when this returns (a row committed after it wakes the
+    /// relay), then receive on a task of its own.
+    async fn listen(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        let mut listener = PgListener::connect_with(pool).await?;
+        listener.listen(outbox::NOTIFY_CHANNEL).await?;
+        let notify = Arc::new(Notify::new());
+        let wake = Arc::clone(&notify);
+        let mut receiving = JoinSet::new();
+        let receive = async move {
+            loop {
+                // A lost connection is reconnected inside `recv`; what it returns is fatal.
+                match listener.recv().await {
+                    Ok(_) => wake.notify_one(),
+                    Err(error) => return error,
+                }
+            }
+        };
+        receiving.spawn(receive.instrument(tracing::Span::current()));
+        Ok(Self { notify, receiving })
+    }
+
+    /// Until a NOTIFY has come since the last wake-up was taken; the listener's error if it
+    /// stopped. Cancel-safe: a wake-up not taken stays.
+    async fn next(&mut self) -> Result<(), sqlx::Error> {
+        tokio::select! {
+            () = self.notify.notified() => Ok(()),
+            ended = self.receiving.join_next() => Err(match ended {
+                Some(Ok(error)) => error,
+                Some(Err(stopped)) => sqlx::Error::Io(std::io::Error::other(format!("the NOTIFY listener stopped: {stopped}"))),
+                None => sqlx::Error::Io(std::io::Error::other("the NOTIFY listener is gone")),
+            }),
         }
     }
-    Ok(())
+
+    /// Take the wake-up left by NOTIFYs received since the last one was taken, if any, without
+    /// waiting.
+    fn take(&self) {
+        let _ = self.notify.notified().now_or_never();
+    }
 }
 
 /// Delete published rows and idle ordering keys past retention, in small batches, at start-up and
