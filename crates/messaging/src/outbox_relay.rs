@@ -54,7 +54,7 @@ impl OutboxRow {
 /// nothing, and a sequential scan reads the whole table: either way every claim read every row
 /// published since the last vacuum. At 44 orders/s after a burst, a claim's bitmap scan went
 /// through 5,364 entries and 586 table pages (1.2 ms), and the claims took half the time Postgres
-/// spent in the shop's statements (`docs/benchmarks.md`, "An order at light load"). An entry can be
+/// spent in the shop's statements (`docs/benchmarks.md`, "The latest runs"). An entry can be
 /// marked only once no open snapshot can see its row: a long transaction holds them all back, as
 /// it holds back vacuum. Both settings apply to every statement of the session; each of the
 /// relay's others has an index to go by (decision 0028).
