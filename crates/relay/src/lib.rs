@@ -140,6 +140,8 @@ struct OutboxDb {
     /// Its name, as labelled in metrics and logs.
     label: String,
     pool: PgPool,
+    /// The pool of the session's `LISTEN` connection alone ([`Wakeups`]).
+    listening: PgPool,
     /// Its URL, for start-up errors.
     url: SecretUrl,
 }
@@ -162,9 +164,10 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             .map_err(|error| StartupError(format!("the database at {url}: {error}")))?;
         let label = options.get_database().unwrap_or("postgres").to_owned();
         // Lazy: the database may not exist yet; the loop retries until it does.
-        let pool = db::pool_options(4, Duration::from_secs(5), false)
-            .connect_lazy_with(session_options(options, &config.db_timeouts));
-        let outbox = OutboxDb { label, pool, url: url.clone() };
+        let options = session_options(options, &config.db_timeouts);
+        let pool = db::pool_options(4, Duration::from_secs(5), false).connect_lazy_with(options.clone());
+        let listening = db::pool_options(2, Duration::from_secs(5), false).connect_lazy_with(options);
+        let outbox = OutboxDb { label, pool, listening, url: url.clone() };
         outbox.check().await?;
         databases.push(outbox);
     }
@@ -369,7 +372,7 @@ impl Relay {
         // without a change here.
         let mut declared = HashSet::new();
         // LISTEN before the first claim: a row committed in between still wakes us.
-        let mut wakeups = Wakeups::listen(&self.db.pool).await?;
+        let mut wakeups = Wakeups::listen(&self.db.listening).await?;
         self.health.readiness.set(&flag, true);
         *was_up = true;
         tracing::info!("relay publishing");
@@ -680,10 +683,11 @@ impl SentBatch {
 /// second with nothing due, until it had read them all.)
 ///
 /// A task of its own receives them. The relay gives up a wait for a NOTIFY whenever its fallback
-/// poll or shutdown comes first, and `PgListener::recv` may be given up while it reads, but not
-/// while it reconnects: it hands its notification channel to the new connection before that
-/// connection's `LISTEN` has returned, and a connection dropped there goes back to the pool still
-/// listening.
+/// poll or shutdown comes first, and `PgListener::try_recv` may be given up while it reads, but
+/// not while it reconnects: it hands its notification channel to the new connection before that
+/// connection's `LISTEN` has returned, and a connection dropped there goes back to its pool still
+/// listening. The task is given up only when the session ends, and its connections come from a
+/// pool of their own, so that such a connection is never handed to a claim.
 struct Wakeups {
     /// Holds one wake-up at most: `notify_one` with nobody waiting stores a single permit.
     notify: Arc<Notify>,
@@ -692,8 +696,8 @@ struct Wakeups {
 }
 
 impl Wakeups {
-    /// `LISTEN` on `pool`'s database, done when this returns (a row committed after it wakes the
-    /// relay), then receive on a task of its own.
+    /// `LISTEN` on a connection from `pool` (one that serves nothing else), done when this returns:
+    /// a row committed after it wakes the relay. Then receive on a task of its own.
     async fn listen(pool: &PgPool) -> Result<Self, sqlx::Error> {
         let mut listener = PgListener::connect_with(pool).await?;
         listener.listen(outbox::NOTIFY_CHANNEL).await?;
@@ -702,8 +706,9 @@ impl Wakeups {
         let mut receiving = JoinSet::new();
         let receive = async move {
             loop {
-                // A lost connection is reconnected inside `recv`; what it returns is fatal.
-                match listener.recv().await {
+                match listener.try_recv().await {
+                    // A NOTIFY; or `None`: the connection was lost and another now listens, and a
+                    // NOTIFY sent in between was lost with it, so its rows need a claim too.
                     Ok(_) => wake.notify_one(),
                     Err(error) => return error,
                 }
@@ -720,8 +725,9 @@ impl Wakeups {
             () = self.notify.notified() => Ok(()),
             ended = self.receiving.join_next() => Err(match ended {
                 Some(Ok(error)) => error,
-                Some(Err(stopped)) => sqlx::Error::Io(std::io::Error::other(format!("the NOTIFY listener stopped: {stopped}"))),
-                None => sqlx::Error::Io(std::io::Error::other("the NOTIFY listener is gone")),
+                // A panic, not an outage (`outage::is_unreachable` takes I/O errors for one).
+                Some(Err(stopped)) => sqlx::Error::Protocol(format!("the NOTIFY listener stopped: {stopped}")),
+                None => sqlx::Error::Protocol("the NOTIFY listener is gone".to_owned()),
             }),
         }
     }
