@@ -15,6 +15,7 @@ use messaging::{
     outbox, outbox_relay,
     runtime::{
         db::DbTimeouts,
+        metrics,
         shutdown::{self, ShutdownTrigger},
     },
     topology,
@@ -209,10 +210,10 @@ async fn after_a_burst_the_relay_claims_once_for_the_notifies_it_has_received_no
 
 /// The claims the relay at `base` has run (`outbox_claims_total`, its one database).
 async fn claims(base: &str) -> u64 {
-    let metrics = testkit::http::request("GET", &format!("{base}/metrics"), &[], None).await.expect("metrics");
-    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    let response = testkit::http::request("GET", &format!("{base}/metrics"), &[], None).await.expect("metrics");
+    let text = String::from_utf8_lossy(&response.body).into_owned();
     text.lines()
-        .find(|line| line.starts_with("outbox_claims_total{"))
+        .find(|line| line.strip_prefix(metrics::OUTBOX_CLAIMS).is_some_and(|labels| labels.starts_with('{')))
         .and_then(|line| line.rsplit(' ').next()?.parse().ok())
         .expect("outbox_claims_total in the relay's /metrics")
 }
