@@ -289,6 +289,8 @@ impl BatchMetrics {
 /// queue is closed.
 async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>, metrics: BatchMetrics) {
     let mut batch = Vec::with_capacity(MAX_ORDERS);
+    // Each writer writes on a connection of its own, kept between its batches.
+    let kept = db::Kept::new(pool);
     loop {
         if receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await == 0 {
             return;
@@ -296,24 +298,26 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
         // Its request is gone (the deadline passed): not written.
         batch.retain(|pending| !pending.reply.is_closed());
         if !batch.is_empty() {
-            write_batch(&pool, &mut batch, &metrics).await;
+            write_batch(&kept, &mut batch, &metrics).await;
         }
     }
 }
 
 /// Write `batch` in one statement, or, if that fails, each order alone; answer every request.
 /// Each step runs within [`QUERY_DEADLINE`]: a writer on a silent (black-holed) connection drops
-/// it and moves on, as a request's own statement would.
-async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
+/// it and moves on, as a request's own statement would. The connection is kept for the next batch
+/// only if every statement on it returned.
+async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
     let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
     let outcomes = async {
-        let mut conn = db::within(QUERY_DEADLINE, db::acquire(pool)).await?;
+        let mut conn = db::within(QUERY_DEADLINE, kept.take()).await?;
         failpoint::hit(BEFORE_COMMIT).await;
         let error = match db::within(QUERY_DEADLINE, insert_orders(&mut conn, &orders)).await {
             Ok(written) => {
                 if orders.len() > 1 {
                     metrics.committed.inc();
                 }
+                kept.keep(conn);
                 return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect());
             }
             Err(error) if orders.len() == 1 || outage::is_unreachable(&error) => return Err(error),
@@ -326,6 +330,9 @@ async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMet
         for order in &orders {
             let written = db::within(QUERY_DEADLINE, insert_orders(&mut conn, &[order])).await;
             outcomes.push(written.map(|written| !written.is_empty()).map_err(WriteError::from));
+        }
+        if outcomes.iter().all(Result::is_ok) {
+            kept.keep(conn);
         }
         Ok(outcomes)
     };

@@ -179,6 +179,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     for db in databases {
         let metrics = health.metrics.outbox(&db.label);
         let relay = Relay {
+            kept: db::Kept::new(db.pool.clone()),
             db,
             metrics,
             settings: config.relay.clone(),
@@ -250,6 +251,8 @@ impl From<lapin::Error> for SessionError {
 /// The loop for one outbox database.
 struct Relay {
     db: OutboxDb,
+    /// The connection its claims run on, kept between them ([`Claim`]).
+    kept: db::Kept,
     /// Its outbox's series.
     metrics: OutboxMetrics,
     settings: RelaySettings,
@@ -446,7 +449,7 @@ impl Relay {
     ) -> Result<Option<SentBatch>, SessionError> {
         let (tx, rows) = self.claim(self.settings.batch_size).await?;
         if rows.is_empty() {
-            tx.commit().await?;
+            tx.commit(&self.kept).await?;
             return Ok(None);
         }
         let new: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).filter(|e| !declared.contains(*e)).collect();
@@ -503,7 +506,7 @@ impl Relay {
         // reconnect from republishing them.
         db::within(db::QUERY_DEADLINE, async {
             outbox_relay::mark_published(&mut tx, &confirmed).await?;
-            tx.commit().await
+            tx.commit(&self.kept).await
         })
         .await?;
         self.metrics.published(confirmed.len() as u64);
@@ -528,13 +531,10 @@ impl Relay {
     }
 
     /// Begin a transaction and claim up to `limit` due rows in it (locked until it ends).
-    async fn claim(
-        &self,
-        limit: i64,
-    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Vec<outbox_relay::OutboxRow>), sqlx::Error> {
+    async fn claim(&self, limit: i64) -> Result<(Claim, Vec<outbox_relay::OutboxRow>), sqlx::Error> {
         self.metrics.claimed();
         db::within(db::QUERY_DEADLINE, async {
-            let mut tx = db::begin(&self.db.pool).await?;
+            let mut tx = Claim::begin(&self.kept).await?;
             let rows = outbox_relay::claim_unpublished(&mut tx, limit).await?;
             Ok((tx, rows))
         })
@@ -608,7 +608,7 @@ impl Relay {
         }
         db::within(db::QUERY_DEADLINE, async {
             outbox_relay::mark_published(&mut tx, &confirmed).await?;
-            tx.commit().await
+            tx.commit(&self.kept).await
         })
         .await?;
         self.metrics.published(confirmed.len() as u64);
@@ -662,10 +662,61 @@ impl Relay {
     }
 }
 
+/// A claim's transaction, on the connection the relay keeps between its claims ([`db::Kept`]).
+///
+/// It outlives the function that begins it (a batch is marked while the next is sent), so it must
+/// own its connection; sqlx's `Transaction` that owns one hands it back to the pool when it ends,
+/// with the round trip that keeping it saves. So this one sends its own `begin` and `commit`. Ended
+/// any other way (an error, a deadline, the session's end), it closes its connection rather than
+/// letting it go back to the pool: the server then rolls back what it holds.
+struct Claim {
+    /// `None` once committed.
+    connection: Option<db::Taken>,
+}
+
+impl Claim {
+    async fn begin(kept: &db::Kept) -> Result<Self, sqlx::Error> {
+        let mut claim = Self { connection: Some(kept.take().await?) };
+        sqlx::query("begin").execute(&mut *claim).await?;
+        Ok(claim)
+    }
+
+    /// Commit, and keep the connection for the next claim.
+    async fn commit(mut self, kept: &db::Kept) -> Result<(), sqlx::Error> {
+        sqlx::query("commit").execute(&mut *self).await?;
+        if let Some(connection) = self.connection.take() {
+            kept.keep(connection);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(connection) = &mut self.connection {
+            connection.close_on_drop();
+        }
+    }
+}
+
+impl std::ops::Deref for Claim {
+    type Target = sqlx::PgConnection;
+
+    fn deref(&self) -> &sqlx::PgConnection {
+        self.connection.as_deref().expect("a claim is used until it commits")
+    }
+}
+
+impl std::ops::DerefMut for Claim {
+    fn deref_mut(&mut self) -> &mut sqlx::PgConnection {
+        self.connection.as_deref_mut().expect("a claim is used until it commits")
+    }
+}
+
 /// A batch on the wire: its transaction (holding the rows' locks), its rows, and each row's
 /// pending confirm (or the error that kept it from being sent).
 struct SentBatch {
-    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    tx: Claim,
     rows: Vec<outbox_relay::OutboxRow>,
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
 }

@@ -2,7 +2,7 @@
 //! within the handler timeout.
 
 use messaging_core::{envelope::Incoming, inbox, trace};
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -20,7 +20,8 @@ impl<H: Handler> Runtime<H> {
     /// context, so the outbox rows it writes continue that message's trace.
     pub(super) async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
         let all = async {
-            let mut tx = db::begin(&self.pool).await?;
+            let mut conn = self.kept.take().await?;
+            let mut tx = conn.begin().await?;
             let messages: Vec<(Uuid, &str)> = members
                 .iter()
                 .map(|member| (member.message.message_id, member.message.message_type.as_str()))
@@ -46,6 +47,7 @@ impl<H: Handler> Runtime<H> {
                 outcomes.push(Applied::Done);
             }
             commit(tx).await?;
+            self.kept.keep(conn);
             Ok(outcomes)
         };
         let limit = self.settings.handler_timeout;
@@ -82,8 +84,12 @@ impl<H: Handler> Runtime<H> {
     /// Inbox row, turn, handler, commit: all or nothing. A message the inbox has seen changes
     /// nothing (`Duplicate`), nor does one that waits for its key's turn: its transaction rolls
     /// back.
+    ///
+    /// Its connection is kept for the next message's only if it commits; on any other end it goes
+    /// back to the pool, which rolls back what is left open.
     async fn transaction(&self, message: &Incoming) -> Result<Applied, HandlerError> {
-        let mut tx = db::begin(&self.pool).await?;
+        let mut conn = self.kept.take().await?;
+        let mut tx = conn.begin().await?;
         if !inbox::record(&mut tx, message.message_id, &message.message_type, self.settings.endpoint.name).await? {
             return Ok(Applied::Duplicate);
         }
@@ -92,6 +98,7 @@ impl<H: Handler> Runtime<H> {
         }
         self.handler.handle(message, &mut tx).await?;
         commit(tx).await?;
+        self.kept.keep(conn);
         Ok(Applied::Done)
     }
 

@@ -64,6 +64,7 @@ use crate::{
         backoff::Backoff,
         broker::{self, Link},
         config::{BrokerArgs, BrokerNodes},
+        db,
         health::Health,
         metrics::EndpointMetrics,
         shutdown::Shutdown,
@@ -188,7 +189,8 @@ pub async fn run<H: Handler>(
         reconnect: settings.reconnect,
     };
     let flag = link.name.clone();
-    let mut runtime = Arc::new(Runtime { settings, rules, handler, pool, health, metrics, flag, shutdown });
+    let kept = db::Kept::new(pool.clone());
+    let mut runtime = Arc::new(Runtime { settings, rules, handler, pool, kept, health, metrics, flag, shutdown });
     let shutdown = runtime.shutdown.clone();
     async {
         let pruning = tokio::spawn(prune.in_current_span());
@@ -206,6 +208,8 @@ struct Runtime<H> {
     rules: decide::Rules,
     handler: Arc<H>,
     pool: PgPool,
+    /// The connection its messages' transactions run on, kept between them.
+    kept: db::Kept,
     health: Health,
     /// Its endpoint's series, looked up once.
     metrics: EndpointMetrics,

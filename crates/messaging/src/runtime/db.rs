@@ -12,7 +12,7 @@
 use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
-    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Transaction,
+    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres,
     migrate::{MigrateError, Migrator},
     pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
@@ -82,15 +82,103 @@ pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Er
     Box::pin(pool.acquire()).await
 }
 
-/// A transaction on a connection from `pool`, as `pool.begin()` gives it, boxed for the reason
-/// [`acquire`] gives.
-pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-    Box::pin(pool.begin()).await
-}
-
 /// A pooled connection idle at least this long is checked with a round trip before it is handed
 /// out; one in use more recently is handed out as it is.
 pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
+
+/// One connection kept between the transactions of a loop (a consumer's messages, an API writer's
+/// batches, the relay's claims) instead of going back to its pool after each (decision 0029).
+/// sqlx sends a round trip (a ping, from a task of its own) with every connection it takes back:
+/// at light load, when each transaction holds one message, one of its seven or eight.
+///
+/// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped instead (an
+/// error, a deadline that abandoned it mid-statement) goes back to the pool as before, whose ping
+/// closes it if it is broken. A kept connection is checked as the pool checks its own
+/// ([`Kept::take`]), and let go when it may be on a node that refused a write
+/// (`retire_connections`) or has been out of the pool for the pool's `max_lifetime`. Tasks that
+/// share one take turns with it: a task that finds it taken gets another from the pool, and the
+/// spare goes back to the pool when both keep theirs.
+#[derive(Debug)]
+pub struct Kept {
+    pool: PgPool,
+    slot: std::sync::Mutex<Option<(Taken, std::time::Instant)>>,
+}
+
+/// A connection from [`Kept::take`], to hand back with [`Kept::keep`] once its work ended cleanly.
+#[derive(Debug)]
+pub struct Taken {
+    connection: PoolConnection<Postgres>,
+    /// When it left the pool: it was opened before then.
+    acquired: std::time::Instant,
+}
+
+impl Kept {
+    /// Nothing kept yet; connections come from `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool, slot: std::sync::Mutex::new(None) }
+    }
+
+    /// The kept connection, if there is one still fit to use, or else one from the pool.
+    ///
+    /// Checked as the pool would check it: with a round trip when it has been idle for
+    /// [`CHECK_IF_IDLE_FOR`], or every time on a pool that checks each connection it hands out
+    /// (the API's: `PoolSettings::check_each_acquire`, decision 0018). That round trip has the
+    /// pool's acquire timeout: a database that does not answer within it is an outage
+    /// (`PoolTimedOut`), as it is when the pool's own check goes unanswered.
+    pub async fn take(&self) -> Result<Taken, sqlx::Error> {
+        let kept = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let options = self.pool.options();
+        if let Some((mut taken, idle_since)) = kept
+            && !retired(taken.acquired.elapsed())
+            && options.get_max_lifetime().is_none_or(|lifetime| taken.acquired.elapsed() < lifetime)
+        {
+            if !options.get_test_before_acquire() && idle_since.elapsed() < CHECK_IF_IDLE_FOR {
+                return Ok(taken);
+            }
+            match tokio::time::timeout(options.get_acquire_timeout(), taken.connection.ping()).await {
+                Ok(Ok(())) => return Ok(taken),
+                // Broken: it goes back to the pool, whose own round trip closes it, and another
+                // is taken.
+                Ok(Err(_)) => {}
+                Err(_) => return Err(sqlx::Error::PoolTimedOut),
+            }
+        }
+        // A kept connection that was let go has gone back to the pool, which pings it.
+        Ok(Taken { connection: acquire(&self.pool).await?, acquired: std::time::Instant::now() })
+    }
+
+    /// Keep `taken` for the next [`take`](Self::take): only once its transaction has committed or
+    /// rolled back, or its statement has returned. A connection already kept stays, and `taken`
+    /// goes back to the pool.
+    pub fn keep(&self, taken: Taken) {
+        let mut slot = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if slot.is_none() {
+            *slot = Some((taken, std::time::Instant::now()));
+        }
+    }
+}
+
+impl Taken {
+    /// Close the connection when this is dropped, instead of handing it back to the pool: for a
+    /// connection left inside a transaction that sqlx does not know of.
+    pub fn close_on_drop(&mut self) {
+        self.connection.close_on_drop();
+    }
+}
+
+impl std::ops::Deref for Taken {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.connection
+    }
+}
+
+impl std::ops::DerefMut for Taken {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.connection
+    }
+}
 
 /// The pool options every service opens its pools with. sqlx's default checks every connection
 /// with a round trip each time it is handed out, besides the one it always makes when a

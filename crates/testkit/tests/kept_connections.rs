@@ -1,0 +1,140 @@
+//! `db::Kept`, the connection a loop keeps between its transactions (the consumers', the API
+//! writers', the relay's claims) instead of handing it back to the pool after each: kept only
+//! after clean work, never with a transaction left open, checked after a second idle, and let go
+//! when connections are retired. Against a real Postgres, through the pool the services open.
+
+use std::time::Duration;
+
+use messaging::{
+    outage,
+    runtime::db::{self, Kept},
+};
+use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
+use testkit::{TestEnv, eventually};
+
+/// A pool as the services open theirs, on the test's own database, of `size` connections at most.
+async fn pool_of(env: &TestEnv, size: u32) -> PgPool {
+    env.pool("kept").await.close().await;
+    let options: PgConnectOptions = env.database_url("kept").parse().expect("database url");
+    db::pool_options(size, Duration::from_secs(1), false).connect_lazy_with(options)
+}
+
+async fn pool(env: &TestEnv) -> PgPool {
+    pool_of(env, 4).await
+}
+
+async fn backend(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("select pg_backend_pid()").fetch_one(conn).await.expect("backend pid")
+}
+
+/// Whether backend `pid` still runs, asked on a connection of its own.
+async fn alive(env: &TestEnv, pid: i32) -> bool {
+    let mut admin = PgConnection::connect(&env.database_url("kept")).await.expect("connect");
+    sqlx::query_scalar("select exists (select 1 from pg_stat_activity where pid = $1)")
+        .bind(pid)
+        .fetch_one(&mut admin)
+        .await
+        .expect("pg_stat_activity")
+}
+
+#[tokio::test]
+async fn a_kept_connection_stays_out_of_the_pool_and_serves_the_next_transaction() {
+    let env = TestEnv::new().await;
+    let pool = pool_of(&env, 1).await;
+    let kept = Kept::new(pool.clone());
+
+    let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
+    let tx = conn.begin().await.expect("begin");
+    tx.commit().await.expect("commit");
+    kept.keep(conn);
+    // Kept, not handed back: the pool's one connection is not to be had (its acquire timeout is
+    // a second). Handed back, it would be, after sqlx's round trip on return.
+    let acquired = pool.acquire().await;
+    assert!(matches!(acquired, Err(sqlx::Error::PoolTimedOut)), "the kept connection went back to the pool");
+
+    let mut conn = kept.take().await.expect("take again");
+    assert_eq!(backend(&mut conn).await, pid, "the kept connection serves the next transaction");
+}
+
+#[tokio::test]
+async fn a_connection_dropped_inside_its_transaction_goes_back_without_it() {
+    let env = TestEnv::new().await;
+    let pool = pool(&env).await;
+    sqlx::query("create table written (id int)").execute(&pool).await.expect("create table");
+    let kept = Kept::new(pool.clone());
+
+    // A transaction abandoned mid-way, as a handler's deadline abandons one: not kept.
+    let mut conn = kept.take().await.expect("take");
+    let mut tx = conn.begin().await.expect("begin");
+    sqlx::query("insert into written values (1)").execute(&mut *tx).await.expect("insert");
+    drop(tx);
+    drop(conn);
+
+    let mut conn = kept.take().await.expect("take again");
+    // Inside the abandoned transaction still, this statement would see its id (assigned by the
+    // insert) and its row.
+    let open: bool = sqlx::query_scalar("select pg_current_xact_id_if_assigned() is not null")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("transaction id");
+    assert!(!open, "the next statement ran inside the abandoned transaction");
+    let rows: i64 = sqlx::query_scalar("select count(*) from written").fetch_one(&mut *conn).await.expect("count");
+    assert_eq!(rows, 0, "the abandoned transaction's row was committed");
+}
+
+/// The relay's claims begin and commit with statements of their own, which sqlx does not track:
+/// a claim dropped before its commit closes its connection, and the server rolls it back.
+#[tokio::test]
+async fn a_connection_marked_to_close_is_closed_with_its_transaction() {
+    let env = TestEnv::new().await;
+    let pool = pool(&env).await;
+    sqlx::query("create table written (id int)").execute(&pool).await.expect("create table");
+    let kept = Kept::new(pool.clone());
+
+    let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
+    conn.close_on_drop();
+    sqlx::query("begin").execute(&mut *conn).await.expect("begin");
+    sqlx::query("insert into written values (1)").execute(&mut *conn).await.expect("insert");
+    drop(conn);
+
+    eventually("the backend to end", Duration::from_secs(10), || async { (!alive(&env, pid).await).then_some(()) })
+        .await;
+    let rows: i64 = sqlx::query_scalar("select count(*) from written").fetch_one(&pool).await.expect("count");
+    assert_eq!(rows, 0, "the dropped transaction's row was committed");
+}
+
+#[tokio::test]
+async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
+    let env = TestEnv::new().await;
+    let pool = pool(&env).await;
+    let kept = Kept::new(pool.clone());
+
+    let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
+    kept.keep(conn);
+    let mut admin = PgConnection::connect(&env.database_url("kept")).await.expect("connect");
+    sqlx::query("select pg_terminate_backend($1)").bind(pid).execute(&mut admin).await.expect("terminate");
+    // Idle past the threshold after which a kept connection is checked before it is handed out.
+    tokio::time::sleep(db::CHECK_IF_IDLE_FOR + Duration::from_millis(100)).await;
+
+    let mut conn = kept.take().await.expect("take after the break");
+    assert_ne!(backend(&mut conn).await, pid, "the broken connection was handed out");
+}
+
+#[tokio::test]
+async fn a_kept_connection_is_let_go_when_connections_are_retired() {
+    let env = TestEnv::new().await;
+    let pool = pool(&env).await;
+    let kept = Kept::new(pool.clone());
+
+    let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
+    kept.keep(conn);
+    // As after a node refused a write: every connection opened before now may be on that node.
+    outage::retire_connections();
+
+    let mut conn = kept.take().await.expect("take after the retirement");
+    assert_ne!(backend(&mut conn).await, pid, "a retired connection was handed out");
+}
