@@ -245,7 +245,8 @@ pub struct Writers {
 }
 
 impl Writers {
-    /// Start `writers` writer tasks on `pool` (each holds one connection while it writes).
+    /// Start `writers` writer tasks on `pool`, each keeping one of its connections between its
+    /// batches ([`db::Kept`]).
     pub fn start(pool: PgPool, writers: usize, metrics: BatchMetrics) -> Self {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
@@ -289,10 +290,16 @@ impl BatchMetrics {
 /// queue is closed.
 async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>, metrics: BatchMetrics) {
     let mut batch = Vec::with_capacity(MAX_ORDERS);
-    // Each writer writes on a connection of its own, kept between its batches.
-    let kept = db::Kept::new(pool);
+    // Each writer writes on a connection of its own, kept between its batches, and lets it go when
+    // the pool closes (`pool.close()` waits for every connection, and requests may still hold
+    // the queue open then).
+    let kept = db::Kept::new(pool.clone());
     loop {
-        if receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await == 0 {
+        let received = tokio::select! {
+            received = async { receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await } => received,
+            () = pool.close_event() => 0,
+        };
+        if received == 0 {
             return;
         }
         // Its request is gone (the deadline passed): not written.

@@ -449,7 +449,7 @@ impl Relay {
     ) -> Result<Option<SentBatch>, SessionError> {
         let (tx, rows) = self.claim(self.settings.batch_size).await?;
         if rows.is_empty() {
-            tx.commit(&self.kept).await?;
+            db::within(db::QUERY_DEADLINE, tx.commit(&self.kept)).await?;
             return Ok(None);
         }
         let new: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).filter(|e| !declared.contains(*e)).collect();

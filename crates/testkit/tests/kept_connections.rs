@@ -2,6 +2,9 @@
 //! writers', the relay's claims) instead of handing it back to the pool after each: kept only
 //! after clean work, never with a transaction left open, checked after a second idle, and let go
 //! when connections are retired. Against a real Postgres, through the pool the services open.
+//!
+//! Retiring connections is the process's: the test that does it runs alone
+//! ([`RETIREMENT`]), so that it cannot let go of another test's connection mid-way.
 
 use std::time::Duration;
 
@@ -11,12 +14,16 @@ use messaging::{
 };
 use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
 use testkit::{TestEnv, eventually};
+use tokio::sync::RwLock;
+
+/// Held to read by every test of this file, to write by the one that retires connections.
+static RETIREMENT: RwLock<()> = RwLock::const_new(());
 
 /// A pool as the services open theirs, on the test's own database, of `size` connections at most.
 async fn pool_of(env: &TestEnv, size: u32) -> PgPool {
     env.pool("kept").await.close().await;
     let options: PgConnectOptions = env.database_url("kept").parse().expect("database url");
-    db::pool_options(size, Duration::from_secs(1), false).connect_lazy_with(options)
+    db::pool_options(size, Duration::from_secs(5), false).connect_lazy_with(options)
 }
 
 async fn pool(env: &TestEnv) -> PgPool {
@@ -39,6 +46,7 @@ async fn alive(env: &TestEnv, pid: i32) -> bool {
 
 #[tokio::test]
 async fn a_kept_connection_stays_out_of_the_pool_and_serves_the_next_transaction() {
+    let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
     let pool = pool_of(&env, 1).await;
     let kept = Kept::new(pool.clone());
@@ -48,10 +56,10 @@ async fn a_kept_connection_stays_out_of_the_pool_and_serves_the_next_transaction
     let tx = conn.begin().await.expect("begin");
     tx.commit().await.expect("commit");
     kept.keep(conn);
-    // Kept, not handed back: the pool's one connection is not to be had (its acquire timeout is
-    // a second). Handed back, it would be, after sqlx's round trip on return.
-    let acquired = pool.acquire().await;
-    assert!(matches!(acquired, Err(sqlx::Error::PoolTimedOut)), "the kept connection went back to the pool");
+    // Kept, not handed back: the pool's one connection is not to be had. Handed back, it would be,
+    // after sqlx's round trip on return.
+    let acquired = tokio::time::timeout(Duration::from_secs(1), pool.acquire()).await;
+    assert!(acquired.is_err(), "the kept connection went back to the pool");
 
     let mut conn = kept.take().await.expect("take again");
     assert_eq!(backend(&mut conn).await, pid, "the kept connection serves the next transaction");
@@ -59,19 +67,23 @@ async fn a_kept_connection_stays_out_of_the_pool_and_serves_the_next_transaction
 
 #[tokio::test]
 async fn a_connection_dropped_inside_its_transaction_goes_back_without_it() {
+    let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
-    let pool = pool(&env).await;
+    // One connection: the next take gets the same one, back from the pool.
+    let pool = pool_of(&env, 1).await;
     sqlx::query("create table written (id int)").execute(&pool).await.expect("create table");
     let kept = Kept::new(pool.clone());
 
     // A transaction abandoned mid-way, as a handler's deadline abandons one: not kept.
     let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
     let mut tx = conn.begin().await.expect("begin");
     sqlx::query("insert into written values (1)").execute(&mut *tx).await.expect("insert");
     drop(tx);
     drop(conn);
 
     let mut conn = kept.take().await.expect("take again");
+    assert_eq!(backend(&mut conn).await, pid, "the same connection, back from the pool");
     // Inside the abandoned transaction still, this statement would see its id (assigned by the
     // insert) and its row.
     let open: bool = sqlx::query_scalar("select pg_current_xact_id_if_assigned() is not null")
@@ -87,6 +99,7 @@ async fn a_connection_dropped_inside_its_transaction_goes_back_without_it() {
 /// a claim dropped before its commit closes its connection, and the server rolls it back.
 #[tokio::test]
 async fn a_connection_marked_to_close_is_closed_with_its_transaction() {
+    let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
     let pool = pool(&env).await;
     sqlx::query("create table written (id int)").execute(&pool).await.expect("create table");
@@ -107,6 +120,7 @@ async fn a_connection_marked_to_close_is_closed_with_its_transaction() {
 
 #[tokio::test]
 async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
+    let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
     let pool = pool(&env).await;
     let kept = Kept::new(pool.clone());
@@ -125,6 +139,7 @@ async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
 
 #[tokio::test]
 async fn a_kept_connection_is_let_go_when_connections_are_retired() {
+    let _alone = RETIREMENT.write().await;
     let env = TestEnv::new().await;
     let pool = pool(&env).await;
     let kept = Kept::new(pool.clone());

@@ -2,7 +2,7 @@
 //! within the handler timeout.
 
 use messaging_core::{envelope::Incoming, inbox, trace};
-use sqlx::{Connection, PgConnection};
+use sqlx::PgConnection;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -86,7 +86,8 @@ impl<H: Handler> Runtime<H> {
     /// back.
     ///
     /// Its connection is kept for the next message's only if it commits; on any other end it goes
-    /// back to the pool, which rolls back what is left open.
+    /// back to the pool, and sqlx's round trip on its return sends the rollback that dropping the
+    /// transaction queued.
     async fn transaction(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut conn = self.kept.take().await?;
         let mut tx = conn.begin().await?;

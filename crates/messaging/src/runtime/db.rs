@@ -12,7 +12,7 @@
 use std::{future::Future, str::FromStr, time::Duration};
 
 use sqlx::{
-    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres,
+    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Transaction,
     migrate::{MigrateError, Migrator},
     pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
@@ -110,6 +110,8 @@ pub struct Taken {
     connection: PoolConnection<Postgres>,
     /// When it left the pool: it was opened before then.
     acquired: std::time::Instant,
+    /// Closed when dropped, rather than handed back to the pool.
+    closing: bool,
 }
 
 impl Kept {
@@ -124,27 +126,39 @@ impl Kept {
     /// [`CHECK_IF_IDLE_FOR`], or every time on a pool that checks each connection it hands out
     /// (the API's: `PoolSettings::check_each_acquire`, decision 0018). That round trip has the
     /// pool's acquire timeout: a database that does not answer within it is an outage
-    /// (`PoolTimedOut`), as it is when the pool's own check goes unanswered.
+    /// (`PoolTimedOut`), as it is when the pool's own check goes unanswered. Closed instead, as the
+    /// pool closes its own: one that failed its check, one retired, one idle for the pool's
+    /// `idle_timeout`, or out of it for its `max_lifetime` (counted from when it left the pool,
+    /// which sqlx does not say).
     pub async fn take(&self) -> Result<Taken, sqlx::Error> {
         let kept = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        let options = self.pool.options();
-        if let Some((mut taken, idle_since)) = kept
-            && !retired(taken.acquired.elapsed())
-            && options.get_max_lifetime().is_none_or(|lifetime| taken.acquired.elapsed() < lifetime)
-        {
-            if !options.get_test_before_acquire() && idle_since.elapsed() < CHECK_IF_IDLE_FOR {
+        if let Some((mut taken, idle_since)) = kept {
+            let options = self.pool.options();
+            let (out_for, idle_for) = (taken.acquired.elapsed(), idle_since.elapsed());
+            if retired(out_for)
+                || options.get_max_lifetime().is_some_and(|lifetime| out_for >= lifetime)
+                || options.get_idle_timeout().is_some_and(|timeout| idle_for >= timeout)
+            {
+                taken.closing = true;
+            } else if !options.get_test_before_acquire() && idle_for < CHECK_IF_IDLE_FOR {
                 return Ok(taken);
-            }
-            match tokio::time::timeout(options.get_acquire_timeout(), taken.connection.ping()).await {
-                Ok(Ok(())) => return Ok(taken),
-                // Broken: it goes back to the pool, whose own round trip closes it, and another
-                // is taken.
-                Ok(Err(_)) => {}
-                Err(_) => return Err(sqlx::Error::PoolTimedOut),
+            } else {
+                // One that fails is closed: back in the pool, sqlx's round trip on its return
+                // would wait on a silent connection with no deadline.
+                taken.closing = true;
+                match tokio::time::timeout(options.get_acquire_timeout(), taken.connection.ping()).await {
+                    Ok(Ok(())) => {
+                        taken.closing = false;
+                        return Ok(taken);
+                    }
+                    Ok(Err(_)) => {}
+                    Err(_) => return Err(sqlx::Error::PoolTimedOut),
+                }
             }
         }
-        // A kept connection that was let go has gone back to the pool, which pings it.
-        Ok(Taken { connection: acquire(&self.pool).await?, acquired: std::time::Instant::now() })
+        // Before the pool's own checks: a retirement meanwhile then counts against it.
+        let acquired = std::time::Instant::now();
+        Ok(Taken { connection: acquire(&self.pool).await?, acquired, closing: false })
     }
 
     /// Keep `taken` for the next [`take`](Self::take): only once its transaction has committed or
@@ -162,7 +176,27 @@ impl Taken {
     /// Close the connection when this is dropped, instead of handing it back to the pool: for a
     /// connection left inside a transaction that sqlx does not know of.
     pub fn close_on_drop(&mut self) {
-        self.connection.close_on_drop();
+        self.closing = true;
+    }
+
+    /// Begin a transaction, as `Connection::begin` does, but close the connection if this is given
+    /// up before the `BEGIN` is answered (a deadline). sqlx counts the transaction only once
+    /// answered, so its rollback on drop sends nothing then, and the connection would go back to
+    /// the pool inside the server's transaction: the next statements of its next user would run
+    /// there, and be lost if nothing commits them.
+    pub async fn begin(&mut self) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
+        self.closing = true;
+        let transaction = self.connection.begin().await?;
+        self.closing = false;
+        Ok(transaction)
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if self.closing {
+            self.connection.close_on_drop();
+        }
     }
 }
 
@@ -182,7 +216,7 @@ impl std::ops::DerefMut for Taken {
 
 /// The pool options every service opens its pools with. sqlx's default checks every connection
 /// with a round trip each time it is handed out, besides the one it always makes when a
-/// connection goes back: two of a paced transaction's five or six round trips, and a round trip
+/// connection goes back (which [`Kept`] saves): two of a paced transaction's five or six round trips, and a round trip
 /// cost about 300 µs of the machine's CPU on a 2-core VM (`pgbench`, `select 1`). Unless
 /// `check_each_acquire`, only a connection idle for [`CHECK_IF_IDLE_FOR`] is checked. One that
 /// broke within that second (the server restarted, a proxy cut it) fails its first statement
