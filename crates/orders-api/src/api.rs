@@ -414,8 +414,10 @@ pub(crate) async fn cancel_order(
 }
 
 /// Decide the order's end, `cancelled`, and announce it, in one transaction ([`jobs::decide`]).
+/// Begun by [`db::Taken::begin`]: the request's deadline may give it up mid-`BEGIN`.
 async fn cancel(pool: &PgPool, order_id: Uuid) -> Result<Accepted, ApiError> {
-    let mut tx = pool.begin().await?;
+    let mut conn = db::Taken::acquire(pool).await?;
+    let mut tx = conn.begin().await?;
     let job_id: Option<Uuid> =
         sqlx::query_scalar("select id from jobs where order_id = $1").bind(order_id).fetch_optional(&mut *tx).await?;
     let job_id = job_id.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;

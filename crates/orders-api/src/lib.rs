@@ -96,7 +96,8 @@ impl BinarySettings for Config {
 }
 
 /// The connections of the pool that the order writers, each of which keeps one, must leave to
-/// everything else: `GET`s, the status consumer, the readiness check and the books.
+/// everything else: `GET`s, the status consumer (which keeps one too), the readiness check and the
+/// books.
 const POOL_LEFT_BY_WRITERS: u32 = 4;
 
 /// The API's own HTTP surface: API routes, the live page (unless `page` is `None`), the OpenAPI
@@ -178,7 +179,8 @@ mod tests {
 
     #[test]
     fn the_order_writers_must_leave_four_connections_of_the_pool_to_the_rest() {
-        assert_eq!(config(&[]).check(), Ok(()), "the defaults: 4 writers, a pool of 20");
+        // Given as flags: the environment (ORDER_WRITERS, DATABASE_POOL_SIZE) would override the defaults.
+        assert_eq!(config(&["--order-writers", "4", "--pool-size", "20"]).check(), Ok(()), "the defaults");
         assert_eq!(config(&["--order-writers", "16", "--pool-size", "20"]).check(), Ok(()));
         let refused = config(&["--order-writers", "17", "--pool-size", "20"]).check();
         assert!(refused.is_err_and(|reason| reason.contains("ORDER_WRITERS=17")), "17 writers of 20 connections");

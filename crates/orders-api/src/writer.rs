@@ -313,7 +313,7 @@ async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>
 /// Write `batch` in one statement, or, if that fails, each order alone; answer every request.
 /// Each step runs within [`QUERY_DEADLINE`]: a writer on a silent (black-holed) connection drops
 /// it and moves on, as a request's own statement would. The connection is kept for the next batch
-/// only if every statement on it returned.
+/// only if every statement on it succeeded, and closed if one was given up.
 async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
     let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
     let outcomes = async {
@@ -327,7 +327,12 @@ async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchM
                 kept.keep(conn);
                 return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect());
             }
-            Err(error) if orders.len() == 1 || outage::is_unreachable(&error) => return Err(error),
+            Err(error) if outage::is_unreachable(&error) => {
+                // Given up at its deadline, or lost: its answer unread, it is closed, not pooled.
+                conn.close_on_drop();
+                return Err(error);
+            }
+            Err(error) if orders.len() == 1 => return Err(error),
             Err(error) => error,
         };
         // Nothing of the batch was written: each order again, alone, on the same connection.
@@ -336,6 +341,9 @@ async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchM
         let mut outcomes = Vec::with_capacity(orders.len());
         for order in &orders {
             let written = db::within(QUERY_DEADLINE, insert_orders(&mut conn, &[order])).await;
+            if written.as_ref().is_err_and(outage::is_unreachable) {
+                conn.close_on_drop();
+            }
             outcomes.push(written.map(|written| !written.is_empty()).map_err(WriteError::from));
         }
         if outcomes.iter().all(Result::is_ok) {

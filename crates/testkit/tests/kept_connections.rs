@@ -3,8 +3,9 @@
 //! after clean work, never with a transaction left open, checked after a second idle, and let go
 //! when connections are retired. Against a real Postgres, through the pool the services open.
 //!
-//! Retiring connections is the process's: the test that does it runs alone
-//! ([`RETIREMENT`]), so that it cannot let go of another test's connection mid-way.
+//! Retiring connections is the process's, and lasts: the test that does it runs alone
+//! ([`RETIREMENT`]), so that it cannot let go of another test's connection mid-way, and each
+//! test opens a pool of its own after it.
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use messaging::{
     runtime::db::{self, Kept},
 };
 use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
-use testkit::{TestEnv, eventually};
+use testkit::{TestEnv, eventually, proxy::Proxy};
 use tokio::sync::RwLock;
 
 /// Held to read by every test of this file, to write by the one that retires connections.
@@ -152,4 +153,32 @@ async fn a_kept_connection_is_let_go_when_connections_are_retired() {
 
     let mut conn = kept.take().await.expect("take after the retirement");
     assert_ne!(backend(&mut conn).await, pid, "a retired connection was handed out");
+}
+
+/// sqlx counts a transaction only once its `BEGIN` is answered: a `begin` given up before then
+/// queues no rollback, and the connection, back in the pool, would still be in the server's
+/// transaction. `Taken::begin` closes it instead. The `BEGIN` is held up by a proxy that stops
+/// forwarding (a stalled network), then let through.
+#[tokio::test]
+async fn a_begin_given_up_before_its_answer_closes_the_connection() {
+    let _alone = RETIREMENT.read().await;
+    let env = TestEnv::new().await;
+    env.pool("kept").await.close().await;
+    let (proxy, url) = Proxy::for_url(&env.database_url("kept")).await.expect("proxy");
+    let options: PgConnectOptions = url.parse().expect("database url");
+    // One connection: the next take gets the same one if it went back to the pool.
+    let pool = db::pool_options(1, Duration::from_secs(5), false).connect_lazy_with(options);
+    let kept = Kept::new(pool.clone());
+
+    let mut conn = kept.take().await.expect("take");
+    proxy.stall();
+    let given_up = tokio::time::timeout(Duration::from_millis(300), conn.begin()).await.is_err();
+    assert!(given_up, "the BEGIN was answered through a stalled proxy");
+    drop(conn);
+    proxy.restore();
+
+    let mut conn = kept.take().await.expect("take again");
+    // Inside a transaction, a savepoint is taken; outside one, Postgres refuses it.
+    let inside = sqlx::query("savepoint probe").execute(&mut *conn).await.is_ok();
+    assert!(!inside, "the next user of the pool ran inside the given-up transaction");
 }

@@ -12,7 +12,12 @@ use super::{
     ordering::{self, Turn},
     settle::Member,
 };
-use crate::runtime::{db, duration::format_duration, failpoint, metrics::Handling};
+use crate::runtime::{
+    db::{self, Taken},
+    duration::format_duration,
+    failpoint,
+    metrics::Handling,
+};
 
 impl<H: Handler> Runtime<H> {
     /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,
@@ -21,39 +26,46 @@ impl<H: Handler> Runtime<H> {
     pub(super) async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
         let all = async {
             let mut conn = self.kept.take().await?;
-            let mut tx = conn.begin().await?;
-            let messages: Vec<(Uuid, &str)> = members
-                .iter()
-                .map(|member| (member.message.message_id, member.message.message_type.as_str()))
-                .collect();
-            let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
-            let unseen: Vec<&Incoming> =
-                members.iter().zip(&new).filter(|(_, new)| **new).map(|(member, _)| &member.message).collect();
-            self.handler.lock_batch(&unseen, &mut tx).await?;
-            let mut outcomes = Vec::with_capacity(members.len());
-            for (member, new) in members.iter().zip(new) {
-                if !new {
-                    outcomes.push(Applied::Duplicate);
-                    continue;
-                }
-                if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, &member.message).await? {
-                    // Nothing of the batch commits; one by one, this message goes back to wait.
-                    return Err(HandlerError::Transient(
-                        format!("a message waits for place {follows} of its key").into(),
-                    ));
-                }
-                let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
-                trace::scope(member.context, handled).await?;
-                outcomes.push(Applied::Done);
+            // Given up at the deadline below, the connection is closed, not pooled (decision 0029).
+            conn.close_on_drop();
+            let applied = self.batch_transaction(&mut conn, members).await;
+            conn.return_on_drop();
+            if applied.is_ok() {
+                self.kept.keep(conn);
             }
-            commit(tx).await?;
-            self.kept.keep(conn);
-            Ok(outcomes)
+            applied
         };
         let limit = self.settings.handler_timeout;
         tokio::time::timeout(limit, all).await.unwrap_or_else(|_| {
             Err(HandlerError::Transient(format!("the batch did not finish within {}", format_duration(limit)).into()))
         })
+    }
+
+    /// [`Self::apply_batch`]'s transaction, on `conn`.
+    async fn batch_transaction(&self, conn: &mut Taken, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
+        let mut tx = conn.begin().await?;
+        let messages: Vec<(Uuid, &str)> =
+            members.iter().map(|member| (member.message.message_id, member.message.message_type.as_str())).collect();
+        let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
+        let unseen: Vec<&Incoming> =
+            members.iter().zip(&new).filter(|(_, new)| **new).map(|(member, _)| &member.message).collect();
+        self.handler.lock_batch(&unseen, &mut tx).await?;
+        let mut outcomes = Vec::with_capacity(members.len());
+        for (member, new) in members.iter().zip(new) {
+            if !new {
+                outcomes.push(Applied::Duplicate);
+                continue;
+            }
+            if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, &member.message).await? {
+                // Nothing of the batch commits; one by one, this message goes back to wait.
+                return Err(HandlerError::Transient(format!("a message waits for place {follows} of its key").into()));
+            }
+            let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
+            trace::scope(member.context, handled).await?;
+            outcomes.push(Applied::Done);
+        }
+        commit(tx).await?;
+        Ok(outcomes)
     }
 
     /// The message's [`transaction`](Self::transaction) within `handler_timeout`, its duration
@@ -85,11 +97,23 @@ impl<H: Handler> Runtime<H> {
     /// nothing (`Duplicate`), nor does one that waits for its key's turn: its transaction rolls
     /// back.
     ///
-    /// Its connection is kept for the next message's only if it commits; on any other end it goes
-    /// back to the pool, and sqlx's round trip on its return sends the rollback that dropping the
-    /// transaction queued.
+    /// Its connection is kept for the next message's only if it commits. Otherwise it goes back to
+    /// the pool, where sqlx's round trip on its return sends the rollback that dropping the
+    /// transaction queued; or, given up mid-way, it is closed.
     async fn transaction(&self, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut conn = self.kept.take().await?;
+        // Given up at the handler's deadline, the connection is closed, not pooled (decision 0029).
+        conn.close_on_drop();
+        let applied = self.message_transaction(&mut conn, message).await;
+        conn.return_on_drop();
+        if matches!(applied, Ok(Applied::Done)) {
+            self.kept.keep(conn);
+        }
+        applied
+    }
+
+    /// [`Self::transaction`]'s work, on `conn`.
+    async fn message_transaction(&self, conn: &mut Taken, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = conn.begin().await?;
         if !inbox::record(&mut tx, message.message_id, &message.message_type, self.settings.endpoint.name).await? {
             return Ok(Applied::Duplicate);
@@ -99,7 +123,6 @@ impl<H: Handler> Runtime<H> {
         }
         self.handler.handle(message, &mut tx).await?;
         commit(tx).await?;
-        self.kept.keep(conn);
         Ok(Applied::Done)
     }
 

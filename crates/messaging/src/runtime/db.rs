@@ -89,13 +89,14 @@ pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 /// One connection kept between the transactions of a loop (a consumer's messages, an API writer's
 /// batches, the relay's claims) instead of going back to its pool after each (decision 0029).
 /// sqlx sends a round trip (a ping, from a task of its own) with every connection it takes back:
-/// at light load, when each transaction holds one message, one of its seven or eight.
+/// at light load, when each transaction holds one message, one of its eight or so.
 ///
-/// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped instead (an
-/// error, a deadline that abandoned it mid-statement) goes back to the pool as before, whose ping
-/// closes it if it is broken. A kept connection is checked as the pool checks its own
+/// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped after an
+/// error goes back to the pool as before, whose ping closes it if it is broken; one given up
+/// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked as the pool checks its own
 /// ([`Kept::take`]), and let go when it may be on a node that refused a write
-/// (`retire_connections`) or has been out of the pool for the pool's `max_lifetime`. Tasks that
+/// (`retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for
+/// its `max_lifetime`; a loop that stays idle holds it until its next take. Tasks that
 /// share one take turns with it: a task that finds it taken gets another from the pool, and the
 /// spare goes back to the pool when both keep theirs.
 #[derive(Debug)]
@@ -156,15 +157,16 @@ impl Kept {
                 }
             }
         }
-        // Before the pool's own checks: a retirement meanwhile then counts against it.
-        let acquired = std::time::Instant::now();
-        Ok(Taken { connection: acquire(&self.pool).await?, acquired, closing: false })
+        Taken::acquire(&self.pool).await
     }
 
     /// Keep `taken` for the next [`take`](Self::take): only once its transaction has committed or
     /// rolled back, or its statement has returned. A connection already kept stays, and `taken`
-    /// goes back to the pool.
+    /// goes back to the pool; one marked to close is closed.
     pub fn keep(&self, taken: Taken) {
+        if taken.closing {
+            return;
+        }
         let mut slot = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if slot.is_none() {
             *slot = Some((taken, std::time::Instant::now()));
@@ -173,10 +175,23 @@ impl Kept {
 }
 
 impl Taken {
-    /// Close the connection when this is dropped, instead of handing it back to the pool: for a
-    /// connection left inside a transaction that sqlx does not know of.
+    /// A connection from `pool`, for work done once (not kept): for [`Taken::begin`].
+    pub async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        // Before the pool's own checks: a retirement meanwhile then counts against it.
+        let acquired = std::time::Instant::now();
+        Ok(Self { connection: acquire(pool).await?, acquired, closing: false })
+    }
+
+    /// Close the connection when this is dropped, instead of handing it back to the pool: for
+    /// work that may be given up mid-way, whose unread answers sqlx's round trip on return would
+    /// wait for with no deadline, or for a transaction that sqlx does not know of.
     pub fn close_on_drop(&mut self) {
         self.closing = true;
+    }
+
+    /// Undo [`Taken::close_on_drop`]: the work on it ended, every answer read.
+    pub fn return_on_drop(&mut self) {
+        self.closing = false;
     }
 
     /// Begin a transaction, as `Connection::begin` does, but close the connection if this is given
@@ -184,10 +199,11 @@ impl Taken {
     /// answered, so its rollback on drop sends nothing then, and the connection would go back to
     /// the pool inside the server's transaction: the next statements of its next user would run
     /// there, and be lost if nothing commits them.
+    /// A `BEGIN` that fails closes the connection too.
     pub async fn begin(&mut self) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
-        self.closing = true;
+        let closing = std::mem::replace(&mut self.closing, true);
         let transaction = self.connection.begin().await?;
-        self.closing = false;
+        self.closing = closing;
         Ok(transaction)
     }
 }
@@ -216,8 +232,8 @@ impl std::ops::DerefMut for Taken {
 
 /// The pool options every service opens its pools with. sqlx's default checks every connection
 /// with a round trip each time it is handed out, besides the one it always makes when a
-/// connection goes back (which [`Kept`] saves): two of a paced transaction's five or six round trips, and a round trip
-/// cost about 300 µs of the machine's CPU on a 2-core VM (`pgbench`, `select 1`). Unless
+/// connection goes back (which a loop that keeps its connection saves, [`Kept`]): two of a paced
+/// transaction's round trips, and a round trip cost about 300 µs of the machine's CPU on a 2-core VM (`pgbench`, `select 1`). Unless
 /// `check_each_acquire`, only a connection idle for [`CHECK_IF_IDLE_FOR`] is checked. One that
 /// broke within that second (the server restarted, a proxy cut it) fails its first statement
 /// instead: an error the caller already handles as a lost database (a retry that spends no
