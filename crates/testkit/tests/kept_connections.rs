@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use messaging::{
     outage,
-    runtime::db::{self, Kept},
+    runtime::db::{self, Kept, Taken},
 };
 use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
 use testkit::{TestEnv, eventually, proxy::Proxy};
@@ -29,6 +29,13 @@ async fn pool_of(env: &TestEnv, size: u32) -> PgPool {
 
 async fn pool(env: &TestEnv) -> PgPool {
     pool_of(env, 4).await
+}
+
+/// A connection from `kept`, and its server process's id.
+async fn take(kept: &Kept) -> (Taken, i32) {
+    let mut conn = kept.take().await.expect("take");
+    let pid = backend(&mut conn).await;
+    (conn, pid)
 }
 
 async fn backend(conn: &mut PgConnection) -> i32 {
@@ -52,8 +59,7 @@ async fn a_kept_connection_stays_out_of_the_pool_and_serves_the_next_transaction
     let pool = pool_of(&env, 1).await;
     let kept = Kept::new(pool.clone());
 
-    let mut conn = kept.take().await.expect("take");
-    let pid = backend(&mut conn).await;
+    let (mut conn, pid) = take(&kept).await;
     let tx = conn.begin().await.expect("begin");
     tx.commit().await.expect("commit");
     kept.keep(conn);
@@ -76,8 +82,7 @@ async fn a_connection_dropped_inside_its_transaction_goes_back_without_it() {
     let kept = Kept::new(pool.clone());
 
     // A transaction abandoned mid-way, as a handler's deadline abandons one: not kept.
-    let mut conn = kept.take().await.expect("take");
-    let pid = backend(&mut conn).await;
+    let (mut conn, pid) = take(&kept).await;
     let mut tx = conn.begin().await.expect("begin");
     sqlx::query("insert into written values (1)").execute(&mut *tx).await.expect("insert");
     drop(tx);
@@ -106,8 +111,7 @@ async fn a_connection_marked_to_close_is_closed_with_its_transaction() {
     sqlx::query("create table written (id int)").execute(&pool).await.expect("create table");
     let kept = Kept::new(pool.clone());
 
-    let mut conn = kept.take().await.expect("take");
-    let pid = backend(&mut conn).await;
+    let (mut conn, pid) = take(&kept).await;
     conn.close_on_drop();
     sqlx::query("begin").execute(&mut *conn).await.expect("begin");
     sqlx::query("insert into written values (1)").execute(&mut *conn).await.expect("insert");
@@ -126,8 +130,7 @@ async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
     let pool = pool(&env).await;
     let kept = Kept::new(pool.clone());
 
-    let mut conn = kept.take().await.expect("take");
-    let pid = backend(&mut conn).await;
+    let (conn, pid) = take(&kept).await;
     kept.keep(conn);
     let mut admin = PgConnection::connect(&env.database_url("kept")).await.expect("connect");
     sqlx::query("select pg_terminate_backend($1)").bind(pid).execute(&mut admin).await.expect("terminate");
@@ -145,8 +148,7 @@ async fn a_kept_connection_is_let_go_when_connections_are_retired() {
     let pool = pool(&env).await;
     let kept = Kept::new(pool.clone());
 
-    let mut conn = kept.take().await.expect("take");
-    let pid = backend(&mut conn).await;
+    let (conn, pid) = take(&kept).await;
     kept.keep(conn);
     // As after a node refused a write: every connection opened before now may be on that node.
     outage::retire_connections();

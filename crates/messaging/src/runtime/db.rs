@@ -93,12 +93,12 @@ pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 ///
 /// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped after an
 /// error goes back to the pool as before, whose ping closes it if it is broken; one given up
-/// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked as the pool checks its own
-/// ([`Kept::take`]), and let go when it may be on a node that refused a write
-/// (`retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for
-/// its `max_lifetime`; a loop that stays idle holds it until its next take. Tasks that
-/// share one take turns with it: a task that finds it taken gets another from the pool, and the
-/// spare goes back to the pool when both keep theirs.
+/// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked as the
+/// pool checks its own ([`Kept::take`]), and let go when it may be on a node that refused a write
+/// (`retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for its
+/// `max_lifetime`; a loop that stays idle holds it until its next take. Tasks that share one take
+/// turns with it: a task that finds it taken gets another from the pool, and the spare goes back
+/// to the pool when both keep theirs.
 #[derive(Debug)]
 pub struct Kept {
     pool: PgPool,
@@ -198,8 +198,7 @@ impl Taken {
     /// up before the `BEGIN` is answered (a deadline). sqlx counts the transaction only once
     /// answered, so its rollback on drop sends nothing then, and the connection would go back to
     /// the pool inside the server's transaction: the next statements of its next user would run
-    /// there, and be lost if nothing commits them.
-    /// A `BEGIN` that fails closes the connection too.
+    /// there, and be lost if nothing commits them. A `BEGIN` that fails closes the connection too.
     pub async fn begin(&mut self) -> Result<Transaction<'_, Postgres>, sqlx::Error> {
         let closing = std::mem::replace(&mut self.closing, true);
         let transaction = self.connection.begin().await?;
@@ -233,11 +232,12 @@ impl std::ops::DerefMut for Taken {
 /// The pool options every service opens its pools with. sqlx's default checks every connection
 /// with a round trip each time it is handed out, besides the one it always makes when a
 /// connection goes back (which a loop that keeps its connection saves, [`Kept`]): two of a paced
-/// transaction's round trips, and a round trip cost about 300 µs of the machine's CPU on a 2-core VM (`pgbench`, `select 1`). Unless
-/// `check_each_acquire`, only a connection idle for [`CHECK_IF_IDLE_FOR`] is checked. One that
-/// broke within that second (the server restarted, a proxy cut it) fails its first statement
-/// instead: an error the caller already handles as a lost database (a retry that spends no
-/// attempt, a new relay session), after which sqlx's check on return closes it (decision 0018).
+/// transaction's round trips, and a round trip cost about 300 µs of the machine's CPU on a 2-core
+/// VM (`pgbench`, `select 1`). Unless `check_each_acquire`, only a connection idle for
+/// [`CHECK_IF_IDLE_FOR`] is checked. One that broke within that second (the server restarted, a
+/// proxy cut it) fails its first statement instead: an error the caller already handles as a lost
+/// database (a retry that spends no attempt, a new relay session), after which sqlx's check on
+/// return closes it (decision 0018).
 pub fn pool_options(max_connections: u32, acquire_timeout: Duration, check_each_acquire: bool) -> PgPoolOptions {
     let options = PgPoolOptions::new()
         .max_connections(max_connections)
