@@ -48,8 +48,8 @@ pub struct Config {
     #[arg(long, env = "DATABASE_POOL_SIZE", default_value_t = 20)]
     pub pool_size: u32,
     /// Tasks writing accepted orders, each one statement at a time: the orders that arrive while
-    /// all are busy share their next statement (group commit). Each keeps a connection of the pool
-    /// between its statements; at least 4 of DATABASE_POOL_SIZE must be left for the rest.
+    /// all are busy share their next statement (group commit). Each holds a connection of the pool
+    /// while it writes.
     #[arg(long, env = "ORDER_WRITERS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub order_writers: u16,
     /// The largest `order.placed` body, in bytes: a larger order is refused with 413 before
@@ -81,24 +81,9 @@ impl BinarySettings for Config {
     }
 
     fn check(&self) -> Result<(), String> {
-        self.common.consumer.check_inbox_retention()?;
-        let writers = u32::from(self.order_writers);
-        if writers + POOL_LEFT_BY_WRITERS > self.pool_size {
-            return Err(format!(
-                "ORDER_WRITERS={writers} would keep all but {} of DATABASE_POOL_SIZE={}'s connections: leave at \
-                 least {POOL_LEFT_BY_WRITERS} for reads, the status consumer and the health checks",
-                self.pool_size.saturating_sub(writers),
-                self.pool_size
-            ));
-        }
-        Ok(())
+        self.common.consumer.check_inbox_retention()
     }
 }
-
-/// The connections of the pool that the order writers, each of which keeps one, must leave to
-/// everything else: `GET`s, the status consumer (which keeps one too), the readiness check and the
-/// books.
-const POOL_LEFT_BY_WRITERS: u32 = 4;
 
 /// The API's own HTTP surface: API routes, the live page (unless `page` is `None`), the OpenAPI
 /// document, problem+json 404s, tracing and failure logs. The service runtime merges the health
@@ -163,26 +148,4 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     pool.close().await;
     served?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-    use messaging::service::BinarySettings;
-
-    use super::Config;
-
-    fn config(flags: &[&str]) -> Config {
-        let url = ["orders-api", "--database-url", "postgres://localhost/orders", "--amqp-url", "amqp://localhost"];
-        Config::try_parse_from(url.iter().chain(flags)).expect("flags")
-    }
-
-    #[test]
-    fn the_order_writers_must_leave_four_connections_of_the_pool_to_the_rest() {
-        // Given as flags: the environment (ORDER_WRITERS, DATABASE_POOL_SIZE) would override the defaults.
-        assert_eq!(config(&["--order-writers", "4", "--pool-size", "20"]).check(), Ok(()), "the defaults");
-        assert_eq!(config(&["--order-writers", "16", "--pool-size", "20"]).check(), Ok(()));
-        let refused = config(&["--order-writers", "17", "--pool-size", "20"]).check();
-        assert!(refused.is_err_and(|reason| reason.contains("ORDER_WRITERS=17")), "17 writers of 20 connections");
-    }
 }

@@ -245,8 +245,7 @@ pub struct Writers {
 }
 
 impl Writers {
-    /// Start `writers` writer tasks on `pool`, each keeping one of its connections between its
-    /// batches ([`db::Kept`]).
+    /// Start `writers` writer tasks on `pool` (each holds one connection while it writes).
     pub fn start(pool: PgPool, writers: usize, metrics: BatchMetrics) -> Self {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let receiver = Arc::new(Mutex::new(receiver));
@@ -290,49 +289,34 @@ impl BatchMetrics {
 /// queue is closed.
 async fn write_batches(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Pending>>>, metrics: BatchMetrics) {
     let mut batch = Vec::with_capacity(MAX_ORDERS);
-    // Each writer writes on a connection of its own, kept between its batches, and lets it go when
-    // the pool closes (`pool.close()` waits for every connection, and requests may still hold
-    // the queue open then).
-    let kept = db::Kept::new(pool.clone());
     loop {
-        let received = tokio::select! {
-            received = async { receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await } => received,
-            () = pool.close_event() => 0,
-        };
-        if received == 0 {
+        if receiver.lock().await.recv_many(&mut batch, MAX_ORDERS).await == 0 {
             return;
         }
         // Its request is gone (the deadline passed): not written.
         batch.retain(|pending| !pending.reply.is_closed());
         if !batch.is_empty() {
-            write_batch(&kept, &mut batch, &metrics).await;
+            write_batch(&pool, &mut batch, &metrics).await;
         }
     }
 }
 
 /// Write `batch` in one statement, or, if that fails, each order alone; answer every request.
 /// Each step runs within [`QUERY_DEADLINE`]: a writer on a silent (black-holed) connection drops
-/// it and moves on, as a request's own statement would. The connection is kept for the next batch
-/// only if every statement on it succeeded, and closed if one was given up.
-async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
+/// it and moves on, as a request's own statement would.
+async fn write_batch(pool: &PgPool, batch: &mut Vec<Pending>, metrics: &BatchMetrics) {
     let orders: Vec<&NewOrder> = batch.iter().map(|pending| &pending.order).collect();
     let outcomes = async {
-        let mut conn = db::within(QUERY_DEADLINE, kept.take()).await?;
+        let mut conn = db::within(QUERY_DEADLINE, db::acquire(pool)).await?;
         failpoint::hit(BEFORE_COMMIT).await;
         let error = match db::within(QUERY_DEADLINE, insert_orders(&mut conn, &orders)).await {
             Ok(written) => {
                 if orders.len() > 1 {
                     metrics.committed.inc();
                 }
-                kept.keep(conn);
                 return Ok(orders.iter().map(|order| Ok(written.contains(&order.ids.job_id))).collect());
             }
-            Err(error) if outage::is_unreachable(&error) => {
-                // Given up at its deadline, or lost: its answer unread, it is closed, not pooled.
-                conn.close_on_drop();
-                return Err(error);
-            }
-            Err(error) if orders.len() == 1 => return Err(error),
+            Err(error) if orders.len() == 1 || outage::is_unreachable(&error) => return Err(error),
             Err(error) => error,
         };
         // Nothing of the batch was written: each order again, alone, on the same connection.
@@ -341,13 +325,7 @@ async fn write_batch(kept: &db::Kept, batch: &mut Vec<Pending>, metrics: &BatchM
         let mut outcomes = Vec::with_capacity(orders.len());
         for order in &orders {
             let written = db::within(QUERY_DEADLINE, insert_orders(&mut conn, &[order])).await;
-            if written.as_ref().is_err_and(outage::is_unreachable) {
-                conn.close_on_drop();
-            }
             outcomes.push(written.map(|written| !written.is_empty()).map_err(WriteError::from));
-        }
-        if outcomes.iter().all(Result::is_ok) {
-            kept.keep(conn);
         }
         Ok(outcomes)
     };

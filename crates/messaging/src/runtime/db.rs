@@ -86,8 +86,8 @@ pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Er
 /// out; one in use more recently is handed out as it is.
 pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
-/// One connection kept between the transactions of a loop (a consumer's messages, an API writer's
-/// batches, the relay's claims) instead of going back to its pool after each (decision 0029).
+/// One connection kept between the transactions of a loop (a consumer's messages, the relay's
+/// claims) instead of going back to its pool after each (decision 0029).
 /// sqlx sends a round trip (a ping, from a task of its own) with every connection it takes back:
 /// at light load, when each transaction holds one message, one of its eight or so.
 ///
