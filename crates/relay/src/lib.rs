@@ -670,32 +670,24 @@ impl Relay {
 /// any other way (an error, a deadline, the session's end), it closes its connection rather than
 /// letting it go back to the pool: the server then rolls back what it holds.
 struct Claim {
-    /// `None` once committed.
-    connection: Option<db::Taken>,
+    connection: db::Taken,
 }
 
 impl Claim {
     async fn begin(kept: &db::Kept) -> Result<Self, sqlx::Error> {
-        let mut claim = Self { connection: Some(kept.take().await?) };
-        sqlx::query("begin").execute(&mut *claim).await?;
-        Ok(claim)
+        let mut connection = kept.take().await?;
+        // Until the commit has been answered.
+        connection.close_on_drop();
+        sqlx::query("begin").execute(&mut *connection).await?;
+        Ok(Self { connection })
     }
 
     /// Commit, and keep the connection for the next claim.
     async fn commit(mut self, kept: &db::Kept) -> Result<(), sqlx::Error> {
-        sqlx::query("commit").execute(&mut *self).await?;
-        if let Some(connection) = self.connection.take() {
-            kept.keep(connection);
-        }
+        sqlx::query("commit").execute(&mut *self.connection).await?;
+        self.connection.return_on_drop();
+        kept.keep(self.connection);
         Ok(())
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if let Some(connection) = &mut self.connection {
-            connection.close_on_drop();
-        }
     }
 }
 
@@ -703,13 +695,13 @@ impl std::ops::Deref for Claim {
     type Target = sqlx::PgConnection;
 
     fn deref(&self) -> &sqlx::PgConnection {
-        self.connection.as_deref().expect("a claim is used until it commits")
+        &self.connection
     }
 }
 
 impl std::ops::DerefMut for Claim {
     fn deref_mut(&mut self) -> &mut sqlx::PgConnection {
-        self.connection.as_deref_mut().expect("a claim is used until it commits")
+        &mut self.connection
     }
 }
 
