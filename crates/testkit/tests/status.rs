@@ -172,6 +172,52 @@ async fn the_relays_mark_of_a_batch_publishes_each_of_its_queued_jobs_once() {
     task.await.expect("api task").expect("api ran");
 }
 
+/// The marking trigger's plan is made at its first firing on a connection and kept (migration
+/// 0011). A mark of one row and then one of many on the same connection must publish them all in
+/// time that grows with the rows, not with their square. The deadline below is a hang's, not a
+/// speed's: the second mark takes about a second here, and took minutes with the trigger of 0007.
+#[tokio::test]
+async fn a_bulk_mark_after_a_one_row_mark_on_the_same_connection_publishes_every_job() {
+    const ROWS: i64 = 40_000;
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    // The jobs and their order.placed rows, queued, as the API writes them (linked by message id).
+    sqlx::query(
+        "with made as (
+             select gen_random_uuid() as order_id, gen_random_uuid() as job_id, gen_random_uuid() as message_id
+               from generate_series(1, $1)),
+         orders as (insert into orders (id, customer_id) select order_id, 'c' from made),
+         jobs as (insert into jobs (id, order_id, order_placed_message_id)
+                  select job_id, order_id, message_id from made)
+         insert into outbox (message_id, message_type, exchange, routing_key, payload)
+         select message_id, 'order.placed', 'orders', 'order.placed', '{}' from made",
+    )
+    .bind(ROWS)
+    .execute(&pool)
+    .await
+    .expect("orders, jobs and outbox rows");
+
+    let mut connection = pool.acquire().await.expect("connection");
+    sqlx::query("set statement_timeout = '30s'").execute(&mut *connection).await.expect("timeout");
+    let one = "update outbox set published_at = now() where id = (select min(id) from outbox)";
+    sqlx::query(one).execute(&mut *connection).await.expect("mark one row");
+    let rest = sqlx::query("update outbox set published_at = now() where published_at is null")
+        .execute(&mut *connection)
+        .await
+        .expect("mark every other row within the deadline");
+    assert_eq!(rest.rows_affected(), u64::try_from(ROWS - 1).expect("rows"));
+
+    let (published, stamped): (i64, i64) = sqlx::query_as(
+        "select count(*) filter (where j.state = 'published'),
+                count(*) filter (where j.published_at = o.published_at)
+           from jobs j join outbox o on o.message_id = j.order_placed_message_id",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("jobs");
+    assert_eq!((published, stamped), (ROWS, ROWS), "every job published, at its row's mark");
+}
+
 #[tokio::test]
 async fn with_the_live_page_off_neither_the_page_nor_its_data_is_served() {
     let (api, trigger, task) = start_api_with(&["--live-page", "off"]).await;
