@@ -202,19 +202,18 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
 }
 
 impl OutboxDb {
-    /// At start-up: a certificate that does not verify, credentials the server refuses, or a
-    /// missing grant on an outbox that exists, is a [`StartupError`]. A database that is not
-    /// there yet (or not reachable) is waited for by its loop.
+    /// At start-up: a certificate that does not verify, or credentials the server refuses, is a
+    /// [`StartupError`]. A database that is not there yet (or not reachable), its outbox, and the
+    /// relay's grants on it are waited for by its loop ([`Relay::wait_for_outbox`]): the service
+    /// creates the outbox with its first migration and grants the relay its rights only after
+    /// the last, and the relay may start in between.
     async fn check(&self) -> Result<(), StartupError> {
         let refused = |reason: String| StartupError(format!("the database at {}: {reason}", self.url));
         if let Some(reason) = messaging::runtime::tls::unreadable_postgres_file(self.url.expose()) {
             return Err(refused(reason));
         }
         match db::within(db::QUERY_DEADLINE, self.outbox_exists()).await {
-            Ok(true) => db::check_table_grants(&self.pool, &["outbox".to_owned()], &OUTBOX_GRANTS)
-                .await
-                .map_err(|error| refused(db::describe(&error))),
-            Ok(false) => Ok(()),
+            Ok(_) => Ok(()),
             Err(error) => match messaging::outage::verification_failure(&error) {
                 Some(reason) => Err(refused(format!("TLS: {reason}"))),
                 None if outage::is_unreachable(&error) => Ok(()),
@@ -325,29 +324,31 @@ impl Relay {
         tracing::info!("relay stopped");
     }
 
-    /// Wait, quietly, until the database exists and has its outbox: the service that owns it creates
-    /// and migrates it, and may start after the relay. Asked through the server's `postgres`
-    /// database, so that waiting costs no failed connection (and no FATAL in the server's log).
-    /// `false` if shutdown came first.
     /// Wait until its service has created and migrated the database, and the relay's role holds
-    /// its grants on the outbox (a missing one is logged by name, and checked again, so that a
-    /// DBA's `GRANT` takes effect without a restart).
+    /// its grants on the outbox: the service that owns the database creates and migrates it, and
+    /// may start after the relay. A missing grant is logged by name, once, and checked again, so
+    /// that the service's grant, or a DBA's, takes effect without a restart; meanwhile `/readyz`
+    /// lists this loop as failing. `false` if shutdown came first.
     async fn wait_for_outbox(&self, shutdown: &Shutdown) -> bool {
         let mut waiting = false;
         let mut refused = None;
+        let outbox = ["outbox".to_owned()];
+        let grants = || db::check_table_grants(&self.db.pool, &outbox, &OUTBOX_GRANTS);
         loop {
             match db::within(db::QUERY_DEADLINE, self.db.outbox_exists()).await {
-                Ok(true) => match db::check_table_grants(&self.db.pool, &["outbox".to_owned()], &OUTBOX_GRANTS).await {
+                Ok(true) => match db::within(db::QUERY_DEADLINE, grants()).await {
                     Ok(()) => {
                         if waiting {
                             tracing::info!("outbox found");
                         }
                         return true;
                     }
+                    // Its service grants them once migrated. If it never does (no
+                    // OUTBOX_RELAY_ROLE), this line names what a DBA must grant.
                     Err(error) => {
                         let reason = error.to_string();
                         if refused.as_ref() != Some(&reason) {
-                            tracing::error!(%reason, "cannot relay this outbox");
+                            tracing::warn!(%reason, "waiting for the relay's grants on this outbox");
                             refused = Some(reason);
                         }
                     }

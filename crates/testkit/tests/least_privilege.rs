@@ -138,6 +138,40 @@ async fn a_missing_grant_stops_the_service_and_is_named() {
     shop.stop().await;
 }
 
+/// A service creates its outbox with its first migration and grants the relay its rights after
+/// its last, and the relay may start in between (every `docker compose up` races them). The relay
+/// then waits for the grant, not ready, rather than exiting, and relays once the service has made
+/// it.
+#[tokio::test]
+async fn a_relay_started_before_its_services_grant_waits_for_it_and_then_relays() {
+    let mut shop = least_privilege_shop().await;
+    shop.kill(Service::Relay).await;
+    shop.kill(Service::Api).await;
+    // The orders outbox as its service leaves it between its migrations and its grant.
+    let relay = role(&shop, "relay");
+    sqlx::query(sqlx::AssertSqlSafe(format!("revoke select, update, delete on outbox from \"{relay}\"")))
+        .execute(&shop.orders)
+        .await
+        .expect("revoke");
+    shop.process(Service::Relay).start();
+    let orders_loop = format!("relay:{}", role(&shop, "orders"));
+    testkit::eventually("the relay to say its orders loop is not ready", testkit::shop::WAIT, || async {
+        let response = shop.readyz(Service::Relay).await.ok()?;
+        let body = response.json();
+        let failing = body["failing"].as_array()?.iter().filter_map(serde_json::Value::as_str).collect::<Vec<_>>();
+        (response.status == 503 && failing == [orders_loop.as_str()]).then_some(())
+    })
+    .await;
+    assert_eq!(shop.process(Service::Relay).check_running(), Ok(true), "the relay waits, it does not exit");
+
+    // The orders service starts again: its migrations are done, and it grants.
+    shop.restart(Service::Api).await;
+    shop.wait_ready(Service::Relay).await;
+    let job = shop.place(&[("SKU-1", 1)]).await;
+    shop.wait_for_state(job, "succeeded").await;
+    shop.stop().await;
+}
+
 #[test]
 fn the_demo_broker_s_definitions_are_what_users_sh_makes() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
