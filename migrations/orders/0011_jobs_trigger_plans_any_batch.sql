@@ -7,8 +7,8 @@
 -- it left) may run on a pooled connection that marked one row before.
 --
 -- Now the two tables are never joined to each other. Their rows are grouped by message_id, which
--- is unique in the outbox: a message published by this statement has two rows, its old one
--- unpublished and its new one published. Whatever size the plan was made for, that grouping is a
+-- is unique in the outbox and never updated: a message published by this statement has two rows,
+-- its old one unpublished and its new one published. Whatever size the plan was made for, that grouping is a
 -- sort or a hash of the statement's rows, and each job is found by its index. The rule is
 -- unchanged: a job whose order.placed has just been published is `published` if it was `queued`,
 -- and keeps its first `published_at`. The trigger still runs as its owner (0008).

@@ -345,13 +345,15 @@ impl Relay {
                     }
                     // Its service grants them once migrated. If it never does (no
                     // OUTBOX_RELAY_ROLE), this line names what a DBA must grant.
-                    Err(error) => {
+                    Err(error @ sqlx::Error::Configuration(_)) => {
                         let reason = error.to_string();
                         if refused.as_ref() != Some(&reason) {
                             tracing::warn!(%reason, "waiting for the relay's grants on this outbox");
                             refused = Some(reason);
                         }
                     }
+                    Err(error) if !waiting => tracing::warn!(%error, "cannot check the relay's grants; waiting"),
+                    Err(_) => {}
                 },
                 Ok(false) if !waiting => {
                     tracing::info!("waiting for its service to create and migrate the database");
