@@ -106,6 +106,9 @@ pub struct Offered {
     pub in_flight: Vec<(f64, usize)>,
     /// When the window ended, by the wall clock.
     pub window_end: SystemTime,
+    /// How far the wall clock moved against the monotonic one over the phase: beyond
+    /// [`CLOCK_MOVED`], the machine was paused or its clock stepped, and the phase measured that.
+    pub clock_moved: Duration,
 }
 
 /// Offer `phase` to the API at `api` (host:port), orders of `catalog`; the orders in flight are
@@ -123,8 +126,13 @@ pub async fn offer(api: &str, catalog: Catalog, phase: Phase, orders_db: &PgPool
     let counter = InFlight { due: Arc::clone(&due), start, answers: Arc::clone(&answers) };
     let sampler = tokio::spawn(counter.count(orders_db.clone(), phase.warm_up, phase.window));
     let mut requests = JoinSet::new();
+    // Each order's due time by the wall clock, read when it is sent: a wall clock stepped or slewed
+    // against the monotonic one meanwhile (a VM paused or restored) then shifts no order's latency
+    // but those in flight across the step, which `clock_moved` reports.
+    let mut due_wall = Vec::with_capacity(due.len());
     for (index, at) in due.iter().enumerate() {
         tokio::time::sleep_until((start + *at).into()).await;
+        due_wall.push(wall_at(start + *at));
         let (url, idle, connections, answers) =
             (url.clone(), Arc::clone(&idle), Arc::clone(&connections), Arc::clone(&answers));
         requests.spawn(async move {
@@ -143,10 +151,19 @@ pub async fn offer(api: &str, catalog: Catalog, phase: Phase, orders_db: &PgPool
     let window_start_secs = phase.warm_up.as_secs_f64();
     let orders = due
         .iter()
+        .zip(due_wall)
         .zip(jobs)
-        .map(|(at, job)| Offer { due: start_wall + *at, into_window: at.as_secs_f64() - window_start_secs, job })
+        .map(|((at, due), job)| Offer { due, into_window: at.as_secs_f64() - window_start_secs, job })
         .collect();
-    Offered { phase, orders, in_flight, window_end: start_wall + phase.warm_up + phase.window }
+    let wall_elapsed = SystemTime::now().duration_since(start_wall).unwrap_or_default();
+    let clock_moved = wall_elapsed.abs_diff(start.elapsed());
+    let window_end = wall_at(start + phase.warm_up + phase.window);
+    Offered { phase, orders, in_flight, window_end, clock_moved }
+}
+
+/// `instant`, past, by the wall clock as it reads now.
+fn wall_at(instant: Instant) -> SystemTime {
+    SystemTime::now() - instant.elapsed()
 }
 
 /// POST order `index` of `catalog`, on an idle connection or a new one; its job if accepted.
@@ -378,6 +395,10 @@ impl Verdict {
 
 /// The least share of a window's orders that must complete.
 const COMPLETE: f64 = 0.99;
+/// The most the wall clock may move against the monotonic one over a phase. Once a full run's
+/// latency phases (2026-12-05) saw a VM restored mid-run: the wall clock stepped 29 s, then drifted
+/// 5 ms a second, and every order looked 128 ms late at p50.
+const CLOCK_MOVED: Duration = Duration::from_millis(50);
 /// The most the last third's p99 may be of the first third's.
 const P99_GROWTH: f64 = 1.5;
 
@@ -439,6 +460,10 @@ impl Offered {
         let p99_grew = p99_first.is_nan() || p99_last.is_nan() || p99_last > p99_first * P99_GROWTH;
         if p99_grew {
             failures.push(format!("p99 {p99_first:.0} -> {p99_last:.0} ms from the first third to the last"));
+        }
+        if self.clock_moved > CLOCK_MOVED {
+            let moved = self.clock_moved.as_millis();
+            failures.push(format!("the wall clock moved {moved} ms against the monotonic one: the machine paused"));
         }
         Verdict {
             completed_share,
@@ -533,7 +558,7 @@ impl Search {
 mod tests {
     use std::time::Duration;
 
-    use super::{Arrivals, Search, schedule, slope};
+    use super::{Arrivals, Ends, Offer, Offered, Phase, Search, schedule, slope};
 
     #[test]
     fn an_even_schedule_is_evenly_spaced_and_a_poisson_one_keeps_its_mean_rate() {
@@ -589,5 +614,38 @@ mod tests {
             nothing.record(rate, false);
         }
         assert_eq!(nothing.capacity(), None);
+    }
+
+    /// A phase whose orders all succeeded 20 ms after they were due passes, unless the wall clock
+    /// moved against the monotonic one meanwhile: then it measured the machine, not the shop.
+    #[test]
+    fn a_phase_passes_on_its_orders_unless_the_machine_s_clocks_moved_apart() {
+        let phase = Phase {
+            rate: 10.0,
+            arrivals: Arrivals::Even,
+            warm_up: Duration::ZERO,
+            window: Duration::from_secs(30),
+            seed: 1,
+        };
+        let start = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let mut ended = std::collections::HashMap::new();
+        let orders: Vec<Offer> = (0..300_u32)
+            .map(|i| {
+                let into_window = f64::from(i) / 10.0;
+                let due = start + Duration::from_secs_f64(into_window);
+                let job = uuid::Uuid::from_u128(u128::from(i));
+                ended.insert(job, (due + Duration::from_millis(20), true));
+                Offer { due, into_window, job: Some(job) }
+            })
+            .collect();
+        let in_flight = (0..60).map(|i| (f64::from(i) / 2.0, 2)).collect();
+        let ends = Ends { ended, gave_up: start + Duration::from_secs(60) };
+        let window_end = start + phase.window;
+        let mut offered = Offered { phase, orders, in_flight, window_end, clock_moved: Duration::from_millis(3) };
+        assert!(offered.verdict(&ends).sustained(), "{:?}", offered.verdict(&ends).failures);
+        offered.clock_moved = Duration::from_secs(29);
+        let verdict = offered.verdict(&ends);
+        assert!(!verdict.sustained());
+        assert_eq!(verdict.failures.len(), 1, "{:?}", verdict.failures);
     }
 }
