@@ -1,6 +1,6 @@
-//! `db::Kept`, the connection a loop keeps between its transactions (the consumers', the API
-//! writers', the relay's claims) instead of handing it back to the pool after each: kept only
-//! after clean work, never with a transaction left open, checked after a second idle, and let go
+//! `db::Kept`, the connection a loop keeps between its transactions (the consumers', the relay's
+//! claims) instead of handing it back to the pool after each: kept only after clean work, never
+//! with a transaction left open, checked after a second idle (and only then), and let go
 //! when connections are retired. Against a real Postgres, through the pool the services open.
 //!
 //! Retiring connections is the process's, and lasts: the test that does it runs alone
@@ -139,6 +139,29 @@ async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
 
     let mut conn = kept.take().await.expect("take after the break");
     assert_ne!(backend(&mut conn).await, pid, "the broken connection was handed out");
+}
+
+/// The API's pool checks each connection it hands out, so that a request finds a stalled
+/// database within 2 s; the status consumer's kept connection, on that pool, is checked only after
+/// a second idle, as every loop's: its work has its own deadline. Taken again at once through a
+/// stalled proxy, it comes back without waiting for an answer.
+#[tokio::test]
+async fn a_kept_connection_used_again_within_a_second_is_not_checked_even_on_a_pool_that_checks_each() {
+    let _alone = RETIREMENT.read().await;
+    let env = TestEnv::new().await;
+    env.pool("kept").await.close().await;
+    let (proxy, url) = Proxy::for_url(&env.database_url("kept")).await.expect("proxy");
+    let options: PgConnectOptions = url.parse().expect("database url");
+    let pool = db::pool_options(1, Duration::from_secs(5), true).connect_lazy_with(options);
+    let kept = Kept::new(pool.clone());
+
+    let (conn, pid) = take(&kept).await;
+    kept.keep(conn);
+    proxy.stall();
+    let taken = tokio::time::timeout(Duration::from_millis(500), kept.take()).await;
+    proxy.restore();
+    let mut conn = taken.expect("the take waited for a check through the stalled proxy").expect("take");
+    assert_eq!(backend(&mut conn).await, pid, "the kept connection serves the next transaction");
 }
 
 #[tokio::test]

@@ -93,8 +93,8 @@ pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 ///
 /// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped after an
 /// error goes back to the pool as before, whose ping closes it if it is broken; one given up
-/// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked as the
-/// pool checks its own ([`Kept::take`]), and let go when it may be on a node that refused a write
+/// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked after a
+/// second idle ([`Kept::take`]), and let go when it may be on a node that refused a write
 /// (`retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for its
 /// `max_lifetime`; a loop that stays idle holds it until its next take. Tasks that share one take
 /// turns with it: a task that finds it taken gets another from the pool, and the spare goes back
@@ -123,11 +123,14 @@ impl Kept {
 
     /// The kept connection, if there is one still fit to use, or else one from the pool.
     ///
-    /// Checked as the pool would check it: with a round trip when it has been idle for
-    /// [`CHECK_IF_IDLE_FOR`], or every time on a pool that checks each connection it hands out
-    /// (the API's: `PoolSettings::check_each_acquire`, decision 0018). That round trip has the
-    /// pool's acquire timeout: a database that does not answer within it is an outage
-    /// (`PoolTimedOut`), as it is when the pool's own check goes unanswered. Closed instead, as the
+    /// Checked with a round trip when it has been idle for [`CHECK_IF_IDLE_FOR`], even on a pool
+    /// that checks each connection it hands out (the API's: `PoolSettings::check_each_acquire`,
+    /// decision 0018). That pool checks each so that a request finds a stalled database within
+    /// its acquire timeout and answers 503; a loop's work has a deadline of its own (a handler's,
+    /// a query's), and a check on every take would be one more round trip in each of its
+    /// transactions. The check has the pool's acquire timeout: a database that does not answer
+    /// within it is an outage (`PoolTimedOut`), as it is when the pool's own check goes
+    /// unanswered. Closed instead, as the
     /// pool closes its own: one that failed its check, one retired, one idle for the pool's
     /// `idle_timeout`, or out of it for its `max_lifetime` (counted from when it left the pool,
     /// which sqlx does not say).
@@ -141,7 +144,7 @@ impl Kept {
                 || options.get_idle_timeout().is_some_and(|timeout| idle_for >= timeout)
             {
                 taken.closing = true;
-            } else if !options.get_test_before_acquire() && idle_for < CHECK_IF_IDLE_FOR {
+            } else if idle_for < CHECK_IF_IDLE_FOR {
                 return Ok(taken);
             } else {
                 // One that fails is closed: back in the pool, sqlx's round trip on its return
