@@ -2,8 +2,8 @@
 //! in the order their outbox rows committed, through the relay and two consumer instances (one
 //! batching, one not), while some messages fail twice before they succeed (as FLAKY-1 does): a
 //! message that arrives before its key's earlier one is applied waits, and other keys keep
-//! flowing. It waits only for the types it takes, and a message parked before its turn gives up
-//! its place.
+//! flowing. It waits only for the types it takes, a message parked before its turn gives up its
+//! place, and a second copy of an applied message changes nothing.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -250,6 +250,43 @@ async fn a_parked_message_lets_its_key_go_on() {
     .await;
     assert_eq!(handled(&running.health, "parked"), 1);
     assert_eq!(positions(&pool).await, (vec![5], 0));
+    running.stop().await;
+}
+
+/// A second copy of a message already applied (as a relay that crashed between the broker's
+/// confirm and its mark publishes one) is a duplicate: its inbox row and its turn are one
+/// statement, which takes no turn for a copy, so it is neither applied again nor sent to wait, and
+/// its key stays where it is.
+#[tokio::test]
+async fn a_second_copy_of_an_applied_message_is_a_duplicate_and_leaves_its_key() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    for round in 1..=3 {
+        enqueue(&pool, &Step { key: "k".into(), round, flaky: false, poison: false }).await;
+    }
+    let running = Running::start(&env, &pool, &endpoint, &policy).await;
+    eventually("the steps to be applied", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![1, 2, 3])).then_some(())
+    })
+    .await;
+    eventually("the steps to be marked published", Duration::from_secs(30), || async {
+        let unpublished: i64 =
+            sqlx::query_scalar("select count(*) from outbox where published_at is null").fetch_one(&pool).await.ok()?;
+        (unpublished == 0).then_some(())
+    })
+    .await;
+    // The last step's row unpublished again: the relay sends a second copy of it.
+    sqlx::query("update outbox set published_at = null where id = (select max(id) from outbox)")
+        .execute(&pool)
+        .await
+        .expect("unpublish");
+    eventually("the copy to be handled as a duplicate", Duration::from_secs(30), || async {
+        (handled(&running.health, "duplicate") == 1).then_some(())
+    })
+    .await;
+    assert_eq!(applied(&pool).await.get("k"), Some(&vec![1, 2, 3]), "the copy was applied again");
+    assert_eq!(positions(&pool).await, (vec![4], 0), "the copy moved its key");
+    assert_eq!(handled(&running.health, "deferred"), 0, "the copy was sent to wait");
     running.stop().await;
 }
 

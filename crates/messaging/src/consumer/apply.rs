@@ -93,7 +93,7 @@ impl<H: Handler> Runtime<H> {
         applied
     }
 
-    /// Inbox row, turn, handler, commit: all or nothing. A message the inbox has seen changes
+    /// Inbox row and turn, handler, commit: all or nothing. A message the inbox has seen changes
     /// nothing (`Duplicate`), nor does one that waits for its key's turn: its transaction rolls
     /// back.
     ///
@@ -112,13 +112,26 @@ impl<H: Handler> Runtime<H> {
         applied
     }
 
-    /// [`Self::transaction`]'s work, on `conn`.
+    /// [`Self::transaction`]'s work, on `conn`. On an endpoint ordered by key, the inbox row and
+    /// the turn are one statement.
     async fn message_transaction(&self, conn: &mut Taken, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = conn.begin().await?;
-        if !inbox::record(&mut tx, message.message_id, &message.message_type, self.settings.endpoint.name).await? {
-            return Ok(Applied::Duplicate);
-        }
-        if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, message).await? {
+        let endpoint = &self.settings.endpoint;
+        let turn = match &message.ordering {
+            Some(ordering) if endpoint.ordered_by_key => {
+                let Some(turn) = ordering::record_and_take_turn(&mut tx, endpoint, message, ordering).await? else {
+                    return Ok(Applied::Duplicate);
+                };
+                Some(turn)
+            }
+            _ => {
+                if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint.name).await? {
+                    return Ok(Applied::Duplicate);
+                }
+                None
+            }
+        };
+        if let Some(Turn::Waits { follows }) = turn {
             return Ok(Applied::Waits { follows });
         }
         self.handler.handle(message, &mut tx).await?;

@@ -22,7 +22,7 @@
 //! both moves is in the migration, as two functions (`inbox_take_turn`, `inbox_give_up_place`).
 
 use lapin::types::AMQPValue;
-use messaging_core::envelope::{self, Ordering};
+use messaging_core::envelope::{self, Incoming, Ordering};
 use sqlx::PgConnection;
 
 use super::{Handler, Runtime, acks::InFlight};
@@ -59,6 +59,35 @@ pub(super) async fn take_turn(tx: &mut PgConnection, endpoint: &Endpoint, orderi
         .fetch_one(tx)
         .await?;
     Ok(turn(ordering.seq, follows, was))
+}
+
+/// The message's inbox row ([`inbox::record`](messaging_core::inbox::record)), then its turn as
+/// [`take_turn`] takes it, in one statement: one round trip of a transaction instead of two.
+/// `None`: the inbox had seen the message, and no turn was taken.
+pub(super) async fn record_and_take_turn(
+    tx: &mut PgConnection,
+    endpoint: &Endpoint,
+    message: &Incoming,
+    ordering: &Ordering,
+) -> sqlx::Result<Option<Turn>> {
+    let follows = ordering.follows(|message_type| endpoint.takes(message_type));
+    let was: Option<i64> = sqlx::query_scalar(
+        "with recorded as (
+            insert into inbox (message_id, message_type, endpoint) values ($1, $2, $3)
+            on conflict (message_id) do nothing
+            returning 1
+         )
+         select inbox_take_turn($3, $4, $5, $6) from recorded",
+    )
+    .bind(message.message_id)
+    .bind(&message.message_type)
+    .bind(endpoint.name)
+    .bind(&ordering.key)
+    .bind(ordering.seq)
+    .bind(follows)
+    .fetch_optional(tx)
+    .await?;
+    Ok(was.map(|was| turn(ordering.seq, follows, was)))
 }
 
 /// The turn of the message at place `seq` that follows place `follows`, its key's next place
