@@ -115,6 +115,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         acquire_timeout: std::time::Duration::from_secs(2),
         timeouts: schema.timeouts,
         // A stalled database found at the acquire, within those 2 s, not at the query deadline.
+        // (Not by the status consumer's kept connection: its handler deadline finds it.)
         check_each_acquire: true,
     };
     let Some(pool) = db::open(schema.database(database_url), &MIGRATOR, settings, &shutdown).await? else {

@@ -31,6 +31,15 @@ async fn pool(env: &TestEnv) -> PgPool {
     pool_of(env, 4).await
 }
 
+/// A pool of one connection, as the services open theirs, through a proxy that can stall; with
+/// sqlx's check on every hand-out if `check_each_acquire` (the API's pool).
+async fn proxied_pool(env: &TestEnv, check_each_acquire: bool) -> (Proxy, PgPool) {
+    env.pool("kept").await.close().await;
+    let (proxy, url) = Proxy::for_url(&env.database_url("kept")).await.expect("proxy");
+    let options: PgConnectOptions = url.parse().expect("database url");
+    (proxy, db::pool_options(1, Duration::from_secs(5), check_each_acquire).connect_lazy_with(options))
+}
+
 /// A connection from `kept`, and its server process's id.
 async fn take(kept: &Kept) -> (Taken, i32) {
     let mut conn = kept.take().await.expect("take");
@@ -149,10 +158,7 @@ async fn a_kept_connection_that_broke_while_idle_is_found_before_it_is_used() {
 async fn a_kept_connection_used_again_within_a_second_is_not_checked_even_on_a_pool_that_checks_each() {
     let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
-    env.pool("kept").await.close().await;
-    let (proxy, url) = Proxy::for_url(&env.database_url("kept")).await.expect("proxy");
-    let options: PgConnectOptions = url.parse().expect("database url");
-    let pool = db::pool_options(1, Duration::from_secs(5), true).connect_lazy_with(options);
+    let (proxy, pool) = proxied_pool(&env, true).await;
     let kept = Kept::new(pool.clone());
 
     let (conn, pid) = take(&kept).await;
@@ -188,11 +194,8 @@ async fn a_kept_connection_is_let_go_when_connections_are_retired() {
 async fn a_begin_given_up_before_its_answer_closes_the_connection() {
     let _alone = RETIREMENT.read().await;
     let env = TestEnv::new().await;
-    env.pool("kept").await.close().await;
-    let (proxy, url) = Proxy::for_url(&env.database_url("kept")).await.expect("proxy");
-    let options: PgConnectOptions = url.parse().expect("database url");
     // One connection: the next take gets the same one if it went back to the pool.
-    let pool = db::pool_options(1, Duration::from_secs(5), false).connect_lazy_with(options);
+    let (proxy, pool) = proxied_pool(&env, false).await;
     let kept = Kept::new(pool.clone());
 
     let mut conn = kept.take().await.expect("take");

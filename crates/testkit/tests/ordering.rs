@@ -275,18 +275,20 @@ async fn a_second_copy_of_an_applied_message_is_a_duplicate_and_leaves_its_key()
         (unpublished == 0).then_some(())
     })
     .await;
+    // Rounds delivered together may have waited for each other: counted from here on.
+    let (deferred, duplicates) = (handled(&running.health, "deferred"), handled(&running.health, "duplicate"));
     // The last step's row unpublished again: the relay sends a second copy of it.
     sqlx::query("update outbox set published_at = null where id = (select max(id) from outbox)")
         .execute(&pool)
         .await
         .expect("unpublish");
     eventually("the copy to be handled as a duplicate", Duration::from_secs(30), || async {
-        (handled(&running.health, "duplicate") == 1).then_some(())
+        (handled(&running.health, "duplicate") == duplicates + 1).then_some(())
     })
     .await;
     assert_eq!(applied(&pool).await.get("k"), Some(&vec![1, 2, 3]), "the copy was applied again");
     assert_eq!(positions(&pool).await, (vec![4], 0), "the copy moved its key");
-    assert_eq!(handled(&running.health, "deferred"), 0, "the copy was sent to wait");
+    assert_eq!(handled(&running.health, "deferred"), deferred, "the copy was sent to wait");
     running.stop().await;
 }
 

@@ -64,6 +64,13 @@ pub(super) async fn take_turn(tx: &mut PgConnection, endpoint: &Endpoint, orderi
 /// The message's inbox row ([`inbox::record`](messaging_core::inbox::record)), then its turn as
 /// [`take_turn`] takes it, in one statement: one round trip of a transaction instead of two.
 /// `None`: the inbox had seen the message, and no turn was taken.
+///
+/// The insert runs to its end first (a data-modifying CTE always does, waiting on a concurrent
+/// copy's row if there is one), and `inbox_take_turn` runs once for each row it returns: once for a
+/// new message, never for a copy. That holds while the function stays `volatile` (the default);
+/// one declared `stable` could be evaluated apart from the rows. Both lock waits, the inbox row's
+/// and the key's, now fall under one `statement_timeout`, which ends the transaction as a
+/// transient failure, retried as a `lock_timeout` is.
 pub(super) async fn record_and_take_turn(
     tx: &mut PgConnection,
     endpoint: &Endpoint,

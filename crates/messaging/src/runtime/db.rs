@@ -293,7 +293,9 @@ pub struct PoolSettings {
     /// Check every connection with a round trip as it is handed out (sqlx's default), instead of
     /// only one idle for [`CHECK_IF_IDLE_FOR`] ([`pool_options`]). A connection to a database that
     /// went silent is then found within `acquire_timeout` rather than at [`QUERY_DEADLINE`]: the
-    /// API sets it, so that a client waiting on a stalled database gets its 503 in seconds.
+    /// API sets it, so that a client waiting on a stalled database gets its 503 in seconds. A
+    /// loop's kept connection ([`Kept`]) is checked only after a second idle even then: a loop's
+    /// work has its own deadline.
     pub check_each_acquire: bool,
 }
 
