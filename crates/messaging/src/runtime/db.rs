@@ -130,10 +130,9 @@ impl Kept {
     /// a query's), and a check on every take would be one more round trip in each of its
     /// transactions. The check has the pool's acquire timeout: a database that does not answer
     /// within it is an outage (`PoolTimedOut`), as it is when the pool's own check goes
-    /// unanswered. Closed instead, as the
-    /// pool closes its own: one that failed its check, one retired, one idle for the pool's
-    /// `idle_timeout`, or out of it for its `max_lifetime` (counted from when it left the pool,
-    /// which sqlx does not say).
+    /// unanswered. Closed instead, as the pool closes its own: one that failed its check, one
+    /// retired, one idle for the pool's `idle_timeout`, or out of it for its `max_lifetime`
+    /// (counted from when it left the pool, which sqlx does not say).
     pub async fn take(&self) -> Result<Taken, sqlx::Error> {
         let kept = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         if let Some((mut taken, idle_since)) = kept {
