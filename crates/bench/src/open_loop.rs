@@ -463,7 +463,9 @@ impl Offered {
         }
         if self.clock_moved > CLOCK_MOVED {
             let moved = self.clock_moved.as_millis();
-            failures.push(format!("the wall clock moved {moved} ms against the monotonic one: the machine paused"));
+            failures.push(format!(
+                "the wall clock moved {moved} ms against the monotonic one: the machine paused or its clock stepped"
+            ));
         }
         Verdict {
             completed_share,

@@ -1,7 +1,10 @@
 //! The transaction of one message, or of one batch: inbox row, handler, commit, all or nothing,
 //! within the handler timeout.
 
-use messaging_core::{envelope::Incoming, inbox, trace};
+use messaging_core::{
+    envelope::{Incoming, Ordering},
+    inbox, trace,
+};
 use sqlx::PgConnection;
 use tracing::Instrument;
 use uuid::Uuid;
@@ -117,14 +120,14 @@ impl<H: Handler> Runtime<H> {
     async fn message_transaction(&self, conn: &mut Taken, message: &Incoming) -> Result<Applied, HandlerError> {
         let mut tx = conn.begin().await?;
         let endpoint = &self.settings.endpoint;
-        let turn = match &message.ordering {
-            Some(ordering) if endpoint.ordered_by_key => {
+        let turn = match self.keyed(message) {
+            Some(ordering) => {
                 let Some(turn) = ordering::record_and_take_turn(&mut tx, endpoint, message, ordering).await? else {
                     return Ok(Applied::Duplicate);
                 };
                 Some(turn)
             }
-            _ => {
+            None => {
                 if !inbox::record(&mut tx, message.message_id, &message.message_type, endpoint.name).await? {
                     return Ok(Applied::Duplicate);
                 }
@@ -141,12 +144,15 @@ impl<H: Handler> Runtime<H> {
 
     /// On an endpoint ordered by key, the turn of a message that carries a key (`None` otherwise).
     async fn take_turn(&self, tx: &mut PgConnection, message: &Incoming) -> sqlx::Result<Option<Turn>> {
-        match &message.ordering {
-            Some(ordering) if self.settings.endpoint.ordered_by_key => {
-                ordering::take_turn(tx, &self.settings.endpoint, ordering).await.map(Some)
-            }
-            _ => Ok(None),
+        match self.keyed(message) {
+            Some(ordering) => ordering::take_turn(tx, &self.settings.endpoint, ordering).await.map(Some),
+            None => Ok(None),
         }
+    }
+
+    /// The message's place among its key's, if it carries one and the endpoint is ordered by key.
+    fn keyed<'m>(&self, message: &'m Incoming) -> Option<&'m Ordering> {
+        message.ordering.as_ref().filter(|_| self.settings.endpoint.ordered_by_key)
     }
 }
 
