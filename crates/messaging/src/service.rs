@@ -238,7 +238,7 @@ impl<F: FromArgMatches> BinarySettings for Settings<F> {
     }
 
     fn check(&self) -> Result<(), String> {
-        self.common.consumer.check_inbox_retention()
+        self.common.consumer.check()
     }
 }
 

@@ -81,7 +81,7 @@ impl BinarySettings for Config {
     }
 
     fn check(&self) -> Result<(), String> {
-        self.common.consumer.check_inbox_retention()
+        self.common.consumer.check()
     }
 }
 

@@ -146,3 +146,25 @@ async fn a_broker_node_list_that_is_not_one_broker_stops_every_service() {
         assert!(!said.contains("s3cret"), "{service:?}: {said}");
     }
 }
+
+/// Every consuming service refuses retry tiers under which a message waiting for an earlier one
+/// of its key is parked before that one has used up its retries (issue 56, row 7: an
+/// `order.ended` parked while its `order.placed` still retries leaves the order `compensating`):
+/// exit 2 before it connects to anything, naming the setting, nothing written.
+#[tokio::test]
+async fn retry_tiers_that_would_park_a_waiting_message_first_stop_every_consumer() {
+    for service in [Service::Api, Service::Inventory, Service::Billing] {
+        let mut command = tokio::process::Command::new(process::binary(service.binary()));
+        command
+            .env_clear()
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+            .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+            .env("RETRY_DELAYS", "10ms,30m")
+            .env("INBOX_RETENTION", "30d")
+            .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()));
+        let refused = process::run_to_exit(command, Duration::from_secs(30)).await;
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{service:?}: {said}");
+        assert!(said.contains("RETRY_DELAYS=10ms,30m with MAX_ATTEMPTS=5"), "{service:?}: {said}");
+    }
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::{
     runtime::{
         config::{RetryDelays, parse_wait},
-        duration::{describe, parse_duration},
+        duration::{describe, format_duration, parse_duration},
     },
     topology::{DEFAULT_DELIVERY_LIMIT, RetryPolicy},
 };
@@ -80,6 +80,41 @@ impl ConsumerArgs {
         RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts)
     }
 
+    /// Every start-up check of these settings: [`check_inbox_retention`](Self::check_inbox_retention),
+    /// then [`check_deferrals`](Self::check_deferrals).
+    pub fn check(&self) -> Result<(), String> {
+        self.check_inbox_retention()?;
+        self.check_deferrals()
+    }
+
+    /// Refuse retry tiers under which a message that waits for an earlier one of its key (on an
+    /// endpoint ordered by key) could be parked before that earlier one has used up its own
+    /// attempts: a waiting message is sent back to the first tier at most 10,000 times (the
+    /// consumer's `MAX_DEFERRALS`), so it waits at most that many first delays, and that must be at least twice the retry horizon (the earlier message's retries,
+    /// and as long again for its publication and its trip through the queues). Otherwise, with
+    /// `RETRY_DELAYS=10ms,30m`, an order's `order.ended` would be parked after 100 s while its
+    /// `order.placed` still had an hour of retries ahead, and the order would stay `compensating`.
+    pub fn check_deferrals(&self) -> Result<(), String> {
+        let policy = self.retry_policy();
+        let Some(&first) = policy.delays().first() else { return Ok(()) };
+        let waits = first.saturating_mul(super::decide::MAX_DEFERRALS);
+        let needed = policy.horizon().saturating_mul(2);
+        if waits >= needed {
+            return Ok(());
+        }
+        Err(format!(
+            "RETRY_DELAYS={} with MAX_ATTEMPTS={}: a message waiting for an earlier one of its key would be parked \
+             after {} ({} waits of the first tier, {}), before that earlier one has used up its {} of retries (twice \
+             that is needed): raise the first delay or shorten the later ones",
+            policy.delays().iter().map(|delay| format_duration(*delay)).collect::<Vec<_>>().join(","),
+            self.max_attempts,
+            describe(waits),
+            super::decide::MAX_DEFERRALS,
+            describe(first),
+            describe(policy.horizon()),
+        ))
+    }
+
     /// Refuse an inbox retention shorter than the latest a copy of a message can still arrive (the
     /// retry horizon plus [`LATE_COPY_MARGIN`]): such a copy would find no inbox row and be applied
     /// a second time. The message names both values.
@@ -122,5 +157,26 @@ mod tests {
         assert!(refusal.starts_with("INBOX_RETENTION=1h is shorter than the 1d 2m 36s"), "{refusal}");
         let long_retries = ["--retry-delays", "1d", "--max-attempts", "20", "--inbox-retention", "14d"];
         assert!(parse(&long_retries).check_inbox_retention().is_err(), "19 days of retries need more");
+    }
+
+    #[test]
+    fn a_message_waiting_its_turn_must_outlast_the_retries_of_the_one_it_waits_for() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            consumer: ConsumerArgs,
+        }
+        let parse = |args: &[&str]| Flags::parse_from([&["test"], args].concat()).consumer;
+        assert!(parse(&[]).check().is_ok(), "the defaults: 2h 46m 40s of waits against 2m 36s of retries");
+        assert!(parse(&["--retry-delays", "100ms,300ms"]).check_deferrals().is_ok(), "the test kit's");
+        // 10,000 waits of 10 ms against 10 ms + 3 × 30 min of retries.
+        let short = ["--retry-delays", "10ms,30m", "--inbox-retention", "30d"];
+        let refusal = parse(&short).check().expect_err("parked after 100 s, retried for 90 min");
+        assert!(refusal.starts_with("RETRY_DELAYS=10ms,30m with MAX_ATTEMPTS=5:"), "{refusal}");
+        assert!(refusal.contains("after 1m 40s") && refusal.contains("its 1h 30m"), "{refusal}");
+        // Four attempts wait X + 30 s + 30 s; 10,000 × X must reach twice that: X ≥ 12.0024 ms.
+        assert!(parse(&["--retry-delays", "13ms,30s", "--max-attempts", "4"]).check_deferrals().is_ok());
+        assert!(parse(&["--retry-delays", "12ms,30s", "--max-attempts", "4"]).check_deferrals().is_err());
     }
 }
