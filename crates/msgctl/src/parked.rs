@@ -74,7 +74,8 @@ pub enum Action {
         force: bool,
     },
     /// Delete the selected parked messages for good. A message of a job is abandoned as by
-    /// `abandon`: its job's owner ends the job and undoes what its steps did.
+    /// `abandon`: its job's owner ends the job and undoes what its steps did. Refused, ending
+    /// nothing, if it selects an undo (`order.ended`, `inventory.released`, `invoice.voided`).
     Purge {
         #[command(flatten)]
         filter: Filter,
@@ -84,7 +85,8 @@ pub enum Action {
     },
     /// End a quarantined job for good: for each of its parked messages, send a confirmed
     /// `job.abandoned` (its owner cancels the job and undoes what its steps did), then delete the
-    /// message. Nothing is deleted unless the event was taken.
+    /// message. Nothing is deleted unless the event was taken. Refused, ending nothing, if the job
+    /// has an undo parked (`order.ended`, `inventory.released`, `invoice.voided`): redrive it.
     Abandon {
         /// The job (`GET /jobs/{id}`, or `list`'s job id).
         #[arg(long)]
@@ -167,6 +169,11 @@ impl Parked {
             "parkedAt": self.parked_at.map(|at| at.to_rfc3339()),
             "reason": self.reason,
         })
+    }
+
+    /// Whether it undoes an order's steps ([`shop::is_undo`]): never purged nor abandoned.
+    fn is_undo(&self) -> bool {
+        self.message_type.as_deref().is_some_and(shop::is_undo)
     }
 
     fn line(&self) -> String {
@@ -536,8 +543,10 @@ impl Ending<'_> {
     }
 }
 
-/// End the messages `filter` selects, endpoint by endpoint, as `ending` says.
+/// End the messages `filter` selects, endpoint by endpoint, as `ending` says. Refused, with
+/// nothing ended, if it selects an undo ([`refuse_undos`]).
 async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>) -> Result<(), Failure> {
+    refuse_undos(connection, filter, ending).await?;
     let publisher = Publisher::open(connection).await?;
     let mut ended = 0;
     for endpoint in &filter.endpoint {
@@ -564,6 +573,38 @@ async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>
             Ok(())
         }
     }
+}
+
+/// Refuse to end what `filter` selects if it selects an undo ([`shop::is_undo`]): it comes after
+/// its order ended, so nothing would send it again, and the job would stay `compensating` for
+/// good. Every endpoint is read (and given back) before anything is ended, so a refusal leaves
+/// every message parked. Each undo is named, with what to do instead.
+async fn refuse_undos(connection: &Connection, filter: &Filter, ending: Ending<'_>) -> Result<(), Failure> {
+    let mut undos = Vec::new();
+    for endpoint in &filter.endpoint {
+        let held = Held::read(connection, endpoint).await?;
+        for index in held.selected(filter) {
+            let parked = &held.messages[index];
+            if parked.is_undo() {
+                undos.push(format!("{endpoint}  {}", parked.line()));
+            }
+        }
+        held.give_back().await?;
+    }
+    if undos.is_empty() {
+        return Ok(());
+    }
+    let verb = match ending {
+        Ending::Purge { .. } => "purge",
+        Ending::Abandon { .. } => "abandon",
+    };
+    Err(Failure::Described(format!(
+        "{verb} would end {} undo message(s), which come after their order ended and are sent by nothing else: \
+         their jobs would stay compensating and what the orders took stay taken. Nothing was ended. Redrive them \
+         once their cause is mended, or leave them out (--type, --reason, --job): {}",
+        undos.len(),
+        undos.join("; ")
+    )))
 }
 
 /// What to do when a job event reaches no queue (no status consumer is bound).
@@ -595,6 +636,10 @@ async fn end_held(
         // A parked job event is only deleted: abandoning it would send another job event of the
         // same job, which the owner parks in turn if it cannot apply it, and so on.
         let job_event = parked.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
+        if parked.is_undo() {
+            // Parked between `refuse_undos`' read and this one: kept, as it would have been refused.
+            continue;
+        }
         if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {
             let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
             send_job_event(publisher, &event, ending.unroutable()).await?;

@@ -27,6 +27,15 @@ pub mod exchanges {
     pub const BILLING: &str = "billing";
 }
 
+/// Whether `message_type` undoes an order's steps, or answers that it did: `order.ended` (which
+/// inventory and billing act on) and their answers `inventory.released` and `invoice.voided`.
+/// Such a message comes after the order has ended, so nothing would send it again: deleted while
+/// parked, its job stays `compensating` and what the order took stays taken. `msgctl` refuses to
+/// purge or abandon one; the list is every undo contract below, and a new one goes in it too.
+pub fn is_undo(message_type: &str) -> bool {
+    [OrderEnded::TYPE, InventoryReleased::TYPE, InvoiceVoided::TYPE].contains(&message_type)
+}
+
 /// One line of an order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

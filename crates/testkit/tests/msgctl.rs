@@ -273,3 +273,56 @@ async fn a_redrive_the_broker_refuses_leaves_the_message_parked_and_its_job_quar
         .expect("job");
     assert_eq!(state, "quarantined");
 }
+
+/// An undo (`order.ended` parked at billing) is never purged nor abandoned: both are refused,
+/// naming it, and nothing is ended, not even the other messages the command selects (issue 56,
+/// row 7: deleted, it would leave its job `compensating` for good). A purge that selects no undo
+/// goes on.
+#[tokio::test]
+async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
+    let options = Options { demo_faults: true, max_attempts: 1, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let job = shop.place(&[("POISON-1", 1)]).await;
+    shop.wait_for_state(job, "quarantined").await;
+    let order_id = shop.job(job).await["orderId"].as_str().expect("orderId").to_owned();
+    let cancelled = testkit::http::request("POST", &format!("{}/orders/{order_id}/cancel", shop.front()), &[], None)
+        .await
+        .expect("POST cancel");
+    assert_eq!(cancelled.status, 202, "{}", String::from_utf8_lossy(&cancelled.body));
+    shop.wait_for_state(job, "cancelled").await;
+    // Its order.ended parked at billing, as the runtime parks a message it gave up on.
+    const BILLING: &str = "billing.inventory-reserved";
+    let headers = [
+        (envelope::HEADER_LAST_ERROR, envelope::string_value("gave up after 1 attempts: the database said no")),
+        (envelope::HEADER_ENDPOINT, envelope::string_value(BILLING)),
+        (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
+        (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(0)),
+    ];
+    shop.copy_sent(job, "order.ended", &format!("{BILLING}.parking"), &headers).await;
+    let parked_at = |endpoint: &'static str| {
+        let env = &shop.env;
+        async move { listed_jobs(env, &["parked", "list", "--endpoint", endpoint, "--json"]).await }
+    };
+    assert_eq!(parked_at(INVENTORY).await, [job], "its order.placed, parked by POISON-1");
+    assert_eq!(parked_at(BILLING).await, [job]);
+
+    for args in [
+        &["parked", "abandon", "--job", &job.to_string()][..],
+        &["parked", "purge", "--endpoint", BILLING, "--yes"],
+        &["parked", "purge", "--endpoint", INVENTORY, "--endpoint", BILLING, "--yes"],
+    ] {
+        let refused = shop.env.msgctl(args).await;
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(1), "{args:?}: {refused:?}");
+        assert!(said.contains("1 undo message(s)") && said.contains("order.ended"), "{args:?}: {said}");
+        assert_eq!(parked_at(INVENTORY).await, [job], "{args:?} ended nothing");
+        assert_eq!(parked_at(BILLING).await, [job], "{args:?} ended nothing");
+    }
+
+    // Without the undo in its selection, a purge goes on.
+    let purged = shop.env.msgctl(&["parked", "purge", "--endpoint", INVENTORY, "--yes"]).await;
+    assert!(purged.status.success(), "{purged:?}");
+    assert!(parked_at(INVENTORY).await.is_empty());
+    assert_eq!(parked_at(BILLING).await, [job]);
+    assert_eq!(shop.job(job).await["state"], "cancelled");
+}

@@ -101,15 +101,21 @@ impl Shop {
     /// job), with `headers` added, straight into `queue`: where the broker would put a copy that
     /// it dead-letters or that the runtime parks.
     pub async fn copy_order_placed(&self, job_id: Uuid, queue: &str, headers: &[(&str, AMQPValue)]) {
+        self.copy_sent(job_id, "order.placed", queue, headers).await;
+    }
+
+    /// Publish a copy of the job's message of type `message_type` that the orders service sent
+    /// (`order.placed`, `order.ended`), as [`Self::copy_order_placed`] does.
+    pub async fn copy_sent(&self, job_id: Uuid, message_type: &str, queue: &str, headers: &[(&str, AMQPValue)]) {
         let (payload, message_id): (sqlx::types::Json<Value>, Uuid) = sqlx::query_as(
-            "select o.payload, o.message_id from outbox o join jobs j on j.order_placed_message_id = o.message_id
-              where j.id = $1",
+            "select payload, message_id from outbox where message_type = $2 and payload->>'jobId' = $1::text",
         )
         .bind(job_id)
+        .bind(message_type)
         .fetch_one(&self.orders)
         .await
-        .expect("the job's order.placed row");
-        let properties = envelope::Headers::raw(Some(job_id), 1).properties(message_id, "order.placed", Utc::now());
+        .unwrap_or_else(|error| panic!("the job's {message_type} row: {error}"));
+        let properties = envelope::Headers::raw(Some(job_id), 1).properties(message_id, message_type, Utc::now());
         let properties = envelope::with_headers(&properties, headers);
         let connection = self.env.amqp().await;
         let publisher = Publisher::open(&connection).await.expect("publisher");
