@@ -33,11 +33,7 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
             retire_connections();
             true
         }
-        // Class 08 is connection trouble; 57P01-57P03 are the server shutting down (an
-        // administrator's, or a failover's, `admin_shutdown`), crashing or starting up.
-        sqlx::Error::Database(e) => {
-            e.code().is_some_and(|code| code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03"))
-        }
+        sqlx::Error::Database(e) => e.code().is_some_and(|code| cannot_now(&code)),
         // A connection lost while the migrations were checked or applied (each applies in a
         // transaction of its own, which the loss rolls back): start-up waits and tries again.
         sqlx::Error::Migrate(migrate) => match &**migrate {
@@ -46,6 +42,28 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
         },
         _ => false,
     }
+}
+
+/// Whether SQLSTATE `code` says the server cannot do any work now, whatever the work: a state of
+/// the server, not a verdict on the statement, so trying again later is all there is to do, and
+/// no attempt of a message should be spent on it (decision 0003).
+///
+/// - class 08: connection trouble;
+/// - 57P01–57P03 and 57P05: the session ended by the server shutting down (an administrator's, or
+///   a failover's, `admin_shutdown`), crashing, starting up, or idling too long;
+/// - class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
+///   connections (53300), a configured limit reached (53400, 53000). A disk that fills would
+///   otherwise spend every message's attempts and park them all, undo messages included, while
+///   the API answered 500; an outage instead holds them, costs nothing, and pages through
+///   readiness and `consumer_deliveries_held`;
+/// - 58000 and 58030: the server's own system or I/O error (a failing disk).
+///
+/// The price: a message whose own work exhausts a resource (a transaction too large for memory)
+/// is held, not parked, until its endpoint's held-deliveries alert is acted on.
+pub fn cannot_now(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || matches!(code, "57P01" | "57P02" | "57P03" | "57P05" | "58000" | "58030")
 }
 
 /// Whether the server refused a write because it is not (or no longer) the primary: SQLSTATE
@@ -149,6 +167,19 @@ mod tests {
         let changed = sqlx::Error::Migrate(Box::new(MigrateError::VersionMismatch(106)));
         assert!(!is_unreachable(&changed), "a migration changed after it was applied: no wait cures it");
         assert!(!is_unreachable(&migrating(sqlx::Error::Protocol("garbled".into()))));
+    }
+
+    #[test]
+    fn the_server_out_of_disk_memory_or_connections_is_an_outage_and_a_refused_statement_is_not() {
+        use super::cannot_now;
+        for code in ["08006", "57P01", "57P03", "57P05", "53000", "53100", "53200", "53300", "53400", "58030"] {
+            assert!(cannot_now(code), "{code}");
+        }
+        // A conflict, a lock waited for, a statement timeout: the message's own work, retried.
+        // A constraint or a type: a verdict. 25006 is a wrong node, classified on its own.
+        for code in ["40001", "40P01", "55P03", "57014", "23505", "22P02", "25006", "58P01", "XX000"] {
+            assert!(!cannot_now(code), "{code}");
+        }
     }
 
     #[test]

@@ -121,8 +121,9 @@ impl From<&str> for Reason {
 
 impl From<sqlx::Error> for HandlerError {
     /// An unreachable database, or one that refuses writes (a standby, a demoted primary: see
-    /// [`crate::outage::is_wrong_node`]), is `Unavailable`; transaction conflicts, a lock waited for too
-    /// long, resource limits and a garbled connection are transient; anything the database
+    /// [`crate::outage::is_wrong_node`]), or one that cannot work now (out of disk, memory or
+    /// connections: [`crate::outage::cannot_now`]), is `Unavailable`; transaction conflicts, a lock
+    /// waited for too long, a statement cancelled and a garbled connection are transient; anything the database
     /// rejects on its merits (a constraint, a type) would fail the same way again, so it is
     /// permanent.
     fn from(error: sqlx::Error) -> Self {
@@ -140,13 +141,13 @@ impl From<sqlx::Error> for HandlerError {
 }
 
 /// Whether a statement that failed with `code` may succeed if tried again: class 40 (rollback:
-/// serialization failure, deadlock), 53 (insufficient resources), 57 (operator intervention, e.g. a
-/// cancelled statement; the shutdown codes are `Unavailable`), and 55P03, `lock_not_available`:
+/// serialization failure, deadlock), 57 (operator intervention, e.g. a cancelled statement; the
+/// shutdown codes are `Unavailable`, as is class 53, insufficient resources), and 55P03, `lock_not_available`:
 /// `lock_timeout` (`DB_LOCK_TIMEOUT`) expired behind another transaction's lock. Two consumers of
 /// one queue wait on each other's rows; parking the second after one wait was a bug the cluster
 /// soak found (three orders quarantined in 20,000).
 fn transient_sqlstate(code: &str) -> bool {
-    matches!(code.get(..2), Some("40" | "53" | "57")) || code == "55P03"
+    matches!(code.get(..2), Some("40" | "57")) || code == "55P03"
 }
 
 impl From<Unreadable> for HandlerError {
@@ -207,7 +208,7 @@ mod tests {
     #[test]
     fn a_lock_waited_for_too_long_is_worth_another_try_and_a_constraint_is_not() {
         use super::transient_sqlstate;
-        for code in ["40001", "40P01", "53300", "57014", "55P03"] {
+        for code in ["40001", "40P01", "57014", "55P03"] {
             assert!(transient_sqlstate(code), "{code}");
         }
         for code in ["23505", "22P02", "55000", "55006", "42P01"] {
