@@ -127,6 +127,9 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let health = Health {
         databases: vec![("orders".to_owned(), pool.clone())],
         metrics: Arc::new(metrics),
+        // Ready while its database takes orders: a load balancer must not take the API out while
+        // the broker is away, since the outbox keeps what it accepts meanwhile (issue 56, row 2).
+        broker_reported_only: true,
         ..Health::default()
     };
     let status = ConsumerSettings::from_args(status::endpoint(), consumer, broker);

@@ -464,13 +464,17 @@ async fn rabbitmqctl(args: &[&str]) {
     );
 }
 
-/// Wait until `base` (`http://host:port`) answers `GET /readyz` with 200, or panic after
-/// `timeout`; `note` (say, where the logs are) is added to the panic message.
+/// Wait until `base` (`http://host:port`) answers `GET /readyz` with 200 and reports no broker
+/// session failing beside it (the API is ready without its broker sessions, and a test wants
+/// them up too), or panic after `timeout`; `note` (say, where the logs are) is added to the
+/// panic message.
 pub async fn wait_ready(base: &str, timeout: Duration, note: &str) {
     let url = format!("{base}/readyz");
     eventually(&format!("{url} {note}"), timeout, || async {
         let response = http::request("GET", &url, &[], None).await.ok()?;
-        (response.status == 200).then_some(())
+        let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
+        let broker_failing = body["brokerFailing"].as_array().is_some_and(|failing| !failing.is_empty());
+        (response.status == 200 && !broker_failing).then_some(())
     })
     .await;
 }

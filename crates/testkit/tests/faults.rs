@@ -74,15 +74,24 @@ async fn inventory_killed_before_commit_applies_the_redelivery_once() {
     shop.assert_books_balance().await;
 }
 
-/// Cut one service's broker connection for five seconds in the middle of a burst.
+/// Cut one service's broker connection for five seconds in the middle of a burst. The workers
+/// and the relay report not ready; the API stays ready (a load balancer keeps sending it orders,
+/// which its outbox keeps) and reports its status consumer's session failing beside that.
 async fn broker_cut_mid_burst(service: Service) {
     let mut shop = shop().await;
     shop.place_burst(15).await;
     shop.broker_proxy(service).cut();
     let readyz = format!("{}/readyz", shop.http(service));
-    eventually(&format!("{service:?} to report not ready"), WAIT, || async {
+    let metric = "readiness_failing_seconds{check=\"consumer:orders.status\"}";
+    eventually(&format!("{service:?} to report its broker session failing"), WAIT, || async {
         let response = http::request("GET", &readyz, &[], None).await.ok()?;
-        (response.status == 503).then_some(())
+        let reported = response.json()["brokerFailing"].as_array().is_some_and(|failing| !failing.is_empty());
+        match service {
+            Service::Api => {
+                (response.status == 200 && reported && shop.metric_value(service, metric).await > 0.0).then_some(())
+            }
+            _ => (response.status == 503).then_some(()),
+        }
     })
     .await;
     shop.place_burst(15).await;

@@ -1,7 +1,10 @@
 //! `/healthz`, `/readyz` and `/metrics`, served by every binary (the API merges them into its own
 //! router). Liveness says the process runs; readiness says its databases answer and each of its
 //! broker sessions is up (and, for a relay, that its confirms are not overdue), and names the
-//! broker node each session is connected to.
+//! broker node each session is connected to. A service whose work does not need the broker (the
+//! API: taking orders while the broker is away is what the outbox is for) reports its broker
+//! sessions beside its readiness instead ([`Health::broker_reported_only`]). Every check's time
+//! failing is a metric, `readiness_failing_seconds`, whether or not it fails `/readyz`.
 
 use std::{collections::BTreeMap, sync::Arc, sync::Mutex, time::Duration};
 
@@ -23,7 +26,8 @@ use crate::runtime::{
 /// Named readiness flags: each long-running session (a consumer, a relay loop) sets its own.
 #[derive(Debug, Default)]
 pub struct Readiness {
-    flags: Mutex<BTreeMap<String, bool>>,
+    /// Each flag: whether it is ready, and since when it has been as it is.
+    flags: Mutex<BTreeMap<String, (bool, chrono::DateTime<chrono::Utc>)>>,
     nodes: Mutex<BTreeMap<String, String>>,
     /// Each broker connection watched, by name: since when, and why, the broker blocks it.
     blocked: Mutex<BTreeMap<String, Option<Blocked>>>,
@@ -45,10 +49,14 @@ impl Readiness {
     /// Set flag `name`. A change is logged once, when it happens, not at every probe.
     pub fn set(&self, name: &str, ready: bool) {
         let mut flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match (flags.insert(name.to_owned(), ready), ready) {
+        let was = flags.get(name).map(|(was, _)| *was);
+        match (was, ready) {
             (Some(false) | None, true) => tracing::info!(what = name, "ready"),
             (Some(true), false) => tracing::warn!(what = name, "not ready"),
             _ => {}
+        }
+        if was != Some(ready) {
+            flags.insert(name.to_owned(), (ready, chrono::Utc::now()));
         }
     }
 
@@ -112,16 +120,34 @@ impl Readiness {
 
     /// The flags that are not ready, and the links whose confirms are overdue.
     pub fn failing(&self) -> Vec<String> {
-        let flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut failing: Vec<String> =
-            flags.iter().filter(|(_, ready)| !**ready).map(|(name, _)| name.clone()).collect();
-        for name in self.overdue().into_keys() {
-            if !failing.contains(&name) {
-                failing.push(name);
-            }
-        }
-        failing
+        self.failing_since().into_keys().collect()
     }
+
+    /// Every check known: since when it has failed, or `None` while it passes. A flag not ready
+    /// fails since it was set so; a link whose confirms are overdue, since they were (the earlier
+    /// of the two).
+    pub fn checks(&self) -> BTreeMap<String, Option<chrono::DateTime<chrono::Utc>>> {
+        let flags = self.flags.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut checks: BTreeMap<String, Option<chrono::DateTime<chrono::Utc>>> =
+            flags.iter().map(|(name, (ready, since))| (name.clone(), (!ready).then_some(*since))).collect();
+        drop(flags);
+        for (name, overdue) in self.overdue() {
+            let since = checks.entry(name).or_default();
+            *since = Some(since.map_or(overdue, |since| since.min(overdue)));
+        }
+        checks
+    }
+
+    /// The checks that fail, and since when.
+    pub fn failing_since(&self) -> BTreeMap<String, chrono::DateTime<chrono::Utc>> {
+        self.checks().into_iter().filter_map(|(name, since)| Some((name, since?))).collect()
+    }
+}
+
+/// Whether readiness check `name` is about a database (`database:<name>`), as opposed to a broker
+/// session or link.
+fn is_database_check(name: &str) -> bool {
+    name.starts_with("database:")
 }
 
 /// What the health endpoints look at.
@@ -133,6 +159,10 @@ pub struct Health {
     pub readiness: Arc<Readiness>,
     /// Databases to ping, with the label their outbox gauges carry.
     pub databases: Vec<(String, PgPool)>,
+    /// Whether `/readyz` leaves the broker's sessions out of its verdict, only reporting them
+    /// (`brokerFailing`, `readiness_failing_seconds`): for a service that does its work without the
+    /// broker, the API, which a load balancer must not take out while the broker is away.
+    pub broker_reported_only: bool,
 }
 
 /// The three health routes.
@@ -148,7 +178,11 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     for (name, pool) in &health.databases {
         health.readiness.set(&format!("database:{name}"), crate::runtime::db::takes_writes(pool).await);
     }
-    let failing = health.readiness.failing();
+    let (failing, broker_failing): (Vec<String>, Vec<String>) = health
+        .readiness
+        .failing()
+        .into_iter()
+        .partition(|name| !health.broker_reported_only || is_database_check(name));
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     // A blocked connection is reported, not failed: a consumer on it still acks (on its own
     // connection), an API still takes orders; the outbox age and the blocked gauge page.
@@ -157,6 +191,8 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     let body = serde_json::json!({
         "status": if failing.is_empty() { "ready" } else { "not ready" },
         "failing": failing,
+        // Broker sessions that fail without failing readiness (`broker_reported_only`).
+        "brokerFailing": broker_failing,
         "brokerNodes": health.readiness.nodes(),
         "blockedConnections": blocked,
         "overdueConfirms": health.readiness.overdue(),
@@ -172,6 +208,10 @@ async fn metrics(State(health): State<Health>) -> impl IntoResponse {
     for (name, blocked) in health.readiness.blocked() {
         let seconds = blocked.map_or(0.0, |blocked| (now - blocked.since).to_std().unwrap_or_default().as_secs_f64());
         metrics.connection_blocked.get_or_create(&metrics::ByConnection { connection: name }).set(seconds);
+    }
+    for (check, since) in health.readiness.checks() {
+        let seconds = since.map_or(0.0, |since| (now - since).to_std().unwrap_or_default().as_secs_f64());
+        metrics.readiness_failing.get_or_create(&metrics::ByCheck { check }).set(seconds);
     }
     for (name, pool) in &health.databases {
         let database = ByDatabase { database: name.clone() };
@@ -222,5 +262,22 @@ mod tests {
         readiness.set_overdue("relay:orders", false);
         assert!(readiness.failing().is_empty());
         assert!(readiness.overdue().is_empty());
+    }
+
+    #[test]
+    fn a_check_fails_since_it_last_turned_and_an_overdue_link_since_the_earlier_of_the_two() {
+        let readiness = Readiness::default();
+        readiness.set("consumer:orders.status", false);
+        let since = readiness.failing_since()["consumer:orders.status"];
+        readiness.set("consumer:orders.status", false);
+        assert_eq!(readiness.failing_since()["consumer:orders.status"], since, "still failing since then");
+        readiness.set_overdue("consumer:orders.status", true);
+        assert_eq!(readiness.failing_since()["consumer:orders.status"], since, "the earlier");
+        readiness.set_overdue("consumer:orders.status", false);
+        readiness.set("consumer:orders.status", true);
+        readiness.set("database:orders", true);
+        let checks = readiness.checks();
+        assert_eq!(checks.len(), 2);
+        assert!(checks.values().all(Option::is_none), "{checks:?}");
     }
 }

@@ -69,6 +69,14 @@ pub struct ByConnection {
     pub connection: String,
 }
 
+/// Labels: a readiness check, by its name in `/readyz` (e.g. `database:orders`,
+/// `consumer:orders.status`, `relay:billing`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByCheck {
+    /// The check.
+    pub check: String,
+}
+
 /// Labels: an outbox database and a row state (`unpublished`, `parked`).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ByDatabaseState {
@@ -131,6 +139,8 @@ pub struct Metrics {
     pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
     /// `broker_connection_blocked_seconds`: how long the broker has blocked each connection.
     pub(crate) connection_blocked: Family<ByConnection, Gauge<f64, AtomicU64>>,
+    /// `readiness_failing_seconds`: how long each readiness check has failed (0 while it passes).
+    pub(crate) readiness_failing: Family<ByCheck, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -151,6 +161,7 @@ impl Default for Metrics {
             outbox_rows: Family::default(),
             oldest_unpublished: Family::default(),
             connection_blocked: Family::default(),
+            readiness_failing: Family::default(),
         };
         metrics.register_consumers();
         metrics.register_outboxes();
@@ -238,6 +249,13 @@ impl Metrics {
              writes nothing on it meanwhile",
             Unit::Seconds,
             self.connection_blocked.clone(),
+        );
+        r.register_with_unit(
+            "readiness_failing",
+            "How long this readiness check has failed (0 while it passes), whether or not it takes the service out \
+             of /readyz (the API reports its broker links without failing on them)",
+            Unit::Seconds,
+            self.readiness_failing.clone(),
         );
         r.register_with_unit(
             "outbox_oldest_unpublished_age",
