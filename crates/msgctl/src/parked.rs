@@ -75,13 +75,19 @@ pub enum Action {
     },
     /// Delete the selected parked messages for good. A message of a job is abandoned as by
     /// `abandon`: its job's owner ends the job and undoes what its steps did. Refused, ending
-    /// nothing, if it selects an undo (`order.ended`, `inventory.released`, `invoice.voided`).
+    /// nothing, if it selects an undo (`order.ended`, `inventory.released`, `invoice.voided`),
+    /// unless --including-undos.
     Purge {
         #[command(flatten)]
         filter: Filter,
         /// Yes, delete them.
         #[arg(long)]
         yes: bool,
+        /// Delete the undo messages selected too. Only for an undo no redrive can ever apply (its
+        /// order lost by a failover, `docs/operations.md`): deleted, it leaves its job
+        /// `compensating` for good.
+        #[arg(long)]
+        including_undos: bool,
     },
     /// End a quarantined job for good: for each of its parked messages, send a confirmed
     /// `job.abandoned` (its owner cancels the job and undoes what its steps did), then delete the
@@ -296,9 +302,9 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
                 let horizon = if force { None } else { Some(inbox_retention) };
                 redrive(&connection, &filter, dry_run, horizon).await
             }
-            Action::Purge { mut filter, yes } => {
+            Action::Purge { mut filter, yes, including_undos } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                end_parked(&connection, &filter, Ending::Purge { yes }).await
+                end_parked(&connection, &filter, Ending::Purge { yes, including_undos }).await
             }
             Action::Abandon { job, endpoint, note } => {
                 let filter = Filter::of_job(job, endpoints(broker, node, endpoint).await?);
@@ -518,8 +524,9 @@ async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C, unroutabl
 /// How `purge` and `abandon` end the parked messages they select.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ending<'a> {
-    /// Delete them (only with `yes`); a message of a job abandons the job first.
-    Purge { yes: bool },
+    /// Delete them (only with `yes`; an undo only with `including_undos`); a message of a job
+    /// abandons the job first.
+    Purge { yes: bool, including_undos: bool },
     /// Abandon the job of each (with the operator's note), then delete it.
     Abandon { note: &'a str },
 }
@@ -533,6 +540,11 @@ impl Ending<'_> {
         }
     }
 
+    /// Whether an undo selected is ended too (`purge --including-undos`), rather than refused.
+    fn ends_undos(self) -> bool {
+        matches!(self, Self::Purge { including_undos: true, .. })
+    }
+
     /// A purge deletes a message whose `job.abandoned` reaches no queue, saying so; an abandon
     /// keeps it parked, since nothing would end its job.
     fn unroutable(self) -> Unroutable {
@@ -544,15 +556,18 @@ impl Ending<'_> {
 }
 
 /// End the messages `filter` selects, endpoint by endpoint, as `ending` says. Refused, with
-/// nothing ended, if it selects an undo ([`refuse_undos`]).
+/// nothing ended, if it selects an undo ([`refuse_undos`]); an undo parked after that check is
+/// kept, and the command fails saying so once the rest is ended.
 async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>) -> Result<(), Failure> {
-    refuse_undos(connection, filter, ending).await?;
+    if !ending.ends_undos() {
+        refuse_undos(connection, filter, ending).await?;
+    }
     let publisher = Publisher::open(connection).await?;
-    let mut ended = 0;
+    let (mut ended, mut kept) = (0, Vec::new());
     for endpoint in &filter.endpoint {
         let held = Held::read(connection, endpoint).await?;
         let selected = held.selected(filter);
-        if ending == (Ending::Purge { yes: false }) {
+        if matches!(ending, Ending::Purge { yes: false, .. }) {
             held.give_back().await?;
             publisher.close().await;
             return Err(Failure::Described(format!(
@@ -560,11 +575,19 @@ async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>
                 selected.len()
             )));
         }
-        let outcome = end_held(&held, &selected, ending, &publisher).await;
+        let outcome = end_held(&held, &selected, ending, &publisher, &mut kept).await;
         held.give_back().await?;
         ended += outcome?;
     }
     publisher.close().await;
+    if !kept.is_empty() {
+        return Err(Failure::Described(format!(
+            "{ended} message(s) {}; {} undo message(s) parked since the check were kept: {}",
+            ending.verb(),
+            kept.len(),
+            kept.join("; ")
+        )));
+    }
     match (ended, ending) {
         (0, Ending::Purge { .. }) => Err(Failure::Described("nothing selected".into())),
         (0, Ending::Abandon { .. }) => Err(Failure::Described("no parked message of this job".into())),
@@ -594,14 +617,18 @@ async fn refuse_undos(connection: &Connection, filter: &Filter, ending: Ending<'
     if undos.is_empty() {
         return Ok(());
     }
-    let verb = match ending {
-        Ending::Purge { .. } => "purge",
-        Ending::Abandon { .. } => "abandon",
+    let (verb, instead) = match ending {
+        Ending::Purge { .. } => (
+            "purge",
+            "leave them out (--type, --reason, --job), or add --including-undos if no redrive can ever apply them \
+             (their order lost by a failover)",
+        ),
+        Ending::Abandon { .. } => ("abandon", "end the job's other messages with purge --job and --type"),
     };
     Err(Failure::Described(format!(
         "{verb} would end {} undo message(s), which come after their order ended and are sent by nothing else: \
          their jobs would stay compensating and what the orders took stay taken. Nothing was ended. Redrive them \
-         once their cause is mended, or leave them out (--type, --reason, --job): {}",
+         once their cause is mended, or {instead}: {}",
         undos.len(),
         undos.join("; ")
     )))
@@ -619,12 +646,14 @@ enum Unroutable {
 /// Delete the `selected` messages of `held` as `ending` says. For each message of a job, a
 /// `job.abandoned` is sent and confirmed first, so that the job is ended (and compensated) by its
 /// owner: deleted first, a crash in between would leave the job quarantined with nothing parked
-/// to act on. An abandon leaves a message without a job parked. How many were deleted.
+/// to act on. An abandon leaves a message without a job parked; an undo is kept, and named in
+/// `kept`, unless `ending` [ends undos](Ending::ends_undos). How many were deleted.
 async fn end_held(
     held: &Held,
     selected: &[usize],
     ending: Ending<'_>,
     publisher: &Publisher,
+    kept: &mut Vec<String>,
 ) -> Result<usize, Failure> {
     let note = match ending {
         Ending::Purge { .. } => "purged with msgctl",
@@ -636,8 +665,9 @@ async fn end_held(
         // A parked job event is only deleted: abandoning it would send another job event of the
         // same job, which the owner parks in turn if it cannot apply it, and so on.
         let job_event = parked.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
-        if parked.is_undo() {
+        if parked.is_undo() && !ending.ends_undos() {
             // Parked between `refuse_undos`' read and this one: kept, as it would have been refused.
+            kept.push(format!("{}  {}", held.endpoint, parked.line()));
             continue;
         }
         if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {

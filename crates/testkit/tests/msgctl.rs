@@ -94,15 +94,20 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     assert_eq!(shop.job(first).await["state"], "quarantined");
 }
 
+/// The headers the runtime gives a message it parks at `endpoint` for `reason`, parked now.
+fn parking_headers(endpoint: &str, reason: &str) -> [(&'static str, AMQPValue); 4] {
+    [
+        (envelope::HEADER_LAST_ERROR, envelope::string_value(reason)),
+        (envelope::HEADER_ENDPOINT, envelope::string_value(endpoint)),
+        (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
+        (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(0)),
+    ]
+}
+
 /// Park a copy of the job's `order.placed` (already applied), as the runtime would after the
 /// commit: same id, body and job, with the parking headers.
 async fn park_a_copy(shop: &Shop, job_id: Uuid) {
-    let headers = [
-        (envelope::HEADER_LAST_ERROR, envelope::string_value("dead-lettered by the broker (delivery_limit)")),
-        (envelope::HEADER_ENDPOINT, envelope::string_value(INVENTORY)),
-        (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
-        (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(0)),
-    ];
+    let headers = parking_headers(INVENTORY, "dead-lettered by the broker (delivery_limit)");
     shop.copy_order_placed(job_id, &format!("{INVENTORY}.parking"), &headers).await;
 }
 
@@ -277,7 +282,7 @@ async fn a_redrive_the_broker_refuses_leaves_the_message_parked_and_its_job_quar
 /// An undo (`order.ended` parked at billing) is never purged nor abandoned: both are refused,
 /// naming it, and nothing is ended, not even the other messages the command selects (issue 56,
 /// row 7: deleted, it would leave its job `compensating` for good). A purge that selects no undo
-/// goes on.
+/// goes on, and one that names `--including-undos` deletes it.
 #[tokio::test]
 async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     let options = Options { demo_faults: true, max_attempts: 1, ..Options::default() };
@@ -292,12 +297,7 @@ async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     shop.wait_for_state(job, "cancelled").await;
     // Its order.ended parked at billing, as the runtime parks a message it gave up on.
     const BILLING: &str = "billing.inventory-reserved";
-    let headers = [
-        (envelope::HEADER_LAST_ERROR, envelope::string_value("gave up after 1 attempts: the database said no")),
-        (envelope::HEADER_ENDPOINT, envelope::string_value(BILLING)),
-        (envelope::HEADER_PARKED_AT, envelope::string_value(&Utc::now().to_rfc3339())),
-        (envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(0)),
-    ];
+    let headers = parking_headers(BILLING, "gave up after 1 attempts: the database said no");
     shop.copy_sent(job, "order.ended", &format!("{BILLING}.parking"), &headers).await;
     let parked_at = |endpoint: &'static str| {
         let env = &shop.env;
@@ -325,4 +325,9 @@ async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     assert!(parked_at(INVENTORY).await.is_empty());
     assert_eq!(parked_at(BILLING).await, [job]);
     assert_eq!(shop.job(job).await["state"], "cancelled");
+
+    // An undo no redrive can ever apply (its order lost by a failover) goes only when asked.
+    let purged = shop.env.msgctl(&["parked", "purge", "--endpoint", BILLING, "--yes", "--including-undos"]).await;
+    assert!(purged.status.success(), "{purged:?}");
+    assert!(parked_at(BILLING).await.is_empty());
 }
