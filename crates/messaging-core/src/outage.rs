@@ -52,17 +52,20 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
 /// - 57P01–57P03 and 57P05: the session ended by the server shutting down (an administrator's, or
 ///   a failover's, `admin_shutdown`), crashing, starting up, or idling too long;
 /// - class 53, insufficient resources: the disk full (53100), out of memory (53200), too many
-///   connections (53300), a configured limit reached (53400, 53000). A disk that fills would
-///   otherwise spend every message's attempts and park them all, undo messages included, while
-///   the API answered 500; an outage instead holds them, costs nothing, and pages through
-///   readiness and `consumer_deliveries_held`;
+///   connections (53300), or resources in general (53000). A disk that fills would otherwise
+///   spend every message's attempts and park them all, undo messages included, while the API
+///   answered 500; an outage instead holds them, costs nothing, and pages through
+///   `consumer_deliveries_held` (alert `DeliveriesHeldByAnOutage`). Not 53400, a configured limit
+///   the statement itself reached (`temp_file_limit`): the same statement reaches it again, so it
+///   stays a transient failure, retried and then parked;
 /// - 58000 and 58030: the server's own system or I/O error (a failing disk).
 ///
-/// The price: a message whose own work exhausts a resource (a transaction too large for memory)
-/// is held, not parked, until its endpoint's held-deliveries alert is acted on.
+/// The price: a message whose own work exhausts memory (a transaction too large, or too many locks
+/// for `max_locks_per_transaction`, both 53200) is held, not parked, until its endpoint's
+/// held-deliveries alert is acted on.
 pub fn cannot_now(code: &str) -> bool {
     code.starts_with("08")
-        || code.starts_with("53")
+        || matches!(code, "53000" | "53100" | "53200" | "53300")
         || matches!(code, "57P01" | "57P02" | "57P03" | "57P05" | "58000" | "58030")
 }
 
@@ -172,12 +175,12 @@ mod tests {
     #[test]
     fn the_server_out_of_disk_memory_or_connections_is_an_outage_and_a_refused_statement_is_not() {
         use super::cannot_now;
-        for code in ["08006", "57P01", "57P03", "57P05", "53000", "53100", "53200", "53300", "53400", "58030"] {
+        for code in ["08006", "57P01", "57P03", "57P05", "53000", "53100", "53200", "53300", "58030"] {
             assert!(cannot_now(code), "{code}");
         }
-        // A conflict, a lock waited for, a statement timeout: the message's own work, retried.
-        // A constraint or a type: a verdict. 25006 is a wrong node, classified on its own.
-        for code in ["40001", "40P01", "55P03", "57014", "23505", "22P02", "25006", "58P01", "XX000"] {
+        // A conflict, a lock waited for, a statement timeout, a temp file limit: the message's own
+        // work, retried. A constraint or a type: a verdict. 25006 is a wrong node, on its own.
+        for code in ["40001", "40P01", "55P03", "57014", "53400", "23505", "22P02", "25006", "58P01", "XX000"] {
             assert!(!cannot_now(code), "{code}");
         }
     }

@@ -142,12 +142,13 @@ impl From<sqlx::Error> for HandlerError {
 
 /// Whether a statement that failed with `code` may succeed if tried again: class 40 (rollback:
 /// serialization failure, deadlock), 57 (operator intervention, e.g. a cancelled statement; the
-/// shutdown codes are `Unavailable`, as is class 53, insufficient resources), and 55P03, `lock_not_available`:
+/// shutdown codes are `Unavailable`, as is most of class 53, insufficient resources), 53400 (a
+/// configured limit such as `temp_file_limit`), and 55P03, `lock_not_available`:
 /// `lock_timeout` (`DB_LOCK_TIMEOUT`) expired behind another transaction's lock. Two consumers of
 /// one queue wait on each other's rows; parking the second after one wait was a bug the cluster
 /// soak found (three orders quarantined in 20,000).
 fn transient_sqlstate(code: &str) -> bool {
-    matches!(code.get(..2), Some("40" | "57")) || code == "55P03"
+    matches!(code.get(..2), Some("40" | "57")) || matches!(code, "55P03" | "53400")
 }
 
 impl From<Unreadable> for HandlerError {
@@ -208,7 +209,7 @@ mod tests {
     #[test]
     fn a_lock_waited_for_too_long_is_worth_another_try_and_a_constraint_is_not() {
         use super::transient_sqlstate;
-        for code in ["40001", "40P01", "57014", "55P03"] {
+        for code in ["40001", "40P01", "57014", "55P03", "53400"] {
             assert!(transient_sqlstate(code), "{code}");
         }
         for code in ["23505", "22P02", "55000", "55006", "42P01"] {

@@ -291,7 +291,7 @@ where
             Step::Try(attempt) => decision.next(perform(attempt).await),
             Step::WaitOut { delay, again, error } => {
                 holding.get_or_insert_with(&mut held);
-                tracing::warn!(%error, ?delay, "database unreachable; will try again");
+                tracing::warn!(%error, ?delay, "the database cannot work now (unreachable, refusing writes, out of resources); will try again");
                 if ended.sleep(delay).await { Step::Try(again) } else { decision.next(Event::SessionEnded) }
             }
         };
