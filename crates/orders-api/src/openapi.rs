@@ -77,8 +77,12 @@ struct Liveness {
 struct Readiness {
     /// `ready` or `not ready`.
     status: String,
-    /// What is not ready: each database that does not answer, each broker session that is down.
+    /// What is not ready: each database that does not answer or refuses writes.
     failing: Vec<String>,
+    /// Each broker session that is down: reported, not a reason to be not ready (orders are
+    /// taken into the outbox while the broker is away).
+    #[schema(rename = "brokerFailing")]
+    broker_failing: Vec<String>,
     /// The broker node (`host:port`, one of `AMQP_URL`'s) each connected broker session is on, by
     /// session.
     #[schema(rename = "brokerNodes")]
@@ -108,7 +112,8 @@ fn overview_data() {}
 #[allow(dead_code)]
 fn healthz() {}
 
-/// Readiness: the database answers and every broker session is up.
+/// Readiness: the database answers and takes writes. The broker's sessions are reported beside it
+/// (`brokerFailing`), not required: orders are taken into the outbox while the broker is away.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
         (status = 200, description = "Ready.", body = Readiness),

@@ -104,13 +104,14 @@ impl ConsumerArgs {
         }
         Err(format!(
             "RETRY_DELAYS={} with MAX_ATTEMPTS={}: a message waiting for an earlier one of its key would be parked \
-             after {} ({} waits of the first tier, {}), before that earlier one has used up its {} of retries (twice \
-             that is needed): raise the first delay or shorten the later ones",
+             after {} ({} waits of the first tier, {}), less than the {} needed (twice the {} of retries the earlier \
+             one may take): raise the first delay, or shorten the later ones or MAX_ATTEMPTS",
             policy.delays().iter().map(|delay| format_duration(*delay)).collect::<Vec<_>>().join(","),
             self.max_attempts,
             describe(waits),
             super::decide::MAX_DEFERRALS,
             describe(first),
+            describe(needed),
             describe(policy.horizon()),
         ))
     }
@@ -174,7 +175,7 @@ mod tests {
         let short = ["--retry-delays", "10ms,30m", "--inbox-retention", "30d"];
         let refusal = parse(&short).check().expect_err("parked after 100 s, retried for 90 min");
         assert!(refusal.starts_with("RETRY_DELAYS=10ms,30m with MAX_ATTEMPTS=5:"), "{refusal}");
-        assert!(refusal.contains("after 1m 40s") && refusal.contains("its 1h 30m"), "{refusal}");
+        assert!(refusal.contains("after 1m 40s") && refusal.contains("the 3h 20ms needed"), "{refusal}");
         // Four attempts wait X + 30 s + 30 s; 10,000 × X must reach twice that: X ≥ 12.0024 ms.
         assert!(parse(&["--retry-delays", "13ms,30s", "--max-attempts", "4"]).check_deferrals().is_ok());
         assert!(parse(&["--retry-delays", "12ms,30s", "--max-attempts", "4"]).check_deferrals().is_err());

@@ -144,10 +144,11 @@ impl Readiness {
     }
 }
 
-/// Whether readiness check `name` is about a database (`database:<name>`), as opposed to a broker
-/// session or link.
-fn is_database_check(name: &str) -> bool {
-    name.starts_with("database:")
+/// Whether readiness check `name` is about a broker session or link (a consumer's, its probe's,
+/// a relay loop's), the checks a [`Health::broker_reported_only`] service reports without failing
+/// on them. Named, so that any other check a service adds fails its readiness.
+fn is_broker_check(name: &str) -> bool {
+    name.starts_with("consumer:") || name.starts_with("relay:")
 }
 
 /// What the health endpoints look at.
@@ -174,15 +175,23 @@ pub fn routes(health: Health) -> Router {
         .with_state(health)
 }
 
-async fn readyz(State(health): State<Health>) -> impl IntoResponse {
-    for (name, pool) in &health.databases {
-        health.readiness.set(&format!("database:{name}"), crate::runtime::db::takes_writes(pool).await);
+/// Ask each database whether it takes writes, all at once (2 s at most), and set its check
+/// (`database:<name>`): on each probe of `/readyz` and each scrape of `/metrics`, so that neither
+/// reports a stale verdict.
+async fn check_databases(health: &Health) {
+    let checks = health
+        .databases
+        .iter()
+        .map(|(name, pool)| async move { (format!("database:{name}"), crate::runtime::db::takes_writes(pool).await) });
+    for (check, takes_writes) in futures_util::future::join_all(checks).await {
+        health.readiness.set(&check, takes_writes);
     }
-    let (failing, broker_failing): (Vec<String>, Vec<String>) = health
-        .readiness
-        .failing()
-        .into_iter()
-        .partition(|name| !health.broker_reported_only || is_database_check(name));
+}
+
+async fn readyz(State(health): State<Health>) -> impl IntoResponse {
+    check_databases(&health).await;
+    let (failing, broker_failing): (Vec<String>, Vec<String>) =
+        health.readiness.failing().into_iter().partition(|name| !health.broker_reported_only || !is_broker_check(name));
     let status = if failing.is_empty() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     // A blocked connection is reported, not failed: a consumer on it still acks (on its own
     // connection), an API still takes orders; the outbox age and the blocked gauge page.
@@ -203,6 +212,7 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
 async fn metrics(State(health): State<Health>) -> impl IntoResponse {
     // The outbox gauges are read at scrape time. A database that is down loses its gauges (they
     // would be stale); the counters and histograms still render.
+    check_databases(&health).await;
     let metrics = &health.metrics;
     let now = chrono::Utc::now();
     for (name, blocked) in health.readiness.blocked() {
@@ -266,18 +276,32 @@ mod tests {
 
     #[test]
     fn a_check_fails_since_it_last_turned_and_an_overdue_link_since_the_earlier_of_the_two() {
+        let pause = || std::thread::sleep(std::time::Duration::from_millis(5));
         let readiness = Readiness::default();
         readiness.set("consumer:orders.status", false);
         let since = readiness.failing_since()["consumer:orders.status"];
+        pause();
         readiness.set("consumer:orders.status", false);
         assert_eq!(readiness.failing_since()["consumer:orders.status"], since, "still failing since then");
+        pause();
         readiness.set_overdue("consumer:orders.status", true);
-        assert_eq!(readiness.failing_since()["consumer:orders.status"], since, "the earlier");
+        assert_eq!(readiness.failing_since()["consumer:orders.status"], since, "the earlier: the flag's");
+        // Overdue first, then the flag: the overdue link's time.
+        readiness.set_overdue("relay:orders", true);
+        let overdue = readiness.overdue()["relay:orders"];
+        pause();
+        readiness.set("relay:orders", false);
+        assert_eq!(readiness.failing_since()["relay:orders"], overdue, "the earlier: the link's");
+        // Ready again while overdue: still failing, since the link went overdue.
+        readiness.set("relay:orders", true);
+        assert_eq!(readiness.checks()["relay:orders"], Some(overdue));
+        readiness.set_overdue("relay:orders", false);
+        assert_eq!(readiness.checks()["relay:orders"], None);
         readiness.set_overdue("consumer:orders.status", false);
         readiness.set("consumer:orders.status", true);
         readiness.set("database:orders", true);
         let checks = readiness.checks();
-        assert_eq!(checks.len(), 2);
+        assert_eq!(checks.len(), 3);
         assert!(checks.values().all(Option::is_none), "{checks:?}");
     }
 }
