@@ -79,7 +79,7 @@ const CONFIRM_TIMEOUT: &str = "3s";
 
 #[tokio::test]
 #[ignore = "needs the three-node cluster of .ci/rabbitmq-cluster; .ci/run runs it"]
-async fn with_two_nodes_of_three_down_every_service_says_not_ready_and_everything_completes_once_one_returns() {
+async fn with_two_nodes_of_three_down_every_service_says_so_and_everything_completes_once_one_returns() {
     let _cluster = CLUSTER.lock().await;
     let cluster = cluster().await;
     let timeout = vec![("CONFIRM_TIMEOUT", CONFIRM_TIMEOUT.to_owned())];
