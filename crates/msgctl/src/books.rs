@@ -26,6 +26,10 @@ pub struct Args {
     /// Reservations and invoices older than this are not read (held reservations always are).
     #[arg(long, default_value = "1d", value_parser = parse_duration)]
     window: Duration,
+    /// How long an order may take (the orders service's `ORDER_DEADLINE`): an undecided order
+    /// holding stock longer than this and the grace is listed.
+    #[arg(long, env = "ORDER_DEADLINE", default_value = "30m", value_parser = parse_duration)]
+    deadline: Duration,
     /// One JSON object per disagreement, one per line.
     #[arg(long)]
     json: bool,
@@ -39,7 +43,7 @@ pub async fn run(args: Args) -> Result<(), Failure> {
         inventory: pool(&args.inventory_url)?,
         billing: pool(&args.billing_url)?,
     };
-    let found = books.check(Horizon { grace: args.grace, window: args.window }).await?;
+    let found = books.check(Horizon { grace: args.grace, window: args.window, deadline: Some(args.deadline) }).await?;
     for disagreement in &found {
         if args.json {
             println!("{}", serde_json::to_string(disagreement)?);

@@ -1,7 +1,7 @@
 //! The books checked in production: every `BOOKS_INTERVAL`, the orders service compares its
 //! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
-//! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`). Off
-//! unless `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each
+//! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`), and
+//! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). Off unless `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each
 //! through a read-only role; every session it opens on them is read-only besides. Its own
 //! database it reads through the service's pool.
 
@@ -28,12 +28,19 @@ pub struct BooksArgs {
     /// Rows younger than this are not checked: their messages may still be on their way.
     #[arg(long, env = "BOOKS_GRACE", default_value = "60s", value_parser = parse_duration)]
     pub books_grace: Duration,
+    /// Orders that ended declined, cancelled or rejected longer ago than this are not looked at
+    /// again for a standing invoice (held reservations are always read).
+    #[arg(long, env = "BOOKS_WINDOW", default_value = "1d", value_parser = parse_duration)]
+    pub books_window: Duration,
 }
 
-/// `books_disagreements`, one gauge per kind.
+/// `books_disagreements`, one gauge per kind, and `books_check_up`.
 #[derive(Debug, Clone)]
 pub struct BooksMetrics {
     disagreements: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// One series without labels, created by the first check: absent where the books are not
+    /// checked, so that `BooksCheckDown` cannot fire there.
+    up: Family<Vec<(String, String)>, Gauge>,
 }
 
 impl BooksMetrics {
@@ -45,18 +52,32 @@ impl BooksMetrics {
             "Disagreements between the services' books, by kind, at the last check",
             disagreements.clone(),
         );
-        Self { disagreements }
+        let up = Family::default();
+        metrics.register(
+            "books_check_up",
+            "1 if the last check of the books ran, 0 if it failed (a database that does not answer, a role without \
+             its grants): books_disagreements is absent meanwhile",
+            up.clone(),
+        );
+        Self { disagreements, up }
     }
 }
 
-/// Check the books every interval until `shutdown`, if the other databases are named.
-pub fn start(args: &BooksArgs, orders: PgPool, metrics: BooksMetrics, shutdown: Shutdown) -> Result<(), sqlx::Error> {
+/// Check the books every interval until `shutdown`, if the other databases are named; an
+/// undecided order holding stock past `deadline` (`ORDER_DEADLINE`) is a disagreement.
+pub fn start(
+    args: &BooksArgs,
+    deadline: Duration,
+    orders: PgPool,
+    metrics: BooksMetrics,
+    shutdown: Shutdown,
+) -> Result<(), sqlx::Error> {
     let (Some(inventory), Some(billing)) = (&args.books_inventory_url, &args.books_billing_url) else {
         return Ok(());
     };
     let read_only = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(5));
     let books = Books { orders, inventory: read_only(inventory)?, billing: read_only(billing)? };
-    let horizon = Horizon { grace: args.books_grace, ..Horizon::default() };
+    let horizon = Horizon { grace: args.books_grace, window: args.books_window, deadline: Some(deadline) };
     let interval = args.books_interval;
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(interval);
@@ -74,6 +95,7 @@ pub fn start(args: &BooksArgs, orders: PgPool, metrics: BooksMetrics, shutdown: 
 async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
     match tokio::time::timeout(Duration::from_secs(30), books.check(horizon)).await {
         Ok(Ok(found)) => {
+            metrics.up.get_or_create(&Vec::new()).set(1);
             for (kind, count) in shop::books::counts(&found) {
                 metrics.disagreements.get_or_create(&[("kind", kind.as_str())]).set(count as i64);
             }
@@ -82,8 +104,9 @@ async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
             }
         }
         outcome => {
-            // No figure rather than a stale one: while the check fails, the series is absent and
-            // the log says why.
+            // No figure rather than a stale one: while the check fails, the series is absent,
+            // `books_check_up` is 0, and the log says why.
+            metrics.up.get_or_create(&Vec::new()).set(0);
             for kind in Kind::ALL {
                 metrics.disagreements.remove(&[("kind", kind.as_str())]);
             }

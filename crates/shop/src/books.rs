@@ -2,13 +2,16 @@
 //! after a run, asked of a running shop. Each service keeps its own books, and nothing but
 //! messages keeps them in step; this is how an operator learns that they are not.
 //!
-//! Three rules, each over rows older than a grace period (an order ended a second ago may still
-//! be compensating):
+//! The rules, each over rows older than a grace period (an order ended a second ago may still be
+//! compensating):
 //! - an order that has ended holds no reservation ([`Kind::HeldByEnded`]);
 //! - an invoice that stands belongs to an invoiced order ([`Kind::InvoiceNotInvoiced`]), for the
-//!   orders that ended otherwise within a window (a day by default);
+//!   orders that ended otherwise within a window (a day by default, `BOOKS_WINDOW`);
 //! - a held reservation belongs to an order the orders service knows ([`Kind::UnknownOrder`]);
-//! - an order's compensation is answered ([`Kind::CompensationOverdue`]).
+//! - an order's compensation is answered ([`Kind::CompensationOverdue`]);
+//! - an order still undecided past its deadline holds no stock ([`Kind::HeldPastDeadline`]): its
+//!   `order.deadline` was lost, or is stuck in the outbox;
+//! - each SKU's `reserved` is what its held reservations hold ([`Kind::StockNotConserved`]).
 //!
 //! Each query reads a partial index of the few rows that can disagree (held reservations, orders
 //! that ended otherwise), never the tables that grow with every order. The orders service runs it
@@ -37,12 +40,24 @@ pub enum Kind {
     /// An order ended declined or cancelled, and an undo has not answered: a service is down, or
     /// the undo's message is parked (redrive it; abandoning it leaves the job compensating).
     CompensationOverdue,
+    /// Inventory holds stock for an order that is still undecided past its deadline (and the
+    /// grace): the deadline that would have ended it was lost, or waits in the outbox.
+    HeldPastDeadline,
+    /// A SKU's `reserved` is not the sum of what its held reservations hold: stock taken or given
+    /// back outside a reservation's life (a hand edit, a bug). The disagreement names the SKU.
+    StockNotConserved,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Self; 4] =
-        [Self::HeldByEnded, Self::InvoiceNotInvoiced, Self::UnknownOrder, Self::CompensationOverdue];
+    pub const ALL: [Self; 6] = [
+        Self::HeldByEnded,
+        Self::InvoiceNotInvoiced,
+        Self::UnknownOrder,
+        Self::CompensationOverdue,
+        Self::HeldPastDeadline,
+        Self::StockNotConserved,
+    ];
 
     /// Its name, as the metric's `kind` label.
     pub fn as_str(self) -> &'static str {
@@ -51,6 +66,8 @@ impl Kind {
             Self::InvoiceNotInvoiced => "invoice_not_invoiced",
             Self::UnknownOrder => "unknown_order",
             Self::CompensationOverdue => "compensation_overdue",
+            Self::HeldPastDeadline => "held_past_deadline",
+            Self::StockNotConserved => "stock_not_conserved",
         }
     }
 }
@@ -61,18 +78,34 @@ impl Kind {
 pub struct Disagreement {
     /// What disagrees.
     pub kind: Kind,
-    /// The order.
-    pub order_id: Uuid,
-    /// The order's status in the orders database (none if it has no such order).
+    /// The order (none for [`Kind::StockNotConserved`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub order_id: Option<Uuid>,
+    /// The order's status in the orders database (none if it has no such order). For
+    /// [`Kind::StockNotConserved`], what the SKU's rows say: `reserved R, held H`.
     pub status: Option<String>,
-    /// When the other service's row was written.
+    /// The SKU (only for [`Kind::StockNotConserved`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sku: Option<String>,
+    /// When the other service's row was written (for a SKU: when it was checked).
     pub since: DateTime<Utc>,
+}
+
+impl Disagreement {
+    fn of_order(kind: Kind, order_id: Uuid, status: Option<String>, since: DateTime<Utc>) -> Self {
+        Self { kind, order_id: Some(order_id), status, sku: None, since }
+    }
 }
 
 impl fmt::Display for Disagreement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let status = self.status.as_deref().unwrap_or("unknown");
-        write!(f, "{:<22} order {}  status {status:<10}  since {}", self.kind.as_str(), self.order_id, self.since)
+        let what = match (&self.order_id, &self.sku) {
+            (Some(order_id), _) => format!("order {order_id}"),
+            (None, Some(sku)) => format!("sku {sku}"),
+            (None, None) => String::new(),
+        };
+        write!(f, "{:<22} {what}  status {status:<10}  since {}", self.kind.as_str(), self.since)
     }
 }
 
@@ -106,11 +139,14 @@ pub struct Horizon {
     /// Orders that ended otherwise than invoiced longer ago than this are not looked at again
     /// for a standing invoice. Held reservations are always read.
     pub window: Duration,
+    /// How long an order may take (`ORDER_DEADLINE`): an undecided order that holds stock longer
+    /// than this and the grace after it was placed is [`Kind::HeldPastDeadline`]. None: not checked.
+    pub deadline: Option<Duration>,
 }
 
 impl Default for Horizon {
     fn default() -> Self {
-        Self { grace: Duration::from_secs(60), window: Duration::from_secs(24 * 3600) }
+        Self { grace: Duration::from_secs(60), window: Duration::from_secs(24 * 3600), deadline: None }
     }
 }
 
@@ -131,14 +167,16 @@ impl Books {
         .fetch_all(&self.inventory)
         .await?;
         let ids: Vec<Uuid> = held.iter().map(|(id, _)| *id).collect();
-        let orders: HashMap<Uuid, (String, DateTime<Utc>)> =
-            sqlx::query_as::<_, OrderRow>("select id, status, updated_at from orders where id = any($1)")
-                .bind(&ids)
-                .fetch_all(&self.orders)
-                .await?
-                .into_iter()
-                .map(|(id, status, at)| (id, (status, at)))
-                .collect();
+        let orders: HashMap<Uuid, (String, DateTime<Utc>, DateTime<Utc>)> =
+            sqlx::query_as::<_, (Uuid, String, DateTime<Utc>, DateTime<Utc>)>(
+                "select id, status, updated_at, created_at from orders where id = any($1)",
+            )
+            .bind(&ids)
+            .fetch_all(&self.orders)
+            .await?
+            .into_iter()
+            .map(|(id, status, at, placed)| (id, (status, at, placed)))
+            .collect();
         // The orders that ended otherwise than invoiced (partial index `orders_ended_otherwise`),
         // and any invoice of theirs that still stands.
         let ended_otherwise: Vec<OrderRow> = sqlx::query_as(
@@ -170,25 +208,60 @@ impl Books {
         .fetch_all(&self.orders)
         .await?;
 
-        let settled_before = Utc::now() - chrono::TimeDelta::milliseconds(grace);
+        // Each SKU's reserved stock against its held reservations', in one snapshot (a
+        // reservation and its stock change in one transaction). The catalogue and the held
+        // reservations are small.
+        let unconserved: Vec<(String, i64, i64)> = sqlx::query_as(
+            "with held as (
+                 select line->>'sku' as sku, sum((line->>'quantity')::bigint) as quantity
+                   from reservations r, jsonb_array_elements(r.lines) line
+                  where r.state = 'held'
+                  group by 1)
+             select s.sku, s.reserved::bigint, coalesce(h.quantity, 0)::bigint
+               from stock s left join held h on h.sku = s.sku
+              where s.reserved <> coalesce(h.quantity, 0)
+              order by s.sku",
+        )
+        .fetch_all(&self.inventory)
+        .await?;
+
+        let now = Utc::now();
+        let settled_before = now - chrono::TimeDelta::milliseconds(grace);
+        let placed_before =
+            horizon.deadline.map(|deadline| settled_before - chrono::TimeDelta::milliseconds(millis(deadline)));
         let mut found = Vec::new();
         for (order_id, since) in held {
             match orders.get(&order_id) {
-                None => found.push(Disagreement { kind: Kind::UnknownOrder, order_id, status: None, since }),
+                None => found.push(Disagreement::of_order(Kind::UnknownOrder, order_id, None, since)),
                 // An order that changed within the grace period may still be compensating.
-                Some((status, at)) if is_final(status) && *at < settled_before => {
-                    found.push(Disagreement { kind: Kind::HeldByEnded, order_id, status: Some(status.clone()), since })
+                Some((status, at, _)) if is_final(status) && *at < settled_before => {
+                    found.push(Disagreement::of_order(Kind::HeldByEnded, order_id, Some(status.clone()), since))
+                }
+                Some((status, _, placed))
+                    if !is_final(status) && placed_before.is_some_and(|before| *placed < before) =>
+                {
+                    found.push(Disagreement::of_order(Kind::HeldPastDeadline, order_id, Some(status.clone()), since))
                 }
                 Some(_) => {}
             }
         }
         for (order_id, status, _) in ended_otherwise {
             if let Some(&since) = standing.get(&order_id) {
-                found.push(Disagreement { kind: Kind::InvoiceNotInvoiced, order_id, status: Some(status), since });
+                found.push(Disagreement::of_order(Kind::InvoiceNotInvoiced, order_id, Some(status), since));
             }
         }
         for (order_id, status, since) in overdue {
-            found.push(Disagreement { kind: Kind::CompensationOverdue, order_id, status: Some(status), since });
+            found.push(Disagreement::of_order(Kind::CompensationOverdue, order_id, Some(status), since));
+        }
+        for (sku, reserved, held) in unconserved {
+            let status = Some(format!("reserved {reserved}, held {held}"));
+            found.push(Disagreement {
+                kind: Kind::StockNotConserved,
+                order_id: None,
+                status,
+                sku: Some(sku),
+                since: now,
+            });
         }
         found.sort_by_key(|disagreement| (disagreement.kind, disagreement.since));
         Ok(found)

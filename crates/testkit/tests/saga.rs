@@ -56,6 +56,16 @@ async fn settle_by_hand(shop: &Shop, order_id: Uuid, state: &str, held: i32) {
         .expect("its stock");
 }
 
+/// Take `quantity` of SKU-5 into `reserved` by hand, outside any reservation (negative: give it
+/// back).
+async fn take_by_hand(shop: &Shop, quantity: i32) {
+    sqlx::query("update stock set reserved = reserved + $1, available = available - $1 where sku = 'SKU-5'")
+        .bind(quantity)
+        .execute(&shop.inventory)
+        .await
+        .expect("the stock");
+}
+
 /// Wait until `pool`'s inbox has applied `message_id`.
 async fn applied(pool: &sqlx::PgPool, message_id: Uuid) {
     eventually("the message to be applied", WAIT, || async {
@@ -366,4 +376,66 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     })
     .await;
     shop.assert_books_balance().await;
+    assert_eq!(shop.metric(Service::Api, "books_check_up").await, 1);
+
+    // Stock reserved outside any reservation: the SKU's reserved is not what its held
+    // reservations hold.
+    let unconserved = "books_disagreements{kind=\"stock_not_conserved\"}";
+    take_by_hand(&shop, 2).await;
+    eventually("the unconserved stock to be counted", WAIT, || async {
+        (shop.metric(Service::Api, unconserved).await == 1).then_some(())
+    })
+    .await;
+    let output = shop.env.msgctl(&["books", "--grace", "100ms", "--json"]).await;
+    let listed: Value = serde_json::from_slice(&output.stdout).expect("one disagreement");
+    assert_eq!((listed["kind"].as_str(), listed["sku"].as_str()), (Some("stock_not_conserved"), Some("SKU-5")));
+    assert_eq!(listed["status"], "reserved 2, held 0");
+    take_by_hand(&shop, -2).await;
+
+    // An order undecided long past its deadline (the deadline lost) that holds stock: billing is
+    // down, and the order was placed, by its row, two hours ago.
+    shop.kill(Service::Billing).await;
+    let job_id = shop.place(&[("SKU-4", 1)]).await;
+    let undecided = crate::order_id(&shop.job(job_id).await);
+    eventually("inventory to hold its stock", WAIT, || async {
+        let held: i64 = sqlx::query_scalar("select count(*) from reservations where order_id = $1 and state = 'held'")
+            .bind(undecided)
+            .fetch_one(&shop.inventory)
+            .await
+            .ok()?;
+        (held == 1).then_some(())
+    })
+    .await;
+    let past = "books_disagreements{kind=\"held_past_deadline\"}";
+    assert_eq!(shop.metric(Service::Api, past).await, 0, "within its deadline");
+    sqlx::query("update orders set created_at = now() - interval '2 hours' where id = $1")
+        .bind(undecided)
+        .execute(&shop.orders)
+        .await
+        .expect("the order");
+    eventually("the order past its deadline to be counted", WAIT, || async {
+        (shop.metric(Service::Api, past).await == 1).then_some(())
+    })
+    .await;
+    shop.restart(Service::Billing).await;
+    shop.wait_for_state(job_id, "succeeded").await;
+    eventually("the books to agree again", WAIT, || async {
+        (shop.metric(Service::Api, past).await == 0 && shop.metric(Service::Api, unconserved).await == 0).then_some(())
+    })
+    .await;
+
+    // A check that cannot run says so: books_check_up 0, and no stale figures.
+    shop.kill(Service::Api).await;
+    let unreachable = format!("{}_no_such_database", shop.env.database_url("inventory"));
+    let vars: Vec<(&str, &str)> = vars
+        .iter()
+        .map(|(name, value)| (*name, if *name == "BOOKS_INVENTORY_URL" { unreachable.as_str() } else { *value }))
+        .collect();
+    shop.restart_with(Service::Api, &vars).await;
+    eventually("the failed check to be reported", WAIT, || async {
+        let text = http::request("GET", &format!("{}/metrics", shop.http(Service::Api)), &[], None).await.ok()?;
+        let text = String::from_utf8_lossy(&text.body).into_owned();
+        (text.lines().any(|line| line == "books_check_up 0") && !text.contains("books_disagreements{")).then_some(())
+    })
+    .await;
 }
