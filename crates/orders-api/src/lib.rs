@@ -9,6 +9,7 @@ pub mod openapi;
 pub mod order;
 pub mod overview;
 pub mod problem;
+pub mod responses;
 pub mod status;
 pub mod writer;
 
@@ -124,6 +125,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let mut metrics = Metrics::default();
     let batches = writer::BatchMetrics::register(&mut metrics);
     let books_metrics = books::BooksMetrics::register(&mut metrics);
+    let responses = responses::ResponseMetrics::register(&mut metrics);
     let health = Health {
         databases: vec![("orders".to_owned(), pool.clone())],
         metrics: Arc::new(metrics),
@@ -148,7 +150,9 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let limits =
         api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
-    let served = service.routes(app(pool.clone(), writers, limits, page)).run(listener, &service_args.http).await;
+    let app = app(pool.clone(), writers, limits, page)
+        .layer(axum::middleware::from_fn_with_state(responses, responses::count));
+    let served = service.routes(app).run(listener, &service_args.http).await;
     pool.close().await;
     served?;
     Ok(())

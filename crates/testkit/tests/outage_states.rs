@@ -60,6 +60,8 @@ async fn a_full_disk_holds_deliveries_without_spending_attempts_and_the_api_answ
     let refused = shop.try_place(&[("SKU-2", 1)]).await.expect("POST /orders");
     assert_eq!(refused.status, 503, "{}", String::from_utf8_lossy(&refused.body));
     assert!(refused.header("retry-after").is_some(), "a 503 says when to retry");
+    // Counted for the API's 5xx alert (`/readyz` stays 200: the database answers reads).
+    assert!(shop.metric(Service::Api, "http_responses_total{class=\"5xx\"}").await >= 1);
 
     refuse_inserts(&shop.orders, "orders", None).await;
     refuse_inserts(&shop.inventory, "reservations", None).await;
