@@ -373,3 +373,51 @@ async fn a_message_parked_before_its_turn_gives_up_its_place() {
     .await;
     running.stop().await;
 }
+
+/// A park the broker does not confirm (its parking queue full by policy: the copy is nacked)
+/// keeps the message's place: its key's later messages wait for it, instead of passing a message
+/// parked nowhere. Once the queue takes it, it is parked and they go on (issue 56, row 9; until
+/// then the place was given up before the copy was published, and rounds 3 and 4 passed at once).
+#[tokio::test]
+async fn a_park_the_broker_does_not_confirm_keeps_its_place() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    let refusing = testkit::http::join(env.management_url(), &format!("/api/policies/{}/refuse-parking", env.vhost()));
+    let definition = serde_json::json!({
+        "pattern": format!("^{}$", endpoint.parking_queue().replace('.', "\\.")),
+        "definition": {"max-length": 0, "overflow": "reject-publish"},
+        "apply-to": "queues",
+        "priority": 10,
+    });
+    let set = testkit::http::request("PUT", &refusing, &[], Some(&definition.to_string())).await.expect("policy");
+    assert!(set.status < 300, "the policy: {}", String::from_utf8_lossy(&set.body));
+    // A quorum queue refuses a publish once it is over its length: one message puts it there.
+    let connection = env.amqp().await;
+    let publisher = messaging::publisher::Publisher::open(&connection).await.expect("publisher");
+    let properties = lapin::BasicProperties::default().with_delivery_mode(2);
+    publisher.publish("", &endpoint.parking_queue(), b"{}", properties).await.expect("the filler confirmed");
+    for round in 1..=4 {
+        let step = Step { key: "k".into(), round, flaky: false, poison: round == 2 };
+        enqueue(&pool, &step).await;
+    }
+    let running = Running::start(&env, &pool, &endpoint, &policy).await;
+    eventually("round 1 to be applied", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![1])).then_some(())
+    })
+    .await;
+    // Round 2's park is refused again and again; rounds 3 and 4 wait their turn meanwhile.
+    let watched = tokio::time::Instant::now();
+    while watched.elapsed() < Duration::from_secs(3) {
+        assert_eq!(applied(&pool).await.get("k"), Some(&vec![1]), "a later round passed a message parked nowhere");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let removed = testkit::http::request("DELETE", &refusing, &[], None).await.expect("policy");
+    assert!(removed.status < 300, "the policy: {}", String::from_utf8_lossy(&removed.body));
+    eventually("the rounds after the parked one to be applied", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![1, 3, 4])).then_some(())
+    })
+    .await;
+    assert!(handled(&running.health, "parked") >= 1);
+    let _ = connection.close(200, "bye".into()).await;
+    running.stop().await;
+}

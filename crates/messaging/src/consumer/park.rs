@@ -67,7 +67,10 @@ impl<H: Handler> Runtime<H> {
         Ok(())
     }
 
-    /// Publish the delivery, untouched but for our headers, to the parking queue; then ack it.
+    /// Publish the delivery, untouched but for our headers, to the parking queue; once the broker
+    /// has confirmed the copy, give up its place in its key's order (an endpoint ordered by key),
+    /// then ack it. A park that fails keeps the place: the key's later messages wait for it as
+    /// they would for any message not yet applied, instead of passing a message parked nowhere.
     pub(super) async fn park(
         &self,
         delivery: InFlight,
@@ -77,12 +80,6 @@ impl<H: Handler> Runtime<H> {
     ) -> Result<(), PublishError> {
         let endpoint = &self.settings.endpoint;
         let properties = &delivery.delivery().properties;
-        if endpoint.ordered_by_key
-            && let Some(ordering) = properties.headers().as_ref().and_then(envelope::ordering)
-        {
-            let message_type = properties.kind().as_ref().map(|kind| kind.as_str());
-            super::ordering::give_up_place(&self.pool, endpoint, message_type, &ordering).await;
-        }
         let parked_properties = envelope::with_headers(
             properties,
             &[
@@ -110,6 +107,12 @@ impl<H: Handler> Runtime<H> {
         });
         let event = self.send_event(publisher, event).await;
         parked.confirmed().await?;
+        if endpoint.ordered_by_key
+            && let Some(ordering) = properties.headers().as_ref().and_then(envelope::ordering)
+        {
+            let message_type = properties.kind().as_ref().map(|kind| kind.as_str());
+            super::ordering::give_up_place(&self.pool, endpoint, message_type, &ordering).await;
+        }
         self.settle_event(event).await;
         delivery.ack().await?;
         self.count(Handled::Parked);
