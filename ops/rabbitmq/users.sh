@@ -25,6 +25,14 @@
 # direct exchange and publishes their job events; it and orders-api (the live page's parking
 # depths) have the `management` tag, to list queues. A limit: a user that may declare an exchange
 # may also delete it.
+#
+# Topic permissions narrow what each user may publish to the `jobs` topic exchange, by routing
+# key: a consumer reports its own retries and parkings (`job.retry_scheduled`, `job.quarantined`),
+# only the operator's `msgctl` ends or reopens a job (`job.abandoned`, `job.redriven`: the orders
+# service cancels and compensates the order of a `job.abandoned`), and the relay publishes none.
+# Without them any service's user could end any order. RabbitMQ checks topic permissions on topic
+# exchanges only, and a user with none on an exchange may publish any key there: each user of the
+# table below has one on `jobs`.
 set -euo pipefail
 
 # user                configure                                    write                                  read
@@ -35,6 +43,17 @@ inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.
 billing-worker     ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$
 relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
 msgctl             ^$  ^(.*\.direct|jobs)$  ^.*\.parking$
+TABLE
+}
+
+# user               exchange  write                                  read
+topic_permissions() {
+    cat <<'TABLE'
+orders-api         jobs  ^job\.(retry_scheduled|quarantined)$  .*
+inventory-worker   jobs  ^job\.(retry_scheduled|quarantined)$  .*
+billing-worker     jobs  ^job\.(retry_scheduled|quarantined)$  .*
+relay              jobs  ^$  .*
+msgctl             jobs  ^job\.(redriven|abandoned)$  .*
 TABLE
 }
 
@@ -72,6 +91,13 @@ apply() { # management-url vhost
             -d "{\"configure\": $(json_string "$configure"), \"write\": $(json_string "$write"), \"read\": $(json_string "$read")}" >/dev/null
         echo "users.sh: $user on vhost $vhost: configure $configure, write $write, read $read"
     done < <(permissions)
+    local exchange
+    while read -r user exchange write read; do
+        user="${USER_PREFIX:-}$user"
+        "${curl[@]}" -X PUT "$api/api/topic-permissions/$vhost_path/$user" \
+            -d "{\"exchange\": $(json_string "$exchange"), \"write\": $(json_string "$write"), \"read\": $(json_string "$read")}" >/dev/null
+        echo "users.sh: $user on exchange $exchange of vhost $vhost: publishes $write"
+    done < <(topic_permissions)
 }
 
 # The demo's broker, loaded at boot (ops/rabbitmq/20-shop.conf): the vhost, `guest` as the
@@ -79,7 +105,7 @@ apply() { # management-url vhost
 # (orders-api's and msgctl's with the `management` tag, as `apply` gives it).
 # The salts are derived from the names so that the file is reproducible: demo passwords only.
 definitions() {
-    permissions | python3 -c '
+    { permissions; echo "--"; topic_permissions; } | python3 -c '
 import base64, hashlib, json, sys
 def password_hash(user, password):
     salt = hashlib.sha256(user.encode()).digest()[:4]
@@ -87,13 +113,20 @@ def password_hash(user, password):
 users = [{"name": "guest", "password_hash": password_hash("guest", "guest"),
           "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}]
 permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
-for line in sys.stdin:
+lines = sys.stdin.read().splitlines()
+split = lines.index("--")
+topic_permissions = []
+for line in lines[split + 1:]:
+    user, exchange, write, read = line.split()
+    topic_permissions.append({"user": user, "vhost": "/", "exchange": exchange, "write": write, "read": read})
+for line in lines[:split]:
     user, configure, write, read = line.split()
     tags = ["management"] if user in ("orders-api", "msgctl") else []
     users.append({"name": user, "password_hash": password_hash(user, user),
                   "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": tags, "limits": {}})
     permissions.append({"user": user, "vhost": "/", "configure": configure, "write": write, "read": read})
-print(json.dumps({"vhosts": [{"name": "/"}], "users": users, "permissions": permissions}, indent=2))
+print(json.dumps({"vhosts": [{"name": "/"}], "users": users, "permissions": permissions,
+                  "topic_permissions": topic_permissions}, indent=2))
 '
 }
 

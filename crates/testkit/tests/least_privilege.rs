@@ -7,7 +7,11 @@ use lapin::{
     options::{BasicConsumeOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions},
     types::FieldTable,
 };
-use messaging::{publisher::Publisher, runtime::config::SecretUrl};
+use messaging::{
+    contracts::{Contract, JobAbandoned},
+    publisher::Publisher,
+    runtime::config::SecretUrl,
+};
 use sqlx::Connection;
 use testkit::{
     process,
@@ -111,6 +115,59 @@ async fn the_inventory_user_cannot_consume_declare_purge_delete_or_write_into_bi
     }
     // Its own queue it may consume, and billing's is still there.
     assert!(shop.env.queues().await.iter().all(|queue| !queue.ends_with(".extra")), "nothing was declared");
+    shop.stop().await;
+}
+
+/// Publish a `job.abandoned` for `job_id` as broker user `user` of `shop`: whether the broker
+/// confirmed it.
+async fn abandon_as(shop: &Shop, user: &str, job_id: uuid::Uuid) -> Result<(), messaging::publisher::PublishError> {
+    let url = SecretUrl::new(as_user(&shop.env.amqp_url(), user, None));
+    let connection = messaging::runtime::broker::connect(&url, "least-privilege test").await.expect("connect");
+    let event = JobAbandoned {
+        job_id,
+        endpoint: "billing.inventory-reserved".into(),
+        message_id: uuid::Uuid::new_v4(),
+        reason: format!("abandoned by {user}"),
+    };
+    let (body, properties) = messaging::envelope::job_event(&event).expect("the event");
+    let publisher = Publisher::open(&connection).await.expect("publisher");
+    let sent = publisher.publish(JobAbandoned::EXCHANGE, JobAbandoned::TYPE, &body, properties).await.map(|_| ());
+    let _ = connection.close(200, "bye".into()).await;
+    sent
+}
+
+/// Only the operator's user ends a job: a `job.abandoned` forged with billing-worker's user is
+/// refused (a topic permission on `jobs`, `ops/rabbitmq/users.sh`), and the order is not
+/// touched; the same event from msgctl's user is taken, and the order ends cancelled (issue 56,
+/// row 5: until then any service's user could end any order).
+#[tokio::test]
+async fn only_the_operator_s_user_may_publish_a_job_abandoned() {
+    let mut shop = least_privilege_shop().await;
+    shop.kill(Service::Billing).await;
+    let job_id = shop.place(&[("SKU-2", 1)]).await;
+    let order_id: uuid::Uuid = shop.job(job_id).await["orderId"].as_str().and_then(|id| id.parse().ok()).expect("id");
+    testkit::eventually("inventory to hold the order's stock", testkit::shop::WAIT, || async {
+        let held: i64 = sqlx::query_scalar("select count(*) from reservations where order_id = $1 and state = 'held'")
+            .bind(order_id)
+            .fetch_one(&shop.inventory)
+            .await
+            .ok()?;
+        (held == 1).then_some(())
+    })
+    .await;
+
+    let billing = format!("t-{}-billing-worker", shop.env.id());
+    let forged = abandon_as(&shop, &billing, job_id).await;
+    assert!(forged.is_err(), "billing-worker's user published a job.abandoned");
+    let operator = format!("t-{}-msgctl", shop.env.id());
+    abandon_as(&shop, &operator, job_id).await.expect("msgctl's user publishes a job.abandoned");
+    // Cancelled, and compensating until billing, down, answers.
+    shop.wait_for_state(job_id, "compensating").await;
+    shop.restart(Service::Billing).await;
+    let job = shop.wait_for_state(job_id, "cancelled").await;
+    let reason = job["lastError"].as_str().unwrap_or_default();
+    assert!(reason.ends_with(&format!("abandoned by {operator}")), "the operator's, not the forged one: {job}");
+    shop.assert_books_balance().await;
     shop.stop().await;
 }
 
