@@ -29,7 +29,8 @@
 # Topic permissions narrow what each user may publish to the `jobs` topic exchange, by routing
 # key: a consumer reports its own retries and parkings (`job.retry_scheduled`, `job.quarantined`),
 # only the operator's `msgctl` ends or reopens a job (`job.abandoned`, `job.redriven`: the orders
-# service cancels and compensates the order of a `job.abandoned`), and the relay publishes none.
+# service cancels and compensates the order of a `job.abandoned`), and the relay only the
+# `job.quarantined` of an outbox row it parks.
 # Without them any service's user could end any order. RabbitMQ checks topic permissions on topic
 # exchanges only, and a user with none on an exchange may publish any key there: each user of the
 # table below has one on `jobs`.
@@ -52,7 +53,7 @@ topic_permissions() {
 orders-api         jobs  ^job\.(retry_scheduled|quarantined)$  .*
 inventory-worker   jobs  ^job\.(retry_scheduled|quarantined)$  .*
 billing-worker     jobs  ^job\.(retry_scheduled|quarantined)$  .*
-relay              jobs  ^$  .*
+relay              jobs  ^job\.quarantined$  .*
 msgctl             jobs  ^job\.(redriven|abandoned)$  .*
 TABLE
 }
