@@ -92,7 +92,7 @@ fn main() -> ExitCode {
                 let broker = parked::Broker { amqp_url: cli.broker.amqp_url, management_url: cli.management_url };
                 parked::run(action, &broker, cli.inbox_retention).await
             }
-            Command::Outbox { action } => outbox::run(action, &cli.database_urls).await,
+            Command::Outbox { action } => outbox::run(action, &cli.database_urls, &cli.broker.amqp_url).await,
             Command::Books(args) => books::run(args).await,
         }
     });

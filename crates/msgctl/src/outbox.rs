@@ -1,18 +1,31 @@
 //! `msgctl outbox …`: rows the relay could not get the broker to take (returned as unroutable,
 //! nacked, or refused by closing the channel), which it retries with a growing backoff, and the
-//! rows it parked after `RELAY_MAX_ATTEMPTS` refusals; and a way to send them again now.
+//! rows it parked after `RELAY_MAX_ATTEMPTS` refusals; a way to send them again now, and one to
+//! give a parked row up for good, ending its job through the saga.
 
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
-use messaging::{outbox::NOTIFY_CHANNEL, runtime::config::SecretUrl};
+use messaging::{
+    contracts::JobAbandoned,
+    envelope::Headers,
+    outbox::NOTIFY_CHANNEL,
+    publisher::Publisher,
+    runtime::{
+        broker,
+        config::{BrokerNodes, SecretUrl},
+    },
+};
 use sqlx::{
     PgPool,
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 use uuid::Uuid;
 
-use crate::Failure;
+use crate::{
+    Failure,
+    parked::{Unroutable, send_job_event},
+};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Action {
@@ -34,6 +47,20 @@ pub enum Action {
         #[arg(long)]
         all: bool,
     },
+    /// Give parked rows up for good (by message id), when no fix will get the broker to take
+    /// them: the job of each (its correlation id) is abandoned first with a confirmed
+    /// `job.abandoned`, so that its owner ends it and undoes what its steps did (an order:
+    /// cancelled, its stock given back), then the row is deleted. Refused, deleting nothing, for a
+    /// row that is not parked (the relay may still send it) and for an undo (`order.ended`,
+    /// `inventory.released`, `invoice.voided`: nothing would send it again).
+    Discard {
+        /// Message ids of parked rows.
+        #[arg(required = true)]
+        message_ids: Vec<Uuid>,
+        /// Why, for the job's record.
+        #[arg(long, default_value = "discarded with msgctl")]
+        note: String,
+    },
 }
 
 /// A stuck row.
@@ -53,7 +80,7 @@ struct Stuck {
     parked_at: Option<DateTime<Utc>>,
 }
 
-pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure> {
+pub async fn run(action: Action, databases: &[SecretUrl], nodes: &BrokerNodes) -> Result<(), Failure> {
     if databases.is_empty() {
         return Err(Failure::Described(
             "no outbox database: set DATABASE_URL (comma-separated, as for the relay)".into(),
@@ -66,7 +93,89 @@ pub async fn run(action: Action, databases: &[SecretUrl]) -> Result<(), Failure>
     match action {
         Action::Stuck { json } => stuck(&pools, json).await,
         Action::Retry { message_ids, all } => retry(&pools, &message_ids, all).await,
+        Action::Discard { message_ids, note } => discard(&pools, &message_ids, &note, nodes).await,
     }
+}
+
+/// A row named for `discard`, as its database holds it.
+#[derive(Debug, sqlx::FromRow)]
+struct Named {
+    message_id: Uuid,
+    message_type: String,
+    parked_at: Option<DateTime<Utc>>,
+    headers: sqlx::types::Json<Headers>,
+}
+
+async fn discard(
+    pools: &[(String, PgPool)],
+    message_ids: &[Uuid],
+    note: &str,
+    nodes: &BrokerNodes,
+) -> Result<(), Failure> {
+    // Every row checked before anything is sent or deleted.
+    let mut named: Vec<(&str, &PgPool, Named)> = Vec::new();
+    for (database, pool) in pools {
+        let rows: Vec<Named> = sqlx::query_as(
+            "select message_id, message_type, parked_at, headers from outbox
+              where message_id = any($1) and published_at is null",
+        )
+        .bind(message_ids)
+        .fetch_all(pool)
+        .await
+        .map_err(|error| Failure::Described(format!("{database}: {error}")))?;
+        named.extend(rows.into_iter().map(|row| (database.as_str(), pool, row)));
+    }
+    let missing: Vec<String> = message_ids
+        .iter()
+        .filter(|id| !named.iter().any(|(_, _, row)| row.message_id == **id))
+        .map(ToString::to_string)
+        .collect();
+    if !missing.is_empty() {
+        return Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))));
+    }
+    for (database, _, row) in &named {
+        let refusal = if row.parked_at.is_none() {
+            Some("it is not parked: the relay still sends it (`msgctl outbox stuck` says when)")
+        } else if shop::is_undo(&row.message_type) {
+            Some("it undoes an ended order's steps, and nothing would send it again: its job would stay compensating")
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            return Err(Failure::Described(format!(
+                "cannot discard {database} {} ({}): {why}; nothing was discarded",
+                row.message_id, row.message_type
+            )));
+        }
+    }
+    let (connection, _) = broker::connect_any(nodes, 0, "msgctl")
+        .await
+        .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
+    let publisher = Publisher::open(&connection).await?;
+    let mut discarded = 0;
+    for (database, pool, row) in &named {
+        if let Some(job_id) = row.headers.0.correlation_id {
+            let event = JobAbandoned {
+                job_id,
+                endpoint: format!("outbox:{database}"),
+                message_id: row.message_id,
+                reason: note.to_owned(),
+            };
+            // Nothing is deleted unless its job's owner took the event.
+            send_job_event(&publisher, &event, Unroutable::Refuse).await?;
+        }
+        // The job's owner may have withdrawn it already (the orders service, its own order.placed).
+        sqlx::query("delete from outbox where message_id = $1 and published_at is null and parked_at is not null")
+            .bind(row.message_id)
+            .execute(*pool)
+            .await?;
+        println!("{database}  {}  {}  discarded", row.message_id, row.message_type);
+        discarded += 1;
+    }
+    publisher.close().await;
+    let _ = connection.close(200, "bye".into()).await;
+    println!("{discarded} row(s) discarded");
+    Ok(())
 }
 
 /// A one-connection pool on `url`, with the database's name as the relay labels it.

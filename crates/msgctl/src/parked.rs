@@ -503,7 +503,11 @@ async fn redrive_held(
 
 /// Publish a job event (confirmed). One that reaches no queue (no status consumer bound) is a
 /// warning or a failure, as `unroutable` says.
-async fn send_job_event<C: JobEvent>(publisher: &Publisher, event: &C, unroutable: Unroutable) -> Result<(), Failure> {
+pub(crate) async fn send_job_event<C: JobEvent>(
+    publisher: &Publisher,
+    event: &C,
+    unroutable: Unroutable,
+) -> Result<(), Failure> {
     let (body, properties) = envelope::job_event(event)?;
     match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
         Ok(()) => Ok(()),
@@ -636,7 +640,7 @@ async fn refuse_undos(connection: &Connection, filter: &Filter, ending: Ending<'
 
 /// What to do when a job event reaches no queue (no status consumer is bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Unroutable {
+pub(crate) enum Unroutable {
     /// Warn, and go on (`redrive`: the copy is sent; `purge`: the message is deleted anyway).
     Warn,
     /// Fail: the message stays parked (`abandon`: nothing would end its job).

@@ -327,6 +327,14 @@ pub enum Decided {
 /// `succeeded` for `Invoiced` (with its invoice, `result_key`), else `compensating` towards the
 /// end, with `reason` as its last error. A decision made now is announced in the same
 /// transaction: `order.ended`, through the outbox, for inventory and billing to settle or undo.
+///
+/// `order.ended` is sent ordered behind the order's `order.placed` (`shop::order_key`, decision
+/// 0024), unless that `order.placed` will never be sent: never published, and parked in this
+/// outbox (the broker refuses it) or gone from it (`msgctl outbox discard`). Then a parked one is
+/// withdrawn (deleted, unless the relay holds it: `SKIP LOCKED`), and `order.ended` is sent
+/// unordered, since an ordered one would wait at inventory for a place nothing will fill, and the
+/// job would stay `compensating`. Should a withdrawn-too-late `order.placed` arrive after all,
+/// inventory's fence makes it take nothing.
 pub async fn decide(
     tx: &mut PgConnection,
     job_id: Uuid,
@@ -341,9 +349,10 @@ pub async fn decide(
     };
     // The job's row is locked first, then the order's, as every other move of a job takes them:
     // `decided` reads `job`, so `job` runs first.
-    let (known, created_at, order_id): (bool, Option<DateTime<Utc>>, Option<Uuid>) = sqlx::query_as(
-        "with job as (
-            select order_id from jobs where id = $1 for update
+    let (known, created_at, order_id, never_published): (bool, Option<DateTime<Utc>>, Option<Uuid>, bool) =
+        sqlx::query_as(
+            "with job as (
+            select order_id, published_at from jobs where id = $1 for update
          ), decided as (
             update orders set status = $2, updated_at = now()
              where id = (select order_id from job) and status = any($3)
@@ -355,27 +364,52 @@ pub async fn decide(
              where id = $1 and exists (select from decided)
             returning created_at, order_id
          )
-         select exists (select from job), (select created_at from moved), (select order_id from moved)",
-    )
-    .bind(job_id)
-    .bind(status.as_str())
-    .bind(status.moves_from_names())
-    .bind(state.as_str())
-    .bind(ending)
-    .bind(result_key)
-    .bind(reason)
-    .fetch_one(&mut *tx)
-    .await?;
+         select exists (select from job), (select created_at from moved), (select order_id from moved),
+                coalesce((select published_at is null from job), false)",
+        )
+        .bind(job_id)
+        .bind(status.as_str())
+        .bind(status.moves_from_names())
+        .bind(state.as_str())
+        .bind(ending)
+        .bind(result_key)
+        .bind(reason)
+        .fetch_one(&mut *tx)
+        .await?;
     let decided = match (known, created_at.zip(order_id)) {
         (false, _) => Decided::UnknownJob,
         (true, None) => Decided::Before,
         (true, Some((created_at, order_id))) => Decided::Now(created_at, order_id),
     };
     if let Decided::Now(_, order_id) = decided {
+        let placed_lost = never_published && withdraw_lost_placing(tx, job_id).await?;
         let ended = OrderEnded { order_id, job_id, end, reason: reason.map(str::to_owned) };
-        outbox::Outgoing::of(&ended, Some(job_id)).ordered_by(shop::order_key(order_id)).enqueue(tx).await?;
+        let ended = outbox::Outgoing::of(&ended, Some(job_id));
+        let ended = if placed_lost { ended } else { ended.ordered_by(shop::order_key(order_id)) };
+        ended.enqueue(tx).await?;
     }
     Ok(decided)
+}
+
+/// Whether the job's `order.placed`, never published, will never be: parked in this outbox (then
+/// withdrawn here, unless the relay holds its row) or gone from it. See [`decide`].
+async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "with placed as (
+            select o.id, o.parked_at from jobs j left join outbox o on o.message_id = j.order_placed_message_id
+             where j.id = $1
+         ), withdrawn as (
+            delete from outbox where id in (
+                select id from outbox where id = (select id from placed) and parked_at is not null
+                   and published_at is null for update skip locked)
+            returning id
+         )
+         select exists (select from placed where id is null or parked_at is not null)
+                or exists (select from withdrawn)",
+    )
+    .bind(job_id)
+    .fetch_one(tx)
+    .await
 }
 
 /// An answer a compensating job waits for.

@@ -331,3 +331,70 @@ async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     assert!(purged.status.success(), "{purged:?}");
     assert!(parked_at(BILLING).await.is_empty());
 }
+
+/// An `order.placed` the broker refuses for good (its row names an exchange of another type, whose
+/// declaration the broker refuses by closing the channel),
+/// parked in the outbox by the relay and its job quarantined: `msgctl outbox discard` abandons the
+/// job and deletes the row, and the order ends cancelled with nothing taken: its `order.ended` goes
+/// out unordered, since the `order.placed` it would wait behind at inventory will never come
+/// (issue 56, row 7). An undo row, or one the relay still sends, is refused.
+#[tokio::test]
+async fn a_parked_order_placed_discarded_ends_its_order_cancelled_with_nothing_taken() {
+    let relay_env = [("RELAY_MAX_ATTEMPTS", "2"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
+    let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
+    let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let fanout = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+    channel
+        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Fanout, fanout, lapin::types::FieldTable::default())
+        .await
+        .expect("a fanout exchange");
+    let _ = connection.close(200, "bye".into()).await;
+    shop.kill(Service::Relay).await;
+    let job = shop.place(&[("SKU-3", 2)]).await;
+    let placed: Uuid = sqlx::query_scalar(
+        "update outbox set exchange = 'elsewhere' where message_type = 'order.placed' and payload->>'jobId' = $1::text
+         returning message_id",
+    )
+    .bind(job)
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the order's order.placed row");
+    // Not parked yet: the relay would still send it.
+    let refused = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not parked"), "{refused:?}");
+
+    shop.restart(Service::Relay).await;
+    shop.wait_for_state(job, "quarantined").await;
+    let discarded = shop.env.msgctl(&["outbox", "discard", &placed.to_string(), "--note", "no such exchange"]).await;
+    assert!(discarded.status.success(), "{discarded:?}");
+    let ended = shop.wait_for_state(job, "cancelled").await;
+    assert!(ended["lastError"].as_str().is_some_and(|error| error.ends_with("no such exchange")), "{ended}");
+    let left: i64 = sqlx::query_scalar("select count(*) from outbox where message_id = $1")
+        .bind(placed)
+        .fetch_one(&shop.orders)
+        .await
+        .expect("the outbox");
+    assert_eq!(left, 0, "the row is gone");
+    let taken: (i32, i32) = sqlx::query_as("select reserved, settled from stock where sku = 'SKU-3'")
+        .fetch_one(&shop.inventory)
+        .await
+        .expect("stock");
+    assert_eq!(taken, (0, 0), "nothing taken");
+    shop.assert_books_balance().await;
+
+    // The order's order.ended, parked by hand: an undo is never discarded.
+    let ended_row: Uuid = sqlx::query_scalar(
+        "update outbox set parked_at = now(), published_at = null
+          where message_type = 'order.ended' and payload->>'jobId' = $1::text returning message_id",
+    )
+    .bind(job)
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the order's order.ended row");
+    let refused = shop.env.msgctl(&["outbox", "discard", &ended_row.to_string()]).await;
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("undoes"), "{refused:?}");
+}
