@@ -159,7 +159,7 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
         (status = 202, description = "Accepted: poll the job.", body = Accepted,
          headers(("Location" = String, description = "`/jobs/{jobId}`"))),
         (status = 400, description = "Malformed or invalid input: nothing was written.", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body over 64 KiB, or an order whose message would be over `MAX_MESSAGE_BYTES`: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over 64 KiB, or an order whose messages (its `order.placed`, its `inventory.reserved`) would be over `MAX_MESSAGE_BYTES`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Not `application/json`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "The Idempotency-Key was used with another body.", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
@@ -180,7 +180,20 @@ pub(crate) async fn place_order(
         chrono::Utc::now() + chrono::TimeDelta::from_std(limits.order_deadline).map_err(ApiError::internal)?,
         6,
     );
-    let message_bytes = outbox::published_size(&order.placed(&placeholder, deadline)).map_err(ApiError::internal)?;
+    // The largest message the order causes: its `order.placed`, or inventory's `inventory.reserved`,
+    // which carries the same lines and a reservation id in place of the customer's. Refused
+    // downstream, it would leave the order quarantined after it was accepted.
+    let placed = order.placed(&placeholder, deadline);
+    let reserved = shop::InventoryReserved {
+        order_id: placed.order_id,
+        job_id: placed.job_id,
+        reservation_id: Uuid::nil(),
+        lines: placed.lines.clone(),
+        deadline: placed.deadline,
+    };
+    let message_bytes = outbox::published_size(&placed)
+        .and_then(|placed| Ok(placed.max(outbox::published_size(&reserved)?)))
+        .map_err(ApiError::internal)?;
     if message_bytes > limits.max_message_bytes {
         return Err(ApiError::MessageTooLarge { size: message_bytes, limit: limits.max_message_bytes });
     }

@@ -53,7 +53,8 @@ pub struct Config {
     /// while it writes.
     #[arg(long, env = "ORDER_WRITERS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub order_writers: u16,
-    /// The largest `order.placed` body, in bytes: a larger order is refused with 413 before
+    /// The largest body, in bytes, of the messages an order causes (its `order.placed`, and the
+    /// `inventory.reserved` that carries the same lines): a larger order is refused with 413 before
     /// anything is written. Keep it under the broker's `max_message_size` (16 MiB by default on
     /// RabbitMQ 4.x), which would refuse the message for good.
     #[arg(long, env = "MAX_MESSAGE_BYTES", default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u32).range(256..))]

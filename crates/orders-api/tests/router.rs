@@ -153,6 +153,38 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
     assert_nothing_written(&pool).await;
 }
 
+/// The 413 sizes the largest message an order causes: an order whose `order.placed` fits under
+/// `MAX_MESSAGE_BYTES` but whose `inventory.reserved` (the same lines, a reservation id in place of
+/// a one-letter customer id: 36 bytes more) would not is refused, and nothing is written (issue
+/// 56, row 9: accepted, it was quarantined downstream).
+#[tokio::test]
+async fn an_order_whose_reservation_would_be_over_the_message_limit_is_refused() {
+    let env = TestEnv::new().await;
+    let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
+    let lines: Vec<shop::OrderLine> =
+        (0..40).map(|i| shop::OrderLine { sku: format!("SKU-{i}"), quantity: 1 }).collect();
+    // A deadline printed with six digits, the most it can have: the request's prints as many or
+    // up to seven bytes fewer, and so does its reservation's.
+    let deadline = chrono::DateTime::parse_from_rfc3339("2026-12-06T03:50:00.123456Z").expect("time").to_utc();
+    let nil = uuid::Uuid::nil();
+    let placed = shop::OrderPlaced {
+        order_id: nil,
+        job_id: nil,
+        customer_id: "c".into(),
+        lines: lines.clone(),
+        deadline: Some(deadline),
+    };
+    let placed_bytes = messaging::outbox::published_size(&placed).expect("size");
+    let limits = orders_api::api::Limits { max_message_bytes: placed_bytes + 18, ..LIMITS };
+    let writers = Writers::start(pool.clone(), 1, BatchMetrics::register(&mut Metrics::default()));
+    let app = orders_api::app(pool.clone(), writers, limits, None);
+    let body: Vec<String> = lines.iter().map(|line| format!(r#"{{"sku":"{}","quantity":1}}"#, line.sku)).collect();
+    let body = format!(r#"{{"customerId":"c","lines":[{}]}}"#, body.join(","));
+    let limit = format!("over the {}-byte limit (MAX_MESSAGE_BYTES)", placed_bytes + 18);
+    assert_problem(&post(&app, &body, &[]).await, 413, &limit);
+    assert_nothing_written(&pool).await;
+}
+
 #[tokio::test]
 async fn an_accepted_order_is_written_whole_and_reads_back_as_queued_and_accepted() {
     let env = TestEnv::new().await;
