@@ -33,7 +33,9 @@
 # `job.quarantined` of an outbox row it parks.
 # Without them any service's user could end any order. RabbitMQ checks topic permissions on topic
 # exchanges only, and a user with none on an exchange may publish any key there: each user of the
-# table below has one on `jobs`.
+# table below has one on `jobs`. RabbitMQ 4.x takes a topic permission only on an exchange that
+# exists, so `apply` and the demo's definitions declare each such exchange first, as the services
+# declare it (topic, durable).
 set -euo pipefail
 
 # user                configure                                    write                                  read
@@ -93,6 +95,10 @@ apply() { # management-url vhost
         echo "users.sh: $user on vhost $vhost: configure $configure, write $write, read $read"
     done < <(permissions)
     local exchange
+    for exchange in $(topic_permissions | awk '{ print $2 }' | sort -u); do
+        "${curl[@]}" -X PUT "$api/api/exchanges/$vhost_path/$exchange" \
+            -d '{"type": "topic", "durable": true, "auto_delete": false, "internal": false, "arguments": {}}' >/dev/null
+    done
     while read -r user exchange write read; do
         user="${USER_PREFIX:-}$user"
         "${curl[@]}" -X PUT "$api/api/topic-permissions/$vhost_path/$user" \
@@ -117,9 +123,13 @@ permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*",
 lines = sys.stdin.read().splitlines()
 split = lines.index("--")
 topic_permissions = []
+exchanges = []
 for line in lines[split + 1:]:
     user, exchange, write, read = line.split()
     topic_permissions.append({"user": user, "vhost": "/", "exchange": exchange, "write": write, "read": read})
+    if exchange not in [known["name"] for known in exchanges]:
+        exchanges.append({"name": exchange, "vhost": "/", "type": "topic", "durable": True, "auto_delete": False,
+                          "internal": False, "arguments": {}})
 for line in lines[:split]:
     user, configure, write, read = line.split()
     tags = ["management"] if user in ("orders-api", "msgctl") else []
@@ -127,7 +137,7 @@ for line in lines[:split]:
                   "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": tags, "limits": {}})
     permissions.append({"user": user, "vhost": "/", "configure": configure, "write": write, "read": read})
 print(json.dumps({"vhosts": [{"name": "/"}], "users": users, "permissions": permissions,
-                  "topic_permissions": topic_permissions}, indent=2))
+                  "exchanges": exchanges, "topic_permissions": topic_permissions}, indent=2))
 '
 }
 
