@@ -106,6 +106,9 @@ struct Named {
     headers: sqlx::types::Json<Headers>,
 }
 
+/// Discard the named rows. Each database's rows are locked (`FOR UPDATE`) in a transaction held
+/// until they are deleted, so that none is re-armed (`retry`) and published between the check and
+/// the delete: the relay's claim skips a locked row, and a `retry` waits for it.
 async fn discard(
     pools: &[(String, PgPool)],
     message_ids: &[Uuid],
@@ -113,27 +116,32 @@ async fn discard(
     nodes: &BrokerNodes,
 ) -> Result<(), Failure> {
     // Every row checked before anything is sent or deleted.
-    let mut named: Vec<(&str, &PgPool, Named)> = Vec::new();
+    let mut named: Vec<(usize, Named)> = Vec::new();
+    let mut locked = Vec::new();
     for (database, pool) in pools {
+        let mut tx = pool.begin().await?;
         let rows: Vec<Named> = sqlx::query_as(
             "select message_id, message_type, parked_at, headers from outbox
-              where message_id = any($1) and published_at is null",
+              where message_id = any($1) and published_at is null
+                for update",
         )
         .bind(message_ids)
-        .fetch_all(pool)
+        .fetch_all(&mut *tx)
         .await
         .map_err(|error| Failure::Described(format!("{database}: {error}")))?;
-        named.extend(rows.into_iter().map(|row| (database.as_str(), pool, row)));
+        named.extend(rows.into_iter().map(|row| (locked.len(), row)));
+        locked.push(tx);
     }
     let missing: Vec<String> = message_ids
         .iter()
-        .filter(|id| !named.iter().any(|(_, _, row)| row.message_id == **id))
+        .filter(|id| !named.iter().any(|(_, row)| row.message_id == **id))
         .map(ToString::to_string)
         .collect();
     if !missing.is_empty() {
         return Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))));
     }
-    for (database, _, row) in &named {
+    for (at, row) in &named {
+        let database = &pools[*at].0;
         let refusal = if row.parked_at.is_none() {
             Some("it is not parked: the relay still sends it (`msgctl outbox stuck` says when)")
         } else if shop::is_undo(&row.message_type) {
@@ -153,7 +161,8 @@ async fn discard(
         .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
     let publisher = Publisher::open(&connection).await?;
     let mut discarded = 0;
-    for (database, pool, row) in &named {
+    for (at, row) in &named {
+        let database = &pools[*at].0;
         if let Some(job_id) = row.headers.0.correlation_id {
             let event = JobAbandoned {
                 job_id,
@@ -164,13 +173,14 @@ async fn discard(
             // Nothing is deleted unless its job's owner took the event.
             send_job_event(&publisher, &event, Unroutable::Refuse).await?;
         }
-        // The job's owner may have withdrawn it already (the orders service, its own order.placed).
-        sqlx::query("delete from outbox where message_id = $1 and published_at is null and parked_at is not null")
-            .bind(row.message_id)
-            .execute(*pool)
-            .await?;
+        // Gone at the commit below. The job's owner, deciding its end meanwhile, finds the row
+        // locked and takes it as lost (the orders service, its own order.placed: `SKIP LOCKED`).
+        sqlx::query("delete from outbox where message_id = $1").bind(row.message_id).execute(&mut *locked[*at]).await?;
         println!("{database}  {}  {}  discarded", row.message_id, row.message_type);
         discarded += 1;
+    }
+    for tx in locked {
+        tx.commit().await?;
     }
     publisher.close().await;
     let _ = connection.close(200, "bye".into()).await;

@@ -209,18 +209,18 @@ impl Books {
         .await?;
 
         // Each SKU's reserved stock against its held reservations', in one snapshot (a
-        // reservation and its stock change in one transaction). The catalogue and the held
-        // reservations are small.
+        // reservation and its stock change in one transaction), a held SKU with no stock row
+        // included. The catalogue and the held reservations are small.
         let unconserved: Vec<(String, i64, i64)> = sqlx::query_as(
             "with held as (
                  select line->>'sku' as sku, sum((line->>'quantity')::bigint) as quantity
                    from reservations r, jsonb_array_elements(r.lines) line
                   where r.state = 'held'
                   group by 1)
-             select s.sku, s.reserved::bigint, coalesce(h.quantity, 0)::bigint
-               from stock s left join held h on h.sku = s.sku
-              where s.reserved <> coalesce(h.quantity, 0)
-              order by s.sku",
+             select coalesce(s.sku, h.sku), coalesce(s.reserved, 0)::bigint, coalesce(h.quantity, 0)::bigint
+               from stock s full join held h on h.sku = s.sku
+              where coalesce(s.reserved, 0) <> coalesce(h.quantity, 0)
+              order by 1",
         )
         .fetch_all(&self.inventory)
         .await?;
