@@ -1,8 +1,9 @@
 //! The books checked in production: every `BOOKS_INTERVAL`, the orders service compares its
 //! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
 //! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`), and
-//! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). Off unless `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each
-//! through a read-only role; every session it opens on them is read-only besides. Its own
+//! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). Off unless
+//! `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each through a
+//! read-only role; every session it opens on them is read-only besides. Its own
 //! database it reads through the service's pool.
 
 use std::time::Duration;

@@ -146,15 +146,7 @@ async fn only_the_operator_s_user_may_publish_a_job_abandoned() {
     shop.kill(Service::Billing).await;
     let job_id = shop.place(&[("SKU-2", 1)]).await;
     let order_id: uuid::Uuid = shop.job(job_id).await["orderId"].as_str().and_then(|id| id.parse().ok()).expect("id");
-    testkit::eventually("inventory to hold the order's stock", testkit::shop::WAIT, || async {
-        let held: i64 = sqlx::query_scalar("select count(*) from reservations where order_id = $1 and state = 'held'")
-            .bind(order_id)
-            .fetch_one(&shop.inventory)
-            .await
-            .ok()?;
-        (held == 1).then_some(())
-    })
-    .await;
+    shop.wait_for_held_stock(order_id).await;
 
     let billing = format!("t-{}-billing-worker", shop.env.id());
     let forged = abandon_as(&shop, &billing, job_id).await;

@@ -397,15 +397,7 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     shop.kill(Service::Billing).await;
     let job_id = shop.place(&[("SKU-4", 1)]).await;
     let undecided = crate::order_id(&shop.job(job_id).await);
-    eventually("inventory to hold its stock", WAIT, || async {
-        let held: i64 = sqlx::query_scalar("select count(*) from reservations where order_id = $1 and state = 'held'")
-            .bind(undecided)
-            .fetch_one(&shop.inventory)
-            .await
-            .ok()?;
-        (held == 1).then_some(())
-    })
-    .await;
+    shop.wait_for_held_stock(undecided).await;
     let past = "books_disagreements{kind=\"held_past_deadline\"}";
     assert_eq!(shop.metric(Service::Api, past).await, 0, "within its deadline");
     sqlx::query("update orders set created_at = now() - interval '2 hours' where id = $1")

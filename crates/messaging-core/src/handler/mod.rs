@@ -123,9 +123,9 @@ impl From<sqlx::Error> for HandlerError {
     /// An unreachable database, or one that refuses writes (a standby, a demoted primary: see
     /// [`crate::outage::is_wrong_node`]), or one that cannot work now (out of disk, memory or
     /// connections: [`crate::outage::cannot_now`]), is `Unavailable`; transaction conflicts, a lock
-    /// waited for too long, a statement cancelled and a garbled connection are transient; anything the database
-    /// rejects on its merits (a constraint, a type) would fail the same way again, so it is
-    /// permanent.
+    /// waited for too long, a statement cancelled and a garbled connection are transient; anything
+    /// the database rejects on its merits (a constraint, a type) would fail the same way again, so
+    /// it is permanent.
     fn from(error: sqlx::Error) -> Self {
         if crate::outage::is_unreachable(&error) {
             return Self::Unavailable(Reason::caused_by(error));

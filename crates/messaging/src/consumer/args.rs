@@ -90,8 +90,9 @@ impl ConsumerArgs {
     /// Refuse retry tiers under which a message that waits for an earlier one of its key (on an
     /// endpoint ordered by key) could be parked before that earlier one has used up its own
     /// attempts: a waiting message is sent back to the first tier at most 10,000 times (the
-    /// consumer's `MAX_DEFERRALS`), so it waits at most that many first delays, and that must be at least twice the retry horizon (the earlier message's retries,
-    /// and as long again for its publication and its trip through the queues). Otherwise, with
+    /// consumer's `MAX_DEFERRALS`), so it waits at most that many first delays, and that must be
+    /// at least twice the retry horizon (the earlier message's retries, and as long again for its
+    /// publication and its trip through the queues). Otherwise, with
     /// `RETRY_DELAYS=10ms,30m`, an order's `order.ended` would be parked after 100 s while its
     /// `order.placed` still had an hour of retries ahead, and the order would stay `compensating`.
     pub fn check_deferrals(&self) -> Result<(), String> {

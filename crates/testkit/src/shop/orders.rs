@@ -124,6 +124,20 @@ impl Shop {
         let _ = connection.close(200, "bye".into()).await;
     }
 
+    /// Wait until inventory holds stock for the order (its reservation `held`).
+    pub async fn wait_for_held_stock(&self, order_id: Uuid) {
+        eventually(&format!("inventory to hold the stock of order {order_id}"), WAIT, || async {
+            let held: i64 =
+                sqlx::query_scalar("select count(*) from reservations where order_id = $1 and state = 'held'")
+                    .bind(order_id)
+                    .fetch_one(&self.inventory)
+                    .await
+                    .ok()?;
+            (held == 1).then_some(())
+        })
+        .await;
+    }
+
     /// Wait until the job reaches `state`, and return it.
     pub async fn wait_for_state(&self, job_id: Uuid, state: &str) -> Value {
         eventually(&format!("job {job_id} to be {state}"), WAIT, || async {
