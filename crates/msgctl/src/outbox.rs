@@ -132,14 +132,8 @@ async fn discard(
         named.extend(rows.into_iter().map(|row| (locked.len(), row)));
         locked.push(tx);
     }
-    let missing: Vec<String> = message_ids
-        .iter()
-        .filter(|id| !named.iter().any(|(_, row)| row.message_id == **id))
-        .map(ToString::to_string)
-        .collect();
-    if !missing.is_empty() {
-        return Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))));
-    }
+    let found: Vec<Uuid> = named.iter().map(|(_, row)| row.message_id).collect();
+    refuse_missing(message_ids, &found)?;
     for (at, row) in &named {
         let database = &pools[*at].0;
         let refusal = if row.parked_at.is_none() {
@@ -186,6 +180,15 @@ async fn discard(
     let _ = connection.close(200, "bye".into()).await;
     println!("{discarded} row(s) discarded");
     Ok(())
+}
+
+/// Fail, naming them, if any of the `asked` message ids is not among the unpublished rows `found`.
+fn refuse_missing(asked: &[Uuid], found: &[Uuid]) -> Result<(), Failure> {
+    let missing: Vec<String> = asked.iter().filter(|id| !found.contains(id)).map(ToString::to_string).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))))
 }
 
 /// A one-connection pool on `url`, with the database's name as the relay labels it.
@@ -283,10 +286,7 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
         }
         found.extend(made_due);
     }
-    let missing: Vec<String> = message_ids.iter().filter(|id| !found.contains(id)).map(ToString::to_string).collect();
-    if !missing.is_empty() {
-        return Err(Failure::Described(format!("no unpublished outbox row with message id {}", missing.join(", "))));
-    }
+    refuse_missing(message_ids, &found)?;
     if found.is_empty() {
         return Err(Failure::Described("nothing selected: no stuck row".into()));
     }
