@@ -399,13 +399,13 @@ async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bo
             select o.id, o.parked_at from jobs j left join outbox o on o.message_id = j.order_placed_message_id
              where j.id = $1
          ), withdrawn as (
+            -- Runs whether or not it is read, as every data-modifying CTE does; a row it
+            -- deletes is a parked one, which the answer already counts.
             delete from outbox where id in (
                 select id from outbox where id = (select id from placed) and parked_at is not null
                    and published_at is null for update skip locked)
-            returning id
          )
-         select exists (select from placed where id is null or parked_at is not null)
-                or exists (select from withdrawn)",
+         select exists (select from placed where id is null or parked_at is not null)",
     )
     .bind(job_id)
     .fetch_one(tx)
