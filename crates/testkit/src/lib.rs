@@ -473,10 +473,15 @@ pub async fn wait_ready(base: &str, timeout: Duration, note: &str) {
     eventually(&format!("{url} {note}"), timeout, || async {
         let response = http::request("GET", &url, &[], None).await.ok()?;
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap_or_default();
-        let broker_failing = body["brokerFailing"].as_array().is_some_and(|failing| !failing.is_empty());
-        (response.status == 200 && !broker_failing).then_some(())
+        (response.status == 200 && !reports_broker_failing(&body)).then_some(())
     })
     .await;
+}
+
+/// Whether a `/readyz` body lists broker sessions failing beside the service's readiness
+/// (`brokerFailing`: the API's, which stays ready without them).
+pub fn reports_broker_failing(readyz: &serde_json::Value) -> bool {
+    readyz["brokerFailing"].as_array().is_some_and(|failing| !failing.is_empty())
 }
 
 /// Wait until the consumer writing to `pool` has processed `message_id` (its inbox row exists), or

@@ -18,8 +18,7 @@ async fn readiness(shop: &Shop, service: Service) -> Option<(bool, BTreeMap<Stri
     let response = http::request("GET", &format!("{}/readyz", shop.http(service)), &[], None).await.ok()?;
     let body: serde_json::Value = serde_json::from_slice(&response.body).ok()?;
     let nodes = serde_json::from_value(body["brokerNodes"].clone()).ok()?;
-    let broker_failing = body["brokerFailing"].as_array().is_some_and(|failing| !failing.is_empty());
-    Some((response.status == 200 && !broker_failing, nodes))
+    Some((response.status == 200 && !testkit::reports_broker_failing(&body), nodes))
 }
 
 /// Wait until `service` is ready with every broker session on `node` (`host:port`).
