@@ -28,7 +28,7 @@ pub fn worker() -> Worker<Demo, Routes<CreateInvoice>> {
         database: "billing",
         http_addr: "127.0.0.1:8082",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>(),
+        endpoint: shop::topology::billing(),
         handler: |demo| handler(demo.faults),
         routes: None,
         // The demo's catalogue, if DEMO_CATALOGUE asks.

@@ -27,10 +27,7 @@ pub fn worker() -> Worker<Demo, Routes<ReserveStock>> {
         http_addr: "127.0.0.1:8081",
         migrator: &MIGRATOR,
         // Ordered by key: an order's end is applied after its placing (shop::order_key).
-        endpoint: Endpoint::new("inventory.order-placed")
-            .consume::<OrderPlaced>()
-            .consume::<OrderEnded>()
-            .ordered_by_key(),
+        endpoint: shop::topology::inventory(),
         handler: |demo| handler(demo.faults),
         routes: None,
         // The demo's catalogue, if DEMO_CATALOGUE asks.

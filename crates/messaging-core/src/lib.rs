@@ -11,6 +11,7 @@
 //! | module | for |
 //! |---|---|
 //! | [`contracts`] | what a message type is ([`contracts::Contract`]); the runtime's job events |
+//! | [`endpoint`] | who consumes what: an endpoint's queues and bindings, a system's [`endpoint::Topology`] |
 //! | [`envelope`] | a message's AMQP properties and headers; a delivery decoded ([`envelope::Incoming`]) |
 //! | [`trace`] | the W3C trace context carried from hop to hop |
 //! | [`handler`] | typed handlers ([`handler::Handle`], [`handler::Routes`]) and how they fail |
@@ -20,6 +21,7 @@
 //! | [`schema`] | these tables, migrated before a service's own |
 
 pub mod contracts;
+pub mod endpoint;
 pub mod envelope;
 pub mod handler;
 pub mod inbox;

@@ -12,19 +12,9 @@ use lapin::{
     protocol::{AMQPErrorKind, AMQPSoftError},
     types::{AMQPValue, FieldTable, ShortString},
 };
-use messaging_core::contracts::{Contract, JOBS_EXCHANGE};
+use messaging_core::contracts::JOBS_EXCHANGE;
 
-use crate::runtime::duration::format_duration;
-
-/// Returns of one message to the work queue before the broker itself dead-letters it. Every
-/// return the runtime causes counts, handled or not: a crash, a reconnect, a shutdown, each a
-/// channel closing with the delivery unacked, on 3.10, 4.0 and 4.3 alike (4.3 stopped counting
-/// only `basic.nack`, which the runtime never sends: decision 0011). So a message prefetched
-/// beside a crashing one is returned with it: the runtime
-/// bounds crash loops itself, after at most `max_crashes + 1` crashes (decision 0005). This is the
-/// last resort far above that bound, high enough for a long database outage with a flapping
-/// broker connection; what it dead-letters is still parked with a reason and its job quarantined.
-pub const DEFAULT_DELIVERY_LIMIT: u32 = 1000;
+pub use messaging_core::endpoint::{Binding, DEFAULT_DELIVERY_LIMIT, Endpoint, Topology, direct_exchange_of};
 
 /// The delivery limit of queues that must keep every message however often it is fetched and
 /// returned (parking, and the intake of dead letters). Explicit, because RabbitMQ 4.x gives every
@@ -75,146 +65,8 @@ impl RetryPolicy {
     }
 }
 
-/// A binding of an endpoint's work queue.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Binding {
-    /// The exchange.
-    pub exchange: &'static str,
-    /// Its routing key pattern.
-    pub routing_key: &'static str,
-}
-
-/// A consuming endpoint: one work queue (named after the endpoint), its bindings, and the message
-/// types and major versions it accepts (anything else is parked on arrival).
-///
-/// ```
-/// use messaging::{contracts::Contract, envelope::Unreadable, topology::Endpoint};
-/// # #[derive(serde::Serialize)] struct ParcelShipped;
-/// # impl Contract for ParcelShipped { const TYPE: &'static str = "parcel.shipped"; const EXCHANGE: &'static str = "shipping"; }
-///
-/// let endpoint = Endpoint::new("billing.parcel-shipped").consume::<ParcelShipped>();
-/// assert_eq!(endpoint.parking_queue(), "billing.parcel-shipped.parking");
-/// assert_eq!(endpoint.check("parcel.shipped", 1), Ok(()));
-/// // A major version it does not know yet, or a type it never asked for, is parked on arrival.
-/// assert!(matches!(endpoint.check("parcel.shipped", 2), Err(Unreadable::UnsupportedVersion { .. })));
-/// assert!(matches!(endpoint.check("parcel.lost", 1), Err(Unreadable::UnknownType(_))));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
-    /// e.g. `accounts.user-registered`: the work queue's name and the prefix of its other queues.
-    pub name: &'static str,
-    /// Where its messages come from.
-    pub bindings: Vec<Binding>,
-    /// (type, highest major version understood).
-    pub accepts: Vec<(&'static str, u32)>,
-    /// The broker's delivery limit on the work queue (crash safety net).
-    pub delivery_limit: u32,
-    /// Apply the messages of one ordering key in their outbox order ([`Endpoint::ordered_by_key`]).
-    pub ordered_by_key: bool,
-}
-
-impl Endpoint {
-    /// An endpoint with no bindings yet.
-    pub fn new(name: &'static str) -> Self {
-        Self {
-            name,
-            bindings: Vec::new(),
-            accepts: Vec::new(),
-            delivery_limit: DEFAULT_DELIVERY_LIMIT,
-            ordered_by_key: false,
-        }
-    }
-
-    /// Apply the messages that carry one ordering key ([`messaging_core::envelope::Headers::ordered_by`])
-    /// in the order their outbox rows committed, whatever order they arrive in, across retries
-    /// and consumer instances: a message that arrives before an earlier one of its key is applied
-    /// goes back to wait (its first wait tier, spending no attempt) and is tried again. Messages
-    /// of other keys, and messages without a key, flow as before. A message waits only for the
-    /// earlier messages of its key of the types this endpoint takes ([`Endpoint::takes`]). A
-    /// parked message gives up its place, even one parked before its turn: its key's later
-    /// messages go on, and a redrive applies it late (decisions 0017, 0024).
-    pub fn ordered_by_key(self) -> Self {
-        Self { ordered_by_key: true, ..self }
-    }
-
-    /// Bind the work queue to `routing_key` on `exchange`.
-    pub fn bind(mut self, exchange: &'static str, routing_key: &'static str) -> Self {
-        self.bindings.push(Binding { exchange, routing_key });
-        self
-    }
-
-    /// Consume contract `C`: bind its routing key on its exchange, and accept it up to its
-    /// current major version.
-    pub fn consume<C: Contract>(self) -> Self {
-        self.bind(C::EXCHANGE, C::TYPE).accept::<C>()
-    }
-
-    /// Accept messages of contract `C` up to its current major version.
-    pub fn accept<C: Contract>(mut self) -> Self {
-        self.accepts.push((C::TYPE, C::VERSION));
-        self
-    }
-
-    /// Whether this endpoint takes messages of `message_type` (at some version).
-    pub fn takes(&self, message_type: &str) -> bool {
-        self.accepts.iter().any(|(accepted, _)| *accepted == message_type)
-    }
-
-    /// Whether a message of this type and version can be handled here.
-    pub fn check(&self, message_type: &str, version: u32) -> Result<(), messaging_core::envelope::Unreadable> {
-        use messaging_core::envelope::Unreadable;
-        match self.accepts.iter().find(|(t, _)| *t == message_type) {
-            None => Err(Unreadable::UnknownType(message_type.to_owned())),
-            Some((_, max)) if version > *max || version == 0 => {
-                Err(Unreadable::UnsupportedVersion { message_type: message_type.to_owned(), version })
-            }
-            Some(_) => Ok(()),
-        }
-    }
-
-    /// `<endpoint>.parking`.
-    pub fn parking_queue(&self) -> String {
-        format!("{}.parking", self.name)
-    }
-
-    /// `<endpoint>.dead-lettered`: where the broker dead-letters the work queue's messages (its
-    /// delivery limit). The runtime moves each one on to parking with a reason and a job event, so
-    /// a broker-side dead letter still ends its job (decision 0005).
-    pub fn dead_lettered_queue(&self) -> String {
-        format!("{}.dead-lettered", self.name)
-    }
-
-    /// `<endpoint>.direct`: the endpoint's own direct exchange. Retry and parking copies, deferrals
-    /// and redrives go through it, with the target queue's name as the routing key, so no copy
-    /// goes through the shared exchange (which would hand every other consumer of that routing key
-    /// a duplicate), nor through the default exchange, which a broker user cannot be limited to
-    /// its own queues on (RabbitMQ checks only `amq.default`).
-    pub fn direct_exchange(&self) -> String {
-        direct_exchange_of(self.name)
-    }
-
-    /// `<endpoint>.probe`: a quorum queue that keeps only its newest message, where each consumer
-    /// session publishes every few seconds to learn that the broker can still take a write for
-    /// this endpoint (a majority of the queue's members), which nothing else would tell it.
-    pub fn probe_queue(&self) -> String {
-        format!("{}.probe", self.name)
-    }
-
-    /// `<endpoint>.wait.<delay>`, e.g. `accounts.user-registered.wait.5s`. The delay is part of the
-    /// name, so a changed tier list declares new queues instead of clashing with old arguments.
-    pub fn wait_queue(&self, delay: Duration) -> String {
-        format!("{}.wait.{}", self.name, format_duration(delay))
-    }
-}
-
-/// The direct exchange of the endpoint named `endpoint` ([`Endpoint::direct_exchange`]), for a
-/// tool that knows only the name (`msgctl`, from a parking queue's).
-pub fn direct_exchange_of(endpoint: &str) -> String {
-    format!("{endpoint}.direct")
-}
-
-/// Declare the topic exchanges named (durable). Everybody who publishes to one or binds to one
-/// declares it, so start-up order between services does not matter.
+/// Declare the topic exchanges named (durable). Needs the configure permission on each, even one
+/// that exists: a service's own start-up uses [`ensure_exchanges`] instead.
 pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Result<()> {
     for exchange in names {
         channel
@@ -229,6 +81,78 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
     Ok(())
 }
 
+/// Make sure the topic exchanges named exist: each is looked up (a passive declare, which needs no
+/// permission), and only one that is missing is declared. So a service whose broker user may not
+/// configure the shared exchanges (the topology's deploy step declares them, decision 0030) starts
+/// once they exist, and fails with `ACCESS_REFUSED` (and retries) before; a user that may, on a
+/// developer's broker, declares them itself. Each lookup runs on a channel of its own, since a
+/// missing exchange closes the channel that asked.
+pub async fn ensure_exchanges(connection: &Connection, names: &[&str]) -> lapin::Result<()> {
+    let missing = missing_exchanges(connection, names).await?;
+    if !missing.is_empty() {
+        let channel = connection.create_channel().await?;
+        declare_exchanges(&channel, &missing).await?;
+        let _ = channel.close(200, "declared".into()).await;
+    }
+    Ok(())
+}
+
+/// Those of the exchanges named that do not exist, looked up with passive declares (no
+/// permission needed).
+pub async fn missing_exchanges<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
+    let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+    let mut missing = Vec::new();
+    let mut channel = connection.create_channel().await?;
+    for name in names {
+        match channel.exchange_declare((*name).into(), ExchangeKind::Topic, passive, FieldTable::default()).await {
+            Ok(()) => {}
+            Err(error) if is_not_found(&error) => {
+                missing.push(*name);
+                channel = connection.create_channel().await?;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    let _ = channel.close(200, "looked up".into()).await;
+    Ok(missing)
+}
+
+/// Those of the queues named that do not exist, looked up with passive declares (no permission
+/// needed).
+pub async fn missing_queues<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
+    let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    let mut missing = Vec::new();
+    let mut channel = connection.create_channel().await?;
+    for name in names {
+        match channel.queue_declare((*name).into(), passive, FieldTable::default()).await {
+            Ok(_) => {}
+            Err(error) if is_not_found(&error) => {
+                missing.push(*name);
+                channel = connection.create_channel().await?;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    let _ = channel.close(200, "looked up".into()).await;
+    Ok(missing)
+}
+
+/// Declare a whole topology, the deploy step that comes before any service publishes (decision
+/// 0030, `msgctl topology apply`): its exchanges, then each endpoint's exchanges, queues and
+/// bindings as [`declare_endpoint`] declares them, but no wait queue (those follow each service's
+/// own `RETRY_DELAYS`, and each service declares its own at start). From then on, a message
+/// published reaches every endpoint bound to it, whether or not its service has ever started.
+pub async fn declare_topology(connection: &Connection, topology: &Topology) -> lapin::Result<()> {
+    let channel = connection.create_channel().await?;
+    declare_exchanges(&channel, &topology.exchanges).await?;
+    let _ = channel.close(200, "declared".into()).await;
+    let no_waits = RetryPolicy::new(Vec::new(), 1);
+    for endpoint in &topology.endpoints {
+        declare_endpoint(connection, endpoint, &no_waits).await?;
+    }
+    Ok(())
+}
+
 /// Declare an endpoint's queues and bindings, on a channel of its own on `connection`: the
 /// exchanges it binds to and the job events' exchange it publishes to, its own direct exchange,
 /// parking, the intake of dead letters, the probe queue, the work queue, and one wait queue per
@@ -239,10 +163,10 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
 /// declared before decision 0021, which dead-letters through the default exchange, is kept as it
 /// is, with a warning.
 pub async fn declare_endpoint(connection: &Connection, endpoint: &Endpoint, policy: &RetryPolicy) -> lapin::Result<()> {
-    let mut channel = connection.create_channel().await?;
     let mut exchanges: Vec<&str> = endpoint.bindings.iter().map(|binding| binding.exchange).collect();
     exchanges.push(JOBS_EXCHANGE);
-    declare_exchanges(&channel, &exchanges).await?;
+    ensure_exchanges(connection, &exchanges).await?;
+    let mut channel = connection.create_channel().await?;
     let direct = endpoint.direct_exchange();
     channel
         .exchange_declare(
@@ -347,8 +271,21 @@ impl DeadLetters<'_> {
 }
 
 fn is_precondition_failed(error: &lapin::Error) -> bool {
-    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp)
-        if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED))
+    is_soft(error, AMQPSoftError::PRECONDITIONFAILED)
+}
+
+/// Whether the broker answered `NOT_FOUND` (a passive declare of something missing).
+pub fn is_not_found(error: &lapin::Error) -> bool {
+    is_soft(error, AMQPSoftError::NOTFOUND)
+}
+
+/// Whether the broker answered `ACCESS_REFUSED` (the user may not do it).
+pub fn is_access_refused(error: &lapin::Error) -> bool {
+    is_soft(error, AMQPSoftError::ACCESSREFUSED)
+}
+
+fn is_soft(error: &lapin::Error, soft: AMQPSoftError) -> bool {
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.kind() == &AMQPErrorKind::Soft(soft))
 }
 
 fn quorum() -> FieldTable {
@@ -391,19 +328,5 @@ mod tests {
         assert_eq!(policy.next_delay(2), Some(Duration::from_secs(5)));
         assert_eq!(policy.next_delay(3), None, "attempt 4 of 4 is the last");
         assert_eq!(RetryPolicy::new(vec![Duration::from_secs(1)], 1).next_delay(0), None);
-    }
-
-    #[test]
-    fn endpoint_names_its_queues_and_checks_versions() {
-        let endpoint = Endpoint::new("status").consume::<messaging_core::contracts::JobQuarantined>();
-        assert_eq!(endpoint.bindings, [Binding { exchange: "jobs", routing_key: "job.quarantined" }]);
-        assert_eq!(endpoint.parking_queue(), "status.parking");
-        assert_eq!(endpoint.dead_lettered_queue(), "status.dead-lettered");
-        assert_eq!(endpoint.wait_queue(Duration::from_secs(5)), "status.wait.5s");
-        assert_eq!(endpoint.direct_exchange(), "status.direct");
-        assert_eq!(endpoint.probe_queue(), "status.probe");
-        assert!(endpoint.check("job.quarantined", 1).is_ok());
-        assert!(endpoint.check("job.quarantined", 2).is_err());
-        assert!(endpoint.check("job.cancelled", 1).is_err());
     }
 }

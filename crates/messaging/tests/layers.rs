@@ -16,6 +16,7 @@ const CORE: &[(&str, u8)] = &[
     ("trace", 0),
     ("outage", 0),
     ("envelope", 1),
+    ("endpoint", 2),
     ("handler", 2),
     ("outbox", 2),
     ("inbox", 2),

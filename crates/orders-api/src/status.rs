@@ -4,7 +4,7 @@
 //! events are harmless.
 
 use messaging::{
-    contracts::{JOBS_EXCHANGE, JobAbandoned, JobQuarantined, JobRedriven, JobRetryScheduled},
+    contracts::{JobAbandoned, JobQuarantined, JobRedriven, JobRetryScheduled},
     handler::{Context, Handle, HandlerError, Routes},
     topology::Endpoint,
 };
@@ -24,29 +24,16 @@ use crate::{
     order::OrderStatus,
 };
 
-/// The endpoint of inventory's step: it consumes `order.placed` (and `order.ended`; the name is
-/// the one it had before orders could end otherwise than invoiced or rejected).
+/// The endpoint of inventory's step ([`shop::topology::inventory`]).
 const INVENTORY_ENDPOINT: &str = "inventory.order-placed";
 
 /// Why an order whose deadline came was cancelled.
 pub const DEADLINE_REASON: &str = "cancelled: the order's deadline passed before it ended";
 
 /// The endpoint: every outcome of every step, the compensations' answers, the orders' own
-/// deadlines, and the runtime's job events.
+/// deadlines, and the runtime's job events ([`shop::topology::orders_status`]).
 pub fn endpoint() -> Endpoint {
-    Endpoint::new("orders.status")
-        .consume::<InventoryReserved>()
-        .consume::<InventoryRejected>()
-        .consume::<InventoryReleased>()
-        .consume::<InvoiceCreated>()
-        .consume::<PaymentDeclined>()
-        .consume::<InvoiceVoided>()
-        .consume::<OrderDeadline>()
-        .bind(JOBS_EXCHANGE, "job.#")
-        .accept::<JobRetryScheduled>()
-        .accept::<JobQuarantined>()
-        .accept::<JobRedriven>()
-        .accept::<JobAbandoned>()
+    shop::topology::orders_status()
 }
 
 /// The endpoint's handler: every contract it accepts to [`JobStatus`].

@@ -9,14 +9,15 @@
 
 pub mod books;
 pub mod demo;
+pub mod topology;
 
 use chrono::{DateTime, Utc};
 use messaging_core::contracts::Contract;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-/// The shop's topic exchanges, one per producing service (durable). Whoever binds to one or
-/// publishes to one declares it. The consumer runtime's job events go to `messaging`'s own
+/// The shop's topic exchanges, one per producing service (durable). The deploy step declares them
+/// ([`topology`]); a service whose broker user may configure them declares one it finds missing. The consumer runtime's job events go to `messaging`'s own
 /// exchange ([`messaging_core::contracts::JOBS_EXCHANGE`]).
 pub mod exchanges {
     /// `order.placed`, `order.ended`, `order.deadline`.

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+pub use messaging_core::endpoint::format_duration;
+
 /// Parse `250ms`, `5s`, `2m`, `1h` or `14d`. Zero is refused: a zero-TTL wait queue is a hot loop, and a
 /// zero timeout fails everything.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -36,15 +38,4 @@ pub fn describe(duration: Duration) -> String {
         }
     }
     if parts.is_empty() { "0s".to_owned() } else { parts.join(" ") }
-}
-
-/// Format a duration the way queue names and `RETRY_DELAYS` spell it: the largest whole unit.
-pub fn format_duration(duration: Duration) -> String {
-    let ms = duration.as_millis();
-    match ms {
-        _ if ms.is_multiple_of(3_600_000) => format!("{}h", ms / 3_600_000),
-        _ if ms.is_multiple_of(60_000) => format!("{}m", ms / 60_000),
-        _ if ms.is_multiple_of(1_000) => format!("{}s", ms / 1_000),
-        _ => format!("{ms}ms"),
-    }
 }
