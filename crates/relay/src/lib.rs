@@ -17,8 +17,14 @@
 //! counted with the broker's reason and it waits out a backoff, while the rows behind it flow.
 //! After `RELAY_MAX_ATTEMPTS` it is parked (the claim skips it), its job is told
 //! (`job.quarantined`), and `msgctl outbox` lists and re-arms it.
+//!
+//! A row whose message would reach fewer queues than the expected topology binds to it
+//! (`RELAY_TOPOLOGY`, the shop's by default) is held, not published, until they exist ([`reach`],
+//! decision 0030).
 
-use std::{collections::HashSet, str::FromStr, sync::Arc, time::Duration};
+pub mod reach;
+
+use std::{str::FromStr, sync::Arc, time::Duration};
 
 use futures_util::FutureExt;
 use messaging::{
@@ -46,6 +52,8 @@ use sqlx::{
 };
 use tokio::{sync::Notify, task::JoinSet};
 use tracing::Instrument;
+
+use crate::reach::Reach;
 
 /// `relay`: publishes every service's outbox.
 #[derive(Debug, Clone, clap::Parser)]
@@ -85,6 +93,28 @@ const ISOLATE_ROWS: i64 = 64;
 /// What the relay's role needs on every outbox: claim and read rows, mark them, delete the old.
 pub const OUTBOX_GRANTS: [&str; 3] = ["SELECT", "UPDATE", "DELETE"];
 
+/// The topology whose queues every message must reach before the relay publishes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExpectedTopology {
+    /// The shop's ([`shop::topology::shop`]): e.g. `order.ended` waits until inventory's and
+    /// billing's queues both exist.
+    Shop,
+    /// None: a message that reaches any queue is published (the broker returns one that reaches
+    /// none), as before decision 0030. For a broker shared with other systems' exchanges, and for
+    /// tests that stand in for some consumers.
+    None,
+}
+
+impl ExpectedTopology {
+    /// Its endpoints and exchanges.
+    pub fn topology(self) -> topology::Topology {
+        match self {
+            Self::Shop => shop::topology::shop(),
+            Self::None => topology::Topology::default(),
+        }
+    }
+}
+
 /// How a relay loop claims, waits and retries.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RelaySettings {
@@ -118,6 +148,10 @@ pub struct RelaySettings {
     /// for this long.
     #[arg(long, env = "OUTBOX_RETENTION", default_value = "168h", value_parser = parse_duration)]
     pub retention: Duration,
+    /// The topology every message must reach in full before it is published: a row whose
+    /// exchange, or one of whose bound queues, is missing is held, with the reason on the row.
+    #[arg(long = "topology", env = "RELAY_TOPOLOGY", value_enum, default_value = "shop")]
+    pub topology: ExpectedTopology,
 }
 
 impl Default for RelaySettings {
@@ -130,6 +164,7 @@ impl Default for RelaySettings {
             retry_max: Duration::from_secs(60),
             max_attempts: 10,
             retention: Duration::from_secs(7 * 24 * 3600),
+            topology: ExpectedTopology::Shop,
         }
     }
 }
@@ -176,6 +211,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         ..Health::default()
     };
     let mut service = Service::new(health.clone(), shutdown.clone());
+    let expected = Arc::new(config.relay.topology.topology());
     for db in databases {
         let metrics = health.metrics.outbox(&db.label);
         let relay = Relay {
@@ -183,6 +219,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             db,
             metrics,
             settings: config.relay.clone(),
+            expected: Arc::clone(&expected),
             confirm_timeout: broker_args.confirm_timeout,
             health: health.clone(),
             shutdown: shutdown.clone(),
@@ -255,6 +292,8 @@ struct Relay {
     /// Its outbox's series.
     metrics: OutboxMetrics,
     settings: RelaySettings,
+    /// The topology each row's message must reach in full ([`reach`]).
+    expected: Arc<topology::Topology>,
     /// How long a publish waits for its confirm (`CONFIRM_TIMEOUT`).
     confirm_timeout: Duration,
     health: Health,
@@ -264,8 +303,10 @@ struct Relay {
 impl Session for Relay {
     async fn run(&mut self, connection: &lapin::Connection, _node: usize) -> SessionEnd {
         let mut was_up = false;
+        let (expected, metrics) = (Arc::clone(&self.expected), self.metrics.clone());
+        let mut reach = Reach::new(connection, &expected, &metrics);
         loop {
-            let error = match self.session(connection, &mut was_up).await {
+            let error = match self.session(connection, &mut reach, &mut was_up).await {
                 Ok(()) => return SessionEnd::Shutdown,
                 Err(error) => error,
             };
@@ -273,7 +314,8 @@ impl Session for Relay {
             // on it. Find the row, set it aside, and go on on this connection.
             if error.closed_the_channel() && connection.status().connected() && !self.shutdown.is_triggered() {
                 tracing::warn!(%error, "the broker closed the relay's channel; sending the due rows one at a time");
-                match self.isolate(connection).await {
+                reach.forget();
+                match self.isolate(connection, &mut reach).await {
                     Ok(()) => continue,
                     Err(error) => tracing::warn!(%error, "relay session ended while finding a refused row; restarting"),
                 }
@@ -370,13 +412,14 @@ impl Relay {
 
     /// Publish until shutdown (`Ok`) or until the broker or database fails (`Err`); `was_up` is
     /// set once publishing has started.
-    async fn session(&self, connection: &lapin::Connection, was_up: &mut bool) -> Result<(), SessionError> {
+    async fn session(
+        &self,
+        connection: &lapin::Connection,
+        reach: &mut Reach<'_>,
+        was_up: &mut bool,
+    ) -> Result<(), SessionError> {
         let (flag, shutdown) = (self.flag(), &self.shutdown);
         let publisher = self.publisher(connection).await?;
-        // The exchanges this session has declared: each row's exchange is declared before its
-        // first publish, so the relay needs no list of them and a new service's exchange works
-        // without a change here.
-        let mut declared = HashSet::new();
         // LISTEN before the first claim: a row committed in between still wakes us.
         let mut wakeups = Wakeups::listen(&self.db.listening).await?;
         self.health.readiness.set(&flag, true);
@@ -389,7 +432,7 @@ impl Relay {
         // rolled back, and its rows are published again by the next session.
         //
         // The first claim goes at once: rows an earlier session left, or committed before LISTEN.
-        let mut next = self.send_batch(&publisher, &mut declared).await?;
+        let mut next = self.send_batch(&publisher, reach).await?;
         loop {
             let batch = match next {
                 // Flush: what is on the wire is confirmed and marked before we stop.
@@ -403,15 +446,15 @@ impl Relay {
             next = match batch {
                 // A full batch may have left due rows behind: the next is claimed at once.
                 Some(batch) if batch.is_full(self.settings.batch_size) => {
-                    tokio::try_join!(self.settle(batch), self.send_batch(&publisher, &mut declared))?.1
+                    tokio::try_join!(self.settle(batch), self.send_batch(&publisher, reach))?.1
                 }
                 // A batch that took every due row: a claim now would find nothing, and cost a
                 // transaction per batch when orders arrive paced. The next claim waits for a NOTIFY.
                 Some(batch) => {
-                    let wait = self.send_when_due(&mut wakeups, &publisher, &mut declared);
+                    let wait = self.send_when_due(&mut wakeups, &publisher, reach);
                     tokio::try_join!(self.settle(batch), wait)?.1
                 }
-                None => self.send_when_due(&mut wakeups, &publisher, &mut declared).await?,
+                None => self.send_when_due(&mut wakeups, &publisher, reach).await?,
             };
         }
         publisher.close().await;
@@ -424,7 +467,7 @@ impl Relay {
         &self,
         wakeups: &mut Wakeups,
         publisher: &Publisher,
-        declared: &mut HashSet<String>,
+        reach: &mut Reach<'_>,
     ) -> Result<Option<SentBatch>, SessionError> {
         tokio::select! {
             () = self.shutdown.triggered() => return Ok(None),
@@ -439,26 +482,28 @@ impl Relay {
         // Each NOTIFY received so far announced a row committed before this claim begins, which
         // the claim therefore sees: none of them needs another claim.
         wakeups.take();
-        self.send_batch(publisher, declared).await
+        self.send_batch(publisher, reach).await
     }
 
-    /// Claim a batch of due rows and publish them all without waiting for confirms, declaring
-    /// first any exchange not in `declared`. `None` if nothing is due. The batch's transaction
-    /// keeps its rows locked until [`Relay::settle`].
+    /// Claim a batch of due rows and publish them all without waiting for confirms, but hold the
+    /// rows whose message would not reach every queue the topology binds to it ([`reach`]). `None`
+    /// if nothing is due. The batch's transaction keeps its rows locked until [`Relay::settle`].
     async fn send_batch(
         &self,
         publisher: &Publisher,
-        declared: &mut HashSet<String>,
+        reach: &mut Reach<'_>,
     ) -> Result<Option<SentBatch>, SessionError> {
-        let (tx, rows) = self.claim(self.settings.batch_size).await?;
+        let (mut tx, claimed) = self.claim(self.settings.batch_size).await?;
+        let mut rows = Vec::with_capacity(claimed.len());
+        for row in claimed {
+            match reach.hold_reason(&row).await? {
+                Some(reason) => self.hold(&mut tx, &row, &reason).await?,
+                None => rows.push(row),
+            }
+        }
         if rows.is_empty() {
             db::within(db::QUERY_DEADLINE, tx.commit(&self.kept)).await?;
             return Ok(None);
-        }
-        let new: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).filter(|e| !declared.contains(*e)).collect();
-        if !new.is_empty() {
-            topology::declare_exchanges(publisher.channel(), &new).await?;
-            declared.extend(new.into_iter().map(str::to_owned));
         }
         let mut sent = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -569,6 +614,22 @@ impl Relay {
         Ok(())
     }
 
+    /// Hold a row whose message would not reach every queue it must ([`reach`]): it stays
+    /// unpublished with `reason`, and is claimed again after a backoff. Not a refusal: a row held
+    /// for as long as the topology is incomplete is never parked.
+    async fn hold(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        row: &outbox_relay::OutboxRow,
+        reason: &str,
+    ) -> Result<(), SessionError> {
+        let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
+        let retry_after = backoff.delay(u32::try_from(row.attempts).unwrap_or(0));
+        tracing::warn!(id = row.id, message_id = %row.message_id, reason, ?retry_after, "row held");
+        db::within(db::QUERY_DEADLINE, outbox_relay::record_failure(tx, row.id, reason, retry_after)).await?;
+        Ok(())
+    }
+
     /// After the broker closed the channel with the connection still up: publish the first
     /// [`ISOLATE_ROWS`] due rows one at a time on a fresh channel, each awaiting its confirm, until
     /// the broker refuses one. That row's refusal is counted, with the broker's reason, and it
@@ -577,20 +638,18 @@ impl Relay {
     /// always the first due one (the rows confirmed before it were marked); if none of these is
     /// refused (the channel closed for another reason, or the culprit lies further on), they are
     /// published, and a batch that closes the channel again brings the relay back here, past them.
-    async fn isolate(&self, connection: &lapin::Connection) -> Result<(), SessionError> {
+    async fn isolate(&self, connection: &lapin::Connection, reach: &mut Reach<'_>) -> Result<(), SessionError> {
         let (mut tx, rows) = self.claim(ISOLATE_ROWS.min(self.settings.batch_size)).await?;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
         let mut confirmed = Vec::new();
         let mut outcome = Ok(());
         let publisher = self.publisher(connection).await?;
-        let mut declared = HashSet::new();
         for row in &rows {
-            let sent = async {
-                if declared.insert(row.exchange.as_str()) {
-                    topology::declare_exchanges(publisher.channel(), &[row.exchange.as_str()]).await?;
-                }
-                publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await
-            };
+            if let Some(reason) = reach.hold_reason(row).await? {
+                self.hold(&mut tx, row, &reason).await?;
+                continue;
+            }
+            let sent = publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties());
             match sent.await {
                 Ok(()) => confirmed.push(row.id),
                 // Returned or nacked: refused politely, the channel lives on.
@@ -649,7 +708,7 @@ impl Relay {
             // and parked again, and the job told again (the status consumer applies it once).
             let (body, properties) = envelope::job_event(&event).expect("a job event serializes");
             let publisher = self.publisher(connection).await?;
-            topology::declare_exchanges(publisher.channel(), &[JobQuarantined::EXCHANGE]).await?;
+            topology::ensure_exchanges(connection, &[JobQuarantined::EXCHANGE]).await?;
             match publisher.publish(JobQuarantined::EXCHANGE, JobQuarantined::TYPE, &body, properties).await {
                 Ok(()) => {}
                 // No status consumer bound: nobody tracks jobs here, and the row is parked anyway.

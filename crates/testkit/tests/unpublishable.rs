@@ -144,7 +144,13 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
 
     // Over the broker's limit: an order of 100 lines.
     let big = shop.place(&[("SKU-1", 1); 100]).await;
-    // For an exchange the relay may not write: a row written as a service would write it.
+    // For an exchange that exists (the deploy step declares every exchange) and the relay may not
+    // write: a row written as a service would write it. (A missing exchange is held, not refused:
+    // `tests/topology.rs`.)
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    topology::declare_exchanges(&channel, &[AuditNoted::EXCHANGE]).await.expect("the audit exchange");
+    let _ = connection.close(200, "bye".into()).await;
     let mut tx = shop.orders.begin().await.expect("begin");
     let audit = outbox::enqueue(&mut tx, &AuditNoted { note: "refused".into() }, None).await.expect("enqueue");
     tx.commit().await.expect("commit");
@@ -188,7 +194,7 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
         Accounts { role_prefix: format!("t_{}_", shop.env.id()), user_prefix: format!("t-{}-", shop.env.id()) };
     let user = accounts.broker_user(Service::Relay);
     let permissions = format!("/api/permissions/{}/{user}", shop.env.vhost());
-    let allowed = r#"{"configure":"^(orders|inventory|billing|jobs|audit)$","write":"^(orders|inventory|billing|jobs|audit)$","read":"^$"}"#;
+    let allowed = r#"{"configure":"^$","write":"^(orders|inventory|billing|jobs|audit)$","read":"^$"}"#;
     let url = http::join(shop.env.management_url(), &permissions);
     let granted = http::request("PUT", &url, &[("content-type", "application/json")], Some(allowed)).await;
     assert!(granted.is_ok_and(|response| response.status < 300), "grant the relay the audit exchange");

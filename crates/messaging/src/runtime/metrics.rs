@@ -137,6 +137,8 @@ pub struct Metrics {
     pub(crate) outbox_rows: Family<ByDatabaseState, Gauge>,
     /// `outbox_oldest_unpublished_age_seconds`: how long the oldest unpublished row has waited.
     pub(crate) oldest_unpublished: Family<ByDatabase, Gauge<f64, AtomicU64>>,
+    /// `outbox_topology_missing`: exchanges and queues the relay holds rows for.
+    pub(crate) topology_missing: Family<ByDatabase, Gauge>,
     /// `broker_connection_blocked_seconds`: how long the broker has blocked each connection.
     pub(crate) connection_blocked: Family<ByConnection, Gauge<f64, AtomicU64>>,
     /// `readiness_failing_seconds`: how long each readiness check has failed (0 while it passes).
@@ -160,6 +162,7 @@ impl Default for Metrics {
             job_duration: Family::new_with_constructor(job_durations),
             outbox_rows: Family::default(),
             oldest_unpublished: Family::default(),
+            topology_missing: Family::default(),
             connection_blocked: Family::default(),
             readiness_failing: Family::default(),
         };
@@ -262,6 +265,12 @@ impl Metrics {
             "How long the oldest outbox row waiting to be published has waited, parked rows aside (0 when none waits)",
             Unit::Seconds,
             self.oldest_unpublished.clone(),
+        );
+        r.register(
+            "outbox_topology_missing",
+            "Exchanges and queues of the expected topology that the relay last found missing: it holds the rows \
+             whose messages would not reach them (decision 0030); 0 once all exist",
+            self.topology_missing.clone(),
         );
     }
 }
@@ -393,9 +402,15 @@ pub struct OutboxMetrics {
     publish_failures: Counter,
     claims: Counter,
     publish_lag: Histogram,
+    topology_missing: Gauge,
 }
 
 impl OutboxMetrics {
+    /// How many exchanges and queues the relay last found missing, and holds rows for.
+    pub fn topology_missing(&self, count: usize) {
+        self.topology_missing.set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
     /// Count rows published with a confirm (and marked).
     pub fn published(&self, rows: u64) {
         self.published.inc_by(rows);
@@ -426,6 +441,7 @@ impl Metrics {
             publish_failures: self.publish_failures.get_or_create(&by).clone(),
             claims: self.claims.get_or_create(&by).clone(),
             publish_lag: self.publish_lag.get_or_create(&by).clone(),
+            topology_missing: self.topology_missing.get_or_create(&by).clone(),
         }
     }
 
