@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One broker user per service, each limited to its own queues and to the exchanges it binds to or
-# publishes to (docs/operations.md, "Deploying against managed Postgres and RabbitMQ").
+# One broker user per service, and one for the deploy step that declares the topology, each limited
+# to its own queues and to the exchanges it binds to or publishes to (docs/operations.md, "Deploying against managed Postgres and RabbitMQ").
 #
 #   ops/rabbitmq/users.sh apply MANAGEMENT_URL VHOST    create or update the users and permissions
 #   ops/rabbitmq/users.sh permissions                  print the table below
@@ -14,37 +14,42 @@
 # (empty by default) goes in front of every user name (the tests give each test its own users).
 #
 # What the regular expressions allow (RabbitMQ's configure / write / read, on queue and exchange
-# names): each consumer declares, binds, consumes and deletes only its endpoint's queues (`NAME`
-# and `NAME.*`: work, wait tiers, parking, dead-lettered intake, probe), declares the exchanges
-# it binds to and `jobs`, binds its queues to those exchanges, and publishes to `jobs` (job events) and to
-# its endpoint's own direct exchange (`NAME.direct`: retries and parking go to its own queues
-# through it). Nobody may write to the default exchange (`amq.default`), on which RabbitMQ cannot
-# tell one queue from another, so no consumer's user can put a message into another service's
-# queue. The relay declares and publishes to the shop's exchanges and reads nothing. The
-# operator's `msgctl` reads parking queues, puts redriven messages back through each endpoint's
-# direct exchange and publishes their job events; it and orders-api (the live page's parking
-# depths) have the `management` tag, to list queues. A limit: a user that may declare an exchange
-# may also delete it.
+# names). `topology` is the deploy step's (`msgctl topology apply`, decision 0030): the only user
+# that may declare, and so delete, the shared exchanges (`orders`, `inventory`, `billing`,
+# `jobs`), and it declares every endpoint's queues and bindings before any service starts. Each
+# consumer declares, binds, consumes and deletes only its endpoint's queues (`NAME` and `NAME.*`:
+# work, wait tiers, parking, dead-lettered intake, probe, and its own direct exchange
+# `NAME.direct`), binds its queues to the shared exchanges it reads, and publishes to `jobs` (job
+# events) and to its direct exchange (retries and parking go to its own queues through it). A
+# passive declare needs no permission: a service looks the shared exchanges up and waits, not
+# ready, until the deploy step has declared them. Nobody may write to the default exchange
+# (`amq.default`), on which RabbitMQ cannot tell one queue from another, so no consumer's user can
+# put a message into another service's queue. The relay publishes to the shop's exchanges, and
+# configures and reads nothing. The operator's `msgctl` reads parking queues, puts redriven
+# messages back through each endpoint's direct exchange and publishes their job events; it and
+# orders-api (the live page's parking depths) have the `management` tag, to list queues.
 #
 # Topic permissions narrow what each user may publish to the `jobs` topic exchange, by routing
 # key: a consumer reports its own retries and parkings (`job.retry_scheduled`, `job.quarantined`),
 # only the operator's `msgctl` ends or reopens a job (`job.abandoned`, `job.redriven`: the orders
 # service cancels and compensates the order of a `job.abandoned`), and the relay only the
-# `job.quarantined` of an outbox row it parks.
+# `job.quarantined` of an outbox row it parks. The deploy step publishes none.
 # Without them any service's user could end any order. RabbitMQ checks topic permissions on topic
 # exchanges only, and a user with none on an exchange may publish any key there: each user of the
 # table below has one on `jobs`. RabbitMQ 4.x takes a topic permission only on an exchange that
-# exists, so `apply` and the demo's definitions declare each such exchange first, as the services
-# declare it (topic, durable).
+# exists, so `apply` and the demo's definitions declare each such exchange first, as the deploy step
+# declares it (topic, durable). The demo's definitions declare all four shared exchanges, so that
+# the demo's broker boots with them.
 set -euo pipefail
 
 # user                configure                                    write                                  read
 permissions() {
     cat <<'TABLE'
-orders-api         ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$
-inventory-worker   ^(inventory\.order-placed(\..*)?|orders|jobs)$  ^(inventory\.order-placed(\..*)?|jobs)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
-billing-worker     ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$
-relay              ^(orders|inventory|billing|jobs)$  ^(orders|inventory|billing|jobs)$  ^$
+topology           ^(orders|inventory|billing|jobs|(orders\.status|inventory\.order-placed|billing\.inventory-reserved)(\..*)?)$  ^(orders\.status|inventory\.order-placed|billing\.inventory-reserved)(\..*)?$  ^(orders|inventory|billing|jobs|(orders\.status|inventory\.order-placed|billing\.inventory-reserved)(\..*)?)$
+orders-api         ^orders\.status(\..*)?$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$
+inventory-worker   ^inventory\.order-placed(\..*)?$  ^(inventory\.order-placed(\..*)?|jobs)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
+billing-worker     ^billing\.inventory-reserved(\..*)?$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$
+relay              ^$  ^(orders|inventory|billing|jobs)$  ^$
 msgctl             ^$  ^(.*\.direct|jobs)$  ^.*\.parking$
 TABLE
 }
@@ -52,6 +57,7 @@ TABLE
 # user               exchange  write                                  read
 topic_permissions() {
     cat <<'TABLE'
+topology           jobs  ^$  .*
 orders-api         jobs  ^job\.(retry_scheduled|quarantined)$  .*
 inventory-worker   jobs  ^job\.(retry_scheduled|quarantined)$  .*
 billing-worker     jobs  ^job\.(retry_scheduled|quarantined)$  .*
@@ -123,7 +129,10 @@ permissions = [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*",
 lines = sys.stdin.read().splitlines()
 split = lines.index("--")
 topic_permissions = []
-exchanges = []
+# The shared exchanges, as the deploy step declares them (shop::topology::shop, checked by the tests of msgctl
+# tests): the demo broker boots with them, so that services whose users may not declare them start.
+exchanges = [{"name": name, "vhost": "/", "type": "topic", "durable": True, "auto_delete": False,
+              "internal": False, "arguments": {}} for name in ("orders", "inventory", "billing", "jobs")]
 for line in lines[split + 1:]:
     user, exchange, write, read = line.split()
     topic_permissions.append({"user": user, "vhost": "/", "exchange": exchange, "write": write, "read": read})

@@ -1,6 +1,7 @@
 //! `msgctl`: operate what `messaging` leaves for people. Parked messages (list, show, redrive,
 //! purge, abandon), outbox rows the broker keeps refusing (stuck, retry), and the shop's books
-//! checked across its databases. See `docs/operations.md`.
+//! checked across its databases, and the broker topology declared as a deploy step. See
+//! `docs/operations.md`.
 //!
 //! Nothing is lost if it is killed at any point: parked messages are read unacked and only the ones
 //! it has dealt with are acked, after the broker confirmed their copy; the rest go back to parking
@@ -9,6 +10,7 @@
 mod books;
 mod outbox;
 mod parked;
+mod topology;
 
 use std::{process::ExitCode, time::Duration};
 
@@ -54,6 +56,11 @@ enum Command {
     /// The shop's books across its three databases: an ended order holding stock, a standing
     /// invoice of an order not invoiced, a reservation of an unknown order. Exit 1 if any.
     Books(books::Args),
+    /// The shop's broker topology: declare it as a deploy step, or check what is missing.
+    Topology {
+        #[command(subcommand)]
+        action: topology::Action,
+    },
 }
 
 /// Why a command failed, reported as one line.
@@ -94,6 +101,7 @@ fn main() -> ExitCode {
             }
             Command::Outbox { action } => outbox::run(action, &cli.database_urls, &cli.broker.amqp_url).await,
             Command::Books(args) => books::run(args).await,
+            Command::Topology { action } => topology::run(action, &cli.broker.amqp_url).await,
         }
     });
     match outcome {

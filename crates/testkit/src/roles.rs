@@ -48,6 +48,12 @@ impl Accounts {
         format!("{}relay", self.role_prefix)
     }
 
+    /// The deploy step's broker user (`t-<id>-topology`), which alone may declare the shared
+    /// exchanges; its password is its name.
+    pub fn topology_user(&self) -> String {
+        format!("{}topology", self.user_prefix)
+    }
+
     /// The books' reader's database role (read-only, in every database).
     pub fn books_role(&self) -> String {
         format!("{}books", self.role_prefix)
@@ -111,12 +117,25 @@ pub async fn provision(env: &TestEnv) -> Accounts {
         let variable = format!("{}_PASSWORD", service.binary().to_uppercase().replace('-', "_"));
         command.env(variable, accounts.broker_user(service));
     }
-    // The operator's user too, which the shop's services do not use.
+    // The operator's user and the deploy step's too, which the shop's services do not use.
     command.env("MSGCTL_PASSWORD", format!("{}msgctl", accounts.user_prefix));
+    command.env("TOPOLOGY_PASSWORD", accounts.topology_user());
     if let Some(ca) = ca {
         command.env("CURL_CA_FILE", ca);
     }
     let output = command.output().await.expect("run ops/rabbitmq/users.sh");
     assert!(output.status.success(), "users.sh: {}", String::from_utf8_lossy(&output.stderr));
+    apply_topology(env, &accounts).await;
     accounts
+}
+
+/// The deploy step that comes before the services (decision 0030): `msgctl topology apply` as the
+/// deploy step's own broker user. No service's user may declare the shared exchanges.
+pub async fn apply_topology(env: &TestEnv, accounts: &Accounts) {
+    let user = accounts.topology_user();
+    let nodes: Vec<String> = env.amqp_nodes().iter().map(|url| as_user(url, &user, None)).collect();
+    let mut command = tokio::process::Command::new(crate::process::binary("msgctl"));
+    command.args(["topology", "apply"]).env("AMQP_URL", nodes.join(",")).env("RUST_LOG", "off");
+    let output = crate::process::run_to_exit(command, std::time::Duration::from_secs(60)).await;
+    assert!(output.status.success(), "msgctl topology apply: {}", String::from_utf8_lossy(&output.stderr));
 }

@@ -163,6 +163,29 @@ async fn only_the_operator_s_user_may_publish_a_job_abandoned() {
     shop.stop().await;
 }
 
+/// No service's user may delete a shared exchange, which would drop every other service's bindings
+/// to it (issue 56, row 5): only the deploy step's user configures them (decision 0030), and this
+/// shop's services started on the exchanges it declared.
+#[tokio::test]
+async fn no_service_s_user_may_delete_a_shared_exchange() {
+    let mut shop = least_privilege_shop().await;
+    for service in Service::ALL {
+        let user = format!("t-{}-{}", shop.env.id(), service.binary());
+        let url = SecretUrl::new(as_user(&shop.env.amqp_url(), &user, None));
+        let connection = messaging::runtime::broker::connect(&url, "least-privilege test").await.expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        let deleted = channel.exchange_delete(shop::exchanges::ORDERS.into(), Default::default()).await;
+        assert!(
+            deleted.as_ref().is_err_and(messaging::topology::is_access_refused),
+            "{service:?}'s user deleted `orders`: {deleted:?}"
+        );
+        let _ = connection.close(200, "bye".into()).await;
+    }
+    let job_id = shop.place(&[("SKU-1", 1)]).await;
+    shop.wait_for_state(job_id, "succeeded").await;
+    shop.stop().await;
+}
+
 #[tokio::test]
 async fn a_missing_grant_stops_the_service_and_is_named() {
     let shop = least_privilege_shop().await;
