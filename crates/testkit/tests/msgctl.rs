@@ -345,11 +345,13 @@ async fn a_parked_order_placed_discarded_ends_its_order_cancelled_with_nothing_t
     let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
     let connection = shop.env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
-    let fanout = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+    // An internal exchange takes no publish (ACCESS_REFUSED, closing the channel): the broker
+    // refuses the row itself, on every version, whoever publishes.
+    let internal = lapin::options::ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() };
     channel
-        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Fanout, fanout, lapin::types::FieldTable::default())
+        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Topic, internal, lapin::types::FieldTable::default())
         .await
-        .expect("a fanout exchange");
+        .expect("an internal exchange");
     let _ = connection.close(200, "bye".into()).await;
     shop.kill(Service::Relay).await;
     let job = shop.place(&[("SKU-3", 2)]).await;
