@@ -11,7 +11,9 @@
 //! - an order's compensation is answered ([`Kind::CompensationOverdue`]);
 //! - an order still undecided past its deadline holds no stock ([`Kind::HeldPastDeadline`]): its
 //!   `order.deadline` was lost, or is stuck in the outbox;
-//! - each SKU's `reserved` is what its held reservations hold ([`Kind::StockNotConserved`]).
+//! - each SKU's `reserved` is what its held reservations hold ([`Kind::StockNotConserved`]);
+//! - an invoiced order's invoice stands and its stock stays settled ([`Kind::InvoicedButVoid`],
+//!   [`Kind::InvoicedButReleased`]), for the voids and releases within the window.
 //!
 //! Each query reads a partial index of the few rows that can disagree (held reservations, orders
 //! that ended otherwise), never the tables that grow with every order. The orders service runs it
@@ -19,7 +21,11 @@
 //! `msgctl books` lists them. It only reads: give it read-only roles, and open its sessions
 //! read-only besides.
 
-use std::{collections::HashMap, fmt, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    fmt,
+    time::Duration,
+};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -46,17 +52,25 @@ pub enum Kind {
     /// A SKU's `reserved` is not the sum of what its held reservations hold: stock taken or given
     /// back outside a reservation's life (a hand edit, a bug). The disagreement names the SKU.
     StockNotConserved,
+    /// An order ended invoiced, and billing voided its invoice: an undo ran for an order that did
+    /// not end otherwise (a bug, a hand edit, a message from elsewhere).
+    InvoicedButVoid,
+    /// An order ended invoiced, and inventory released its reservation: the stock it sold is back
+    /// on sale.
+    InvoicedButReleased,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 8] = [
         Self::HeldByEnded,
         Self::InvoiceNotInvoiced,
         Self::UnknownOrder,
         Self::CompensationOverdue,
         Self::HeldPastDeadline,
         Self::StockNotConserved,
+        Self::InvoicedButVoid,
+        Self::InvoicedButReleased,
     ];
 
     /// Its name, as the metric's `kind` label.
@@ -68,6 +82,8 @@ impl Kind {
             Self::CompensationOverdue => "compensation_overdue",
             Self::HeldPastDeadline => "held_past_deadline",
             Self::StockNotConserved => "stock_not_conserved",
+            Self::InvoicedButVoid => "invoiced_but_void",
+            Self::InvoicedButReleased => "invoiced_but_released",
         }
     }
 }
@@ -208,6 +224,37 @@ impl Books {
         .fetch_all(&self.orders)
         .await?;
 
+        // The undos of the window (partial indexes `invoices_void`, `reservations_released`: few
+        // rows), and which of their orders ended invoiced all the same.
+        let voided: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "select order_id, voided_at from invoices
+              where state = 'void'
+                and voided_at < now() - $1 * interval '1 millisecond'
+                and voided_at > now() - $2 * interval '1 millisecond'",
+        )
+        .bind(grace)
+        .bind(window)
+        .fetch_all(&self.billing)
+        .await?;
+        let released: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "select order_id, ended_at from reservations
+              where state = 'released'
+                and ended_at < now() - $1 * interval '1 millisecond'
+                and ended_at > now() - $2 * interval '1 millisecond'",
+        )
+        .bind(grace)
+        .bind(window)
+        .fetch_all(&self.inventory)
+        .await?;
+        let undone: Vec<Uuid> = voided.iter().chain(&released).map(|(id, _)| *id).collect();
+        let invoiced: HashSet<Uuid> =
+            sqlx::query_scalar("select id from orders where id = any($1) and status = 'invoiced'")
+                .bind(&undone)
+                .fetch_all(&self.orders)
+                .await?
+                .into_iter()
+                .collect();
+
         // Each SKU's reserved stock against its held reservations', in one snapshot (a
         // reservation and its stock change in one transaction), a held SKU with no stock row
         // included. The catalogue and the held reservations are small.
@@ -252,6 +299,12 @@ impl Books {
         }
         for (order_id, status, since) in overdue {
             found.push(Disagreement::of_order(Kind::CompensationOverdue, order_id, Some(status), since));
+        }
+        let undos = [(Kind::InvoicedButVoid, voided), (Kind::InvoicedButReleased, released)];
+        for (kind, rows) in undos {
+            for (order_id, since) in rows.into_iter().filter(|(id, _)| invoiced.contains(id)) {
+                found.push(Disagreement::of_order(kind, order_id, Some("invoiced".to_owned()), since));
+            }
         }
         for (sku, reserved, held) in unconserved {
             let status = Some(format!("reserved {reserved}, held {held}"));

@@ -416,6 +416,37 @@ async fn a_reservation_leaked_by_hand_and_an_unanswered_compensation_are_disagre
     })
     .await;
 
+    // The invoiced order's invoice voided and its reservation released, by hand: undos of an
+    // order that ended invoiced, each its own disagreement until put back.
+    let void = "books_disagreements{kind=\"invoiced_but_void\"}";
+    let released = "books_disagreements{kind=\"invoiced_but_released\"}";
+    assert_eq!(shop.metric(Service::Api, void).await + shop.metric(Service::Api, released).await, 0);
+    let by_hand = |pool: &sqlx::PgPool, sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::query(sql).bind(order_id).execute(&pool).await.expect(sql) }
+    };
+    by_hand(&shop.billing, "update invoices set state = 'void', voided_at = now() where order_id = $1").await;
+    by_hand(&shop.inventory, "update reservations set state = 'released', ended_at = now() where order_id = $1").await;
+    eventually("the undone invoiced order to be counted twice", WAIT, || async {
+        (shop.metric(Service::Api, void).await == 1 && shop.metric(Service::Api, released).await == 1).then_some(())
+    })
+    .await;
+    let output = shop.env.msgctl(&["books", "--grace", "100ms", "--json"]).await;
+    let listed: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("one JSON object per line"))
+        .collect();
+    let kinds: Vec<(&str, &str)> =
+        listed.iter().filter_map(|found| Some((found["kind"].as_str()?, found["orderId"].as_str()?))).collect();
+    let order = order_id.to_string();
+    assert_eq!(kinds, [("invoiced_but_void", order.as_str()), ("invoiced_but_released", order.as_str())]);
+    by_hand(&shop.billing, "update invoices set state = 'standing', voided_at = null where order_id = $1").await;
+    by_hand(&shop.inventory, "update reservations set state = 'settled' where order_id = $1").await;
+    eventually("the books to agree again", WAIT, || async {
+        (shop.metric(Service::Api, void).await + shop.metric(Service::Api, released).await == 0).then_some(())
+    })
+    .await;
+
     // A check that cannot run says so: books_check_up 0, and no stale figures.
     shop.kill(Service::Api).await;
     let unreachable = format!("{}_no_such_database", shop.env.database_url("inventory"));
