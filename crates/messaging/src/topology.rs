@@ -100,32 +100,35 @@ pub async fn ensure_exchanges(connection: &Connection, names: &[&str]) -> lapin:
 /// Those of the exchanges named that do not exist, looked up with passive declares (no
 /// permission needed).
 pub async fn missing_exchanges<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
-    let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
-    let mut missing = Vec::new();
-    let mut channel = connection.create_channel().await?;
-    for name in names {
-        match channel.exchange_declare((*name).into(), ExchangeKind::Topic, passive, FieldTable::default()).await {
-            Ok(()) => {}
-            Err(error) if is_not_found(&error) => {
-                missing.push(*name);
-                channel = connection.create_channel().await?;
-            }
-            Err(error) => return Err(error),
-        }
-    }
-    let _ = channel.close(200, "looked up".into()).await;
-    Ok(missing)
+    missing(connection, names, |channel, name| async move {
+        let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+        channel.exchange_declare(name.into(), ExchangeKind::Topic, passive, FieldTable::default()).await
+    })
+    .await
 }
 
 /// Those of the queues named that do not exist, looked up with passive declares (no permission
 /// needed).
 pub async fn missing_queues<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
-    let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    missing(connection, names, |channel, name| async move {
+        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+        channel.queue_declare(name.into(), passive, FieldTable::default()).await.map(drop)
+    })
+    .await
+}
+
+/// Those of `names` that `look_up` finds missing (`NOT_FOUND`), on one channel, opened again after
+/// each miss: the broker closes the channel that asked for something missing.
+async fn missing<'a, F, Looked>(connection: &Connection, names: &[&'a str], look_up: F) -> lapin::Result<Vec<&'a str>>
+where
+    F: Fn(Channel, &'a str) -> Looked,
+    Looked: Future<Output = lapin::Result<()>>,
+{
     let mut missing = Vec::new();
     let mut channel = connection.create_channel().await?;
     for name in names {
-        match channel.queue_declare((*name).into(), passive, FieldTable::default()).await {
-            Ok(_) => {}
+        match look_up(channel.clone(), name).await {
+            Ok(()) => {}
             Err(error) if is_not_found(&error) => {
                 missing.push(*name);
                 channel = connection.create_channel().await?;

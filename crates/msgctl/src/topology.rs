@@ -17,7 +17,14 @@ pub enum Action {
     /// queues, which follow its own `RETRY_DELAYS`). Idempotent: run it on every deploy, before
     /// the services, with a broker user that may configure them (`topology` in
     /// `ops/rabbitmq/users.sh`).
-    Apply,
+    Apply {
+        /// The work queues' delivery limit, as the services declare it (their `DELIVERY_LIMIT`):
+        /// a queue's arguments cannot change once declared, so the step and the services must
+        /// agree, or the later one is refused (`PRECONDITION_FAILED`).
+        #[arg(long, env = "DELIVERY_LIMIT", default_value_t = topology::DEFAULT_DELIVERY_LIMIT,
+              value_parser = clap::value_parser!(u32).range(1..))]
+        delivery_limit: u32,
+    },
     /// List the exchanges and work queues of the shop's topology that the broker does not have;
     /// exit 1 if any. Needs no permission. Bindings cannot be looked up over AMQP: `apply` makes
     /// them again.
@@ -29,9 +36,14 @@ pub async fn run(action: Action, nodes: &BrokerNodes) -> Result<(), Failure> {
     let (connection, _) = broker::connect_any(nodes, 0, "msgctl")
         .await
         .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
-    let shop = shop::topology::shop();
+    let mut shop = shop::topology::shop();
     let outcome = match action {
-        Action::Apply => apply(&connection, &shop).await,
+        Action::Apply { delivery_limit } => {
+            for endpoint in &mut shop.endpoints {
+                endpoint.delivery_limit = delivery_limit;
+            }
+            apply(&connection, &shop).await
+        }
         Action::Check => check(&connection, &shop).await,
     };
     let _ = connection.close(200, "bye".into()).await;

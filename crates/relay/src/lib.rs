@@ -304,7 +304,7 @@ impl Session for Relay {
     async fn run(&mut self, connection: &lapin::Connection, _node: usize) -> SessionEnd {
         let mut was_up = false;
         let (expected, metrics) = (Arc::clone(&self.expected), self.metrics.clone());
-        let mut reach = Reach::new(connection, &expected, &metrics);
+        let mut reach = Reach::new(connection, &expected, &metrics, self.confirm_timeout);
         loop {
             let error = match self.session(connection, &mut reach, &mut was_up).await {
                 Ok(()) => return SessionEnd::Shutdown,
@@ -501,6 +501,7 @@ impl Relay {
                 None => rows.push(row),
             }
         }
+        reach.report(self.settings.retry_max);
         if rows.is_empty() {
             db::within(db::QUERY_DEADLINE, tx.commit(&self.kept)).await?;
             return Ok(None);
@@ -645,9 +646,18 @@ impl Relay {
         let mut outcome = Ok(());
         let publisher = self.publisher(connection).await?;
         for row in &rows {
-            if let Some(reason) = reach.hold_reason(row).await? {
-                self.hold(&mut tx, row, &reason).await?;
-                continue;
+            // A lookup that fails ends the round like a lost connection: the rows confirmed
+            // before it are still marked.
+            match reach.hold_reason(row).await {
+                Ok(None) => {}
+                Ok(Some(reason)) => {
+                    self.hold(&mut tx, row, &reason).await?;
+                    continue;
+                }
+                Err(error) => {
+                    outcome = Err(error.into());
+                    break;
+                }
             }
             let sent = publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties());
             match sent.await {

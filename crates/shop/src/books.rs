@@ -226,25 +226,24 @@ impl Books {
 
         // The undos of the window (partial indexes `invoices_void`, `reservations_released`: few
         // rows), and which of their orders ended invoiced all the same.
-        let voided: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+        let within = |sql: &'static str, pool: &PgPool| {
+            sqlx::query_as::<_, (Uuid, DateTime<Utc>)>(sql).bind(grace).bind(window).fetch_all(pool)
+        };
+        let voided = within(
             "select order_id, voided_at from invoices
               where state = 'void'
                 and voided_at < now() - $1 * interval '1 millisecond'
                 and voided_at > now() - $2 * interval '1 millisecond'",
+            &self.billing,
         )
-        .bind(grace)
-        .bind(window)
-        .fetch_all(&self.billing)
         .await?;
-        let released: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+        let released = within(
             "select order_id, ended_at from reservations
               where state = 'released'
                 and ended_at < now() - $1 * interval '1 millisecond'
                 and ended_at > now() - $2 * interval '1 millisecond'",
+            &self.inventory,
         )
-        .bind(grace)
-        .bind(window)
-        .fetch_all(&self.inventory)
         .await?;
         let undone: Vec<Uuid> = voided.iter().chain(&released).map(|(id, _)| *id).collect();
         let invoiced: HashSet<Uuid> =

@@ -186,6 +186,41 @@ async fn no_service_s_user_may_delete_a_shared_exchange() {
     shop.stop().await;
 }
 
+/// A service started before the deploy step finds a shared exchange missing and may not declare
+/// it: it waits, not ready, and starts once the step has run, which also binds again what the
+/// exchange's deletion unbound (decision 0030).
+#[tokio::test]
+async fn a_service_started_before_the_deploy_step_waits_not_ready_until_it_runs() {
+    let mut shop = least_privilege_shop().await;
+    shop.kill(Service::Inventory).await;
+    // As before the first deploy step: no `orders` exchange (and so none of its bindings).
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    channel.exchange_delete(shop::exchanges::ORDERS.into(), Default::default()).await.expect("delete `orders`");
+    let _ = connection.close(200, "bye".into()).await;
+
+    shop.process(Service::Inventory).start();
+    // Up, answering, and not ready, for as long as the step has not run.
+    testkit::eventually("inventory to answer /readyz", testkit::shop::WAIT, || async {
+        shop.readyz(Service::Inventory).await.ok().map(|response| response.status)
+    })
+    .await;
+    for _ in 0..3 {
+        let status = shop.readyz(Service::Inventory).await.map(|response| response.status).ok();
+        assert_eq!(status, Some(503), "inventory is ready without its exchange");
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    let accounts = testkit::roles::Accounts {
+        role_prefix: format!("t_{}_", shop.env.id()),
+        user_prefix: format!("t-{}-", shop.env.id()),
+    };
+    testkit::roles::apply_topology(&shop.env, &accounts).await;
+    shop.wait_ready(Service::Inventory).await;
+    let job_id = shop.place(&[("SKU-1", 1)]).await;
+    shop.wait_for_state(job_id, "succeeded").await;
+    shop.stop().await;
+}
+
 #[tokio::test]
 async fn a_missing_grant_stops_the_service_and_is_named() {
     let shop = least_privilege_shop().await;

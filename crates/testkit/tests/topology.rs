@@ -113,6 +113,14 @@ async fn a_row_held_longer_than_the_relay_s_attempts_is_not_parked() {
         .await
         .expect("parked rows");
     assert_eq!(parked, 0, "a held row was parked");
+    // Held, not returned: no publish left the relay, and none counts toward parking.
+    let (refusals, reason): (i32, String) =
+        sqlx::query_as("select refusals, last_error from outbox where message_type = 'order.placed'")
+            .fetch_one(&shop.orders)
+            .await
+            .expect("the row");
+    assert_eq!(refusals, 0);
+    assert!(reason.starts_with("held:") && reason.contains(INVENTORY), "{reason}");
     shop.restart(Service::Inventory).await;
     shop.wait_for_state(job_id, "succeeded").await;
     shop.stop().await;
