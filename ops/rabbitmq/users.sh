@@ -21,11 +21,14 @@
 # work, wait tiers, parking, dead-lettered intake, probe, and its own direct exchange
 # `NAME.direct`), binds its queues to the shared exchanges it reads, and publishes to `jobs` (job
 # events) and to its direct exchange (retries and parking go to its own queues through it). A
-# passive declare needs no permission: a service looks the shared exchanges up and waits, not
-# ready, until the deploy step has declared them. Nobody may write to the default exchange
-# (`amq.default`), on which RabbitMQ cannot tell one queue from another, so no consumer's user can
-# put a message into another service's queue. The relay publishes to the shop's exchanges, and
-# configures and reads nothing. The operator's `msgctl` reads parking queues, puts redriven
+# service looks the shared exchanges up with passive declares and waits, not ready, until the
+# deploy step has declared them. RabbitMQ 3.10 answers a passive declare to anyone; 4.3 (and 4.2.6
+# on) only to a user with some permission on the name, which each user has on what it looks up.
+# Nobody may write to the default exchange (`amq.default`), on which RabbitMQ cannot tell one
+# queue from another, so no consumer's user can put a message into another service's queue. The
+# relay publishes to the shop's exchanges, and configures and reads nothing; its write on the
+# endpoints' work queues is for its lookups of them (without read on an exchange it can bind
+# nothing to them). The operator's `msgctl` reads parking queues, puts redriven
 # messages back through each endpoint's direct exchange and publishes their job events; it and
 # orders-api (the live page's parking depths) have the `management` tag, to list queues.
 #
@@ -49,7 +52,7 @@ topology           ^(orders|inventory|billing|jobs|(orders\.status|inventory\.or
 orders-api         ^orders\.status(\..*)?$  ^(orders\.status(\..*)?|jobs)$  ^(orders\.status(\..*)?|orders|inventory|billing|jobs)$
 inventory-worker   ^inventory\.order-placed(\..*)?$  ^(inventory\.order-placed(\..*)?|jobs)$  ^(inventory\.order-placed(\..*)?|orders|jobs)$
 billing-worker     ^billing\.inventory-reserved(\..*)?$  ^(billing\.inventory-reserved(\..*)?|jobs)$  ^(billing\.inventory-reserved(\..*)?|orders|inventory|jobs)$
-relay              ^$  ^(orders|inventory|billing|jobs)$  ^$
+relay              ^$  ^(orders|inventory|billing|jobs|orders\.status|inventory\.order-placed|billing\.inventory-reserved)$  ^$
 msgctl             ^$  ^(.*\.direct|jobs)$  ^.*\.parking$
 TABLE
 }

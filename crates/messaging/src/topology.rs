@@ -82,7 +82,7 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
 }
 
 /// Make sure the topic exchanges named exist: each is looked up (a passive declare, which needs no
-/// permission), and only one that is missing is declared. So a service whose broker user may not
+/// configure permission), and only one that is missing is declared. So a service whose broker user may not
 /// configure the shared exchanges (the topology's deploy step declares them, decision 0030) starts
 /// once they exist, and fails with `ACCESS_REFUSED` (and retries) before; a user that may, on a
 /// developer's broker, declares them itself. Each lookup runs on a channel of its own, since a
@@ -97,8 +97,9 @@ pub async fn ensure_exchanges(connection: &Connection, names: &[&str]) -> lapin:
     Ok(())
 }
 
-/// Those of the exchanges named that do not exist, looked up with passive declares (no
-/// permission needed).
+/// Those of the exchanges named that do not exist, looked up with passive declares: RabbitMQ 3.10
+/// answers anyone, 4.3 (and 4.2.6 on) a user with any permission on the name, and refuses the
+/// others (`ACCESS_REFUSED`, an error here).
 pub async fn missing_exchanges<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
     missing(connection, names, |channel, name| async move {
         let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
@@ -107,8 +108,8 @@ pub async fn missing_exchanges<'a>(connection: &Connection, names: &[&'a str]) -
     .await
 }
 
-/// Those of the queues named that do not exist, looked up with passive declares (no permission
-/// needed).
+/// Those of the queues named that do not exist, looked up with passive declares, as
+/// [`missing_exchanges`].
 pub async fn missing_queues<'a>(connection: &Connection, names: &[&'a str]) -> lapin::Result<Vec<&'a str>> {
     missing(connection, names, |channel, name| async move {
         let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };

@@ -26,7 +26,8 @@ pub enum Action {
         delivery_limit: u32,
     },
     /// List the exchanges and work queues of the shop's topology that the broker does not have;
-    /// exit 1 if any. Needs no permission. Bindings cannot be looked up over AMQP: `apply` makes
+    /// exit 1 if any. Run it as `topology`: RabbitMQ 4.3 answers a lookup only to a user with
+    /// some permission on the name. Bindings cannot be looked up over AMQP: `apply` makes
     /// them again.
     Check,
 }

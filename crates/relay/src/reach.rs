@@ -25,9 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use messaging::{
-    outbox_relay::OutboxRow, publisher::PublishError, runtime::metrics::OutboxMetrics, topology,
-};
+use messaging::{outbox_relay::OutboxRow, publisher::PublishError, runtime::metrics::OutboxMetrics, topology};
 
 /// How long an answer about an exchange or a queue is trusted before it is looked up again.
 pub const TRUSTED_FOR: Duration = Duration::from_secs(5);
@@ -75,7 +73,8 @@ impl<'a> Reach<'a> {
         let exchange = row.exchange.as_str();
         // The default exchange and the broker's own always exist, and cannot be looked up.
         let builtin = exchange.is_empty() || exchange.starts_with("amq.");
-        if !builtin && !self.is_present(Kind::Exchange, exchange).await? && self.expected.exchanges.contains(&exchange) {
+        if !builtin && !self.is_present(Kind::Exchange, exchange).await? && self.expected.exchanges.contains(&exchange)
+        {
             return Ok(Some(format!(
                 "held: exchange `{exchange}` of the topology does not exist; the topology's deploy step declares it \
                  (`msgctl topology apply`)"
@@ -114,8 +113,9 @@ impl<'a> Reach<'a> {
         self.metrics.topology_missing(missing);
     }
 
-    /// Whether `name` exists: the trusted answer, or a passive declare (which needs no
-    /// permission) on a channel of its own, within the deadline. A missing exchange is declared,
+    /// Whether `name` exists: the trusted answer, or a passive declare on a channel of its own,
+    /// within the deadline (RabbitMQ 4.3 answers one only to a user with some permission on the
+    /// name: `ops/rabbitmq/users.sh` gives the relay write on the work queues). A missing exchange is declared,
     /// if the relay's user may.
     async fn is_present(&mut self, kind: Kind, name: &str) -> Result<bool, PublishError> {
         let key = (kind, name.to_owned());
@@ -135,9 +135,8 @@ impl<'a> Reach<'a> {
                 Kind::Queue => Ok(topology::missing_queues(self.connection, &names).await?.is_empty()),
             }
         };
-        let present = tokio::time::timeout(self.deadline, lookup)
-            .await
-            .map_err(|_| PublishError::TimedOut(self.deadline))??;
+        let present =
+            tokio::time::timeout(self.deadline, lookup).await.map_err(|_| PublishError::TimedOut(self.deadline))??;
         self.known.insert(key, (present, Instant::now()));
         Ok(present)
     }

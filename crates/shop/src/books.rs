@@ -226,15 +226,15 @@ impl Books {
 
         // The undos of the window (partial indexes `invoices_void`, `reservations_released`: few
         // rows), and which of their orders ended invoiced all the same.
-        let within = |sql: &'static str, pool: &PgPool| {
-            sqlx::query_as::<_, (Uuid, DateTime<Utc>)>(sql).bind(grace).bind(window).fetch_all(pool)
+        let within = |sql: &'static str, pool: PgPool| async move {
+            sqlx::query_as::<_, (Uuid, DateTime<Utc>)>(sql).bind(grace).bind(window).fetch_all(&pool).await
         };
         let voided = within(
             "select order_id, voided_at from invoices
               where state = 'void'
                 and voided_at < now() - $1 * interval '1 millisecond'
                 and voided_at > now() - $2 * interval '1 millisecond'",
-            &self.billing,
+            self.billing.clone(),
         )
         .await?;
         let released = within(
@@ -242,7 +242,7 @@ impl Books {
               where state = 'released'
                 and ended_at < now() - $1 * interval '1 millisecond'
                 and ended_at > now() - $2 * interval '1 millisecond'",
-            &self.inventory,
+            self.inventory.clone(),
         )
         .await?;
         let undone: Vec<Uuid> = voided.iter().chain(&released).map(|(id, _)| *id).collect();
