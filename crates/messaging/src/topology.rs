@@ -81,12 +81,11 @@ pub async fn declare_exchanges(channel: &Channel, names: &[&str]) -> lapin::Resu
     Ok(())
 }
 
-/// Make sure the topic exchanges named exist: each is looked up (a passive declare, which needs no
-/// configure permission), and only one that is missing is declared. So a service whose broker user may not
-/// configure the shared exchanges (the topology's deploy step declares them, decision 0030) starts
-/// once they exist, and fails with `ACCESS_REFUSED` (and retries) before; a user that may, on a
-/// developer's broker, declares them itself. Each lookup runs on a channel of its own, since a
-/// missing exchange closes the channel that asked.
+/// Make sure the topic exchanges named exist: each is looked up ([`missing_exchanges`], a passive
+/// declare, which needs no configure permission), and only one that is missing is declared. So a
+/// service whose broker user may not configure the shared exchanges (the topology's deploy step
+/// declares them, decision 0030) starts once they exist, and fails with `ACCESS_REFUSED` (and
+/// retries) before; a user that may, on a developer's broker, declares them itself.
 pub async fn ensure_exchanges(connection: &Connection, names: &[&str]) -> lapin::Result<()> {
     let missing = missing_exchanges(connection, names).await?;
     if !missing.is_empty() {
