@@ -68,6 +68,11 @@ async fn on_a_first_deploy_where_inventory_starts_last_every_order_still_ends_an
         shop.metric_value(Service::Relay, "outbox_topology_missing").await >= 1.0,
         "the relay reports no missing queue"
     );
+    // What the operator's check says (`msgctl topology check`): the one queue, and exit 1.
+    let checked = shop.env.msgctl(&["topology", "check"]).await;
+    let listed = String::from_utf8_lossy(&checked.stdout);
+    assert_eq!(checked.status.code(), Some(1), "{checked:?}");
+    assert_eq!(listed.lines().collect::<Vec<_>>(), [format!("missing queue {INVENTORY}")], "{checked:?}");
     let billed_ends: i64 = sqlx::query_scalar("select count(*) from inbox where message_type = 'order.ended'")
         .fetch_one(&shop.billing)
         .await
@@ -87,6 +92,8 @@ async fn on_a_first_deploy_where_inventory_starts_last_every_order_still_ends_an
         (shop.metric_value(Service::Relay, "outbox_topology_missing").await == 0.0).then_some(())
     })
     .await;
+    let checked = shop.env.msgctl(&["topology", "check"]).await;
+    assert!(checked.status.success(), "{checked:?}");
     shop.stop().await;
 }
 
