@@ -303,8 +303,7 @@ struct Relay {
 impl Session for Relay {
     async fn run(&mut self, connection: &lapin::Connection, _node: usize) -> SessionEnd {
         let mut was_up = false;
-        let (expected, metrics) = (Arc::clone(&self.expected), self.metrics.clone());
-        let mut reach = Reach::new(connection, &expected, &metrics, self.confirm_timeout);
+        let mut reach = Reach::new(connection, &self.expected, &self.metrics, self.confirm_timeout);
         loop {
             let error = match self.session(connection, &mut reach, &mut was_up).await {
                 Ok(()) => return SessionEnd::Shutdown,

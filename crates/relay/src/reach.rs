@@ -22,6 +22,7 @@
 
 use std::{
     collections::HashMap,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -31,11 +32,14 @@ use messaging::{outbox_relay::OutboxRow, publisher::PublishError, runtime::metri
 pub const TRUSTED_FOR: Duration = Duration::from_secs(5);
 
 /// What is looked up: the broker names exchanges and queues apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Exchange,
     Queue,
 }
+
+/// Whether a name was there when looked up, and when.
+type Answers = HashMap<String, (bool, Instant)>;
 
 /// What one relay session has looked up on its broker connection.
 pub struct Reach<'a> {
@@ -44,10 +48,13 @@ pub struct Reach<'a> {
     metrics: &'a OutboxMetrics,
     /// How long a lookup may take (`CONFIRM_TIMEOUT`).
     deadline: Duration,
-    /// Each exchange and queue looked up: whether it was there, and when.
-    known: HashMap<(Kind, String), (bool, Instant)>,
-    /// The queues bound to each (exchange, routing key) met so far.
-    bound: HashMap<(String, String), Vec<&'static str>>,
+    /// Each exchange looked up.
+    exchanges: Answers,
+    /// Each queue looked up.
+    queues: Answers,
+    /// The queues bound to each routing key met so far, by exchange: looked up by reference, so
+    /// that a row whose key was met before costs no allocation.
+    bound: HashMap<String, HashMap<String, Arc<[&'static str]>>>,
 }
 
 impl<'a> Reach<'a> {
@@ -59,12 +66,14 @@ impl<'a> Reach<'a> {
         deadline: Duration,
     ) -> Self {
         metrics.topology_missing(0);
-        Self { connection, expected, metrics, deadline, known: HashMap::new(), bound: HashMap::new() }
+        let (exchanges, queues, bound) = (HashMap::new(), HashMap::new(), HashMap::new());
+        Self { connection, expected, metrics, deadline, exchanges, queues, bound }
     }
 
     /// Forget every answer: the broker closed a channel, and may have lost something.
     pub fn forget(&mut self) {
-        self.known.clear();
+        self.exchanges.clear();
+        self.queues.clear();
     }
 
     /// Why `row` must wait, if it must: an exchange of the topology, or a queue it binds to the
@@ -80,13 +89,9 @@ impl<'a> Reach<'a> {
                  (`msgctl topology apply`)"
             )));
         }
-        let key = (row.exchange.clone(), row.routing_key.clone());
-        let expected = match self.bound.get(&key) {
-            Some(queues) => queues.clone(),
-            None => self.bound.entry(key).or_insert(self.expected.queues_for(exchange, &row.routing_key)).clone(),
-        };
+        let expected = self.bound_to(exchange, &row.routing_key);
         let mut missing = Vec::new();
-        for queue in &expected {
+        for queue in expected.iter() {
             if !self.is_present(Kind::Queue, queue).await? {
                 missing.push(*queue);
             }
@@ -109,17 +114,17 @@ impl<'a> Reach<'a> {
     /// rows published, or discarded).
     pub fn report(&self, stale_after: Duration) {
         let fresh = stale_after + TRUSTED_FOR;
-        let missing = self.known.values().filter(|(present, at)| !present && at.elapsed() < fresh).count();
+        let answers = self.exchanges.values().chain(self.queues.values());
+        let missing = answers.filter(|(present, at)| !present && at.elapsed() < fresh).count();
         self.metrics.topology_missing(missing);
     }
 
     /// Whether `name` exists: the trusted answer, or a passive declare on a channel of its own,
     /// within the deadline (RabbitMQ 4.3 answers one only to a user with some permission on the
-    /// name: `ops/rabbitmq/users.sh` gives the relay write on the work queues). A missing exchange is declared,
-    /// if the relay's user may.
+    /// name: `ops/rabbitmq/users.sh` gives the relay write on the work queues). A missing exchange
+    /// is declared, if the relay's user may.
     async fn is_present(&mut self, kind: Kind, name: &str) -> Result<bool, PublishError> {
-        let key = (kind, name.to_owned());
-        if let Some((present, at)) = self.known.get(&key)
+        if let Some((present, at)) = self.answers(kind).get(name)
             && at.elapsed() < TRUSTED_FOR
         {
             return Ok(*present);
@@ -137,7 +142,24 @@ impl<'a> Reach<'a> {
         };
         let present =
             tokio::time::timeout(self.deadline, lookup).await.map_err(|_| PublishError::TimedOut(self.deadline))??;
-        self.known.insert(key, (present, Instant::now()));
+        self.answers(kind).insert(name.to_owned(), (present, Instant::now()));
         Ok(present)
+    }
+
+    fn answers(&mut self, kind: Kind) -> &mut Answers {
+        match kind {
+            Kind::Exchange => &mut self.exchanges,
+            Kind::Queue => &mut self.queues,
+        }
+    }
+
+    /// The queues the topology binds to `routing_key` on `exchange`, worked out once per key.
+    fn bound_to(&mut self, exchange: &str, routing_key: &str) -> Arc<[&'static str]> {
+        if let Some(queues) = self.bound.get(exchange).and_then(|keys| keys.get(routing_key)) {
+            return Arc::clone(queues);
+        }
+        let queues: Arc<[&'static str]> = self.expected.queues_for(exchange, routing_key).into();
+        self.bound.entry(exchange.to_owned()).or_default().insert(routing_key.to_owned(), Arc::clone(&queues));
+        queues
     }
 }

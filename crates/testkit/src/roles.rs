@@ -33,6 +33,11 @@ pub struct Accounts {
 }
 
 impl Accounts {
+    /// The accounts of `env`'s shop, as [`provision`] made them.
+    pub fn of(env: &TestEnv) -> Self {
+        Self { role_prefix: format!("t_{}_", env.id()), user_prefix: format!("t-{}-", env.id()) }
+    }
+
     /// The database role a service runs as (`t_<id>_inventory`; the relay's is `t_<id>_relay`).
     pub fn runtime_role(&self, database: &str) -> String {
         format!("{}{database}", self.role_prefix)
@@ -88,7 +93,7 @@ impl Accounts {
 
 /// Make the roles, the databases and the broker users of `env`'s shop with the DBA's scripts.
 pub async fn provision(env: &TestEnv) -> Accounts {
-    let accounts = Accounts { role_prefix: format!("t_{}_", env.id()), user_prefix: format!("t-{}-", env.id()) };
+    let accounts = Accounts::of(env);
     let admin = http::join(&env.servers.postgres, "/postgres");
     for database in ["orders", "inventory", "billing"] {
         let service = accounts.runtime_role(database);

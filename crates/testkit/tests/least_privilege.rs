@@ -15,7 +15,7 @@ use messaging::{
 use sqlx::Connection;
 use testkit::{
     process,
-    roles::as_user,
+    roles::{Accounts, as_user},
     shop::{Options, Service, Shop},
 };
 
@@ -170,7 +170,7 @@ async fn only_the_operator_s_user_may_publish_a_job_abandoned() {
 async fn no_service_s_user_may_delete_a_shared_exchange() {
     let mut shop = least_privilege_shop().await;
     for service in Service::ALL {
-        let user = format!("t-{}-{}", shop.env.id(), service.binary());
+        let user = Accounts::of(&shop.env).broker_user(service);
         let url = SecretUrl::new(as_user(&shop.env.amqp_url(), &user, None));
         let connection = messaging::runtime::broker::connect(&url, "least-privilege test").await.expect("connect");
         let channel = connection.create_channel().await.expect("channel");
@@ -210,11 +210,7 @@ async fn a_service_started_before_the_deploy_step_waits_not_ready_until_it_runs(
         assert_eq!(status, Some(503), "inventory is ready without its exchange");
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
-    let accounts = testkit::roles::Accounts {
-        role_prefix: format!("t_{}_", shop.env.id()),
-        user_prefix: format!("t-{}-", shop.env.id()),
-    };
-    testkit::roles::apply_topology(&shop.env, &accounts).await;
+    testkit::roles::apply_topology(&shop.env, &Accounts::of(&shop.env)).await;
     shop.wait_ready(Service::Inventory).await;
     let job_id = shop.place(&[("SKU-1", 1)]).await;
     shop.wait_for_state(job_id, "succeeded").await;

@@ -190,8 +190,7 @@ async fn rows_the_broker_refuses_are_parked_with_its_reason_and_the_thousand_ord
     // The causes fixed: the broker's limit back, the relay allowed the audit exchange, and both
     // notes' routes given a queue.
     limit.restore();
-    let accounts =
-        Accounts { role_prefix: format!("t_{}_", shop.env.id()), user_prefix: format!("t-{}-", shop.env.id()) };
+    let accounts = Accounts::of(&shop.env);
     let user = accounts.broker_user(Service::Relay);
     let permissions = format!("/api/permissions/{}/{user}", shop.env.vhost());
     let allowed = r#"{"configure":"^$","write":"^(orders|inventory|billing|jobs|audit)$","read":"^$"}"#;
