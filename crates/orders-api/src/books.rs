@@ -1,10 +1,13 @@
 //! The books checked in production: every `BOOKS_INTERVAL`, the orders service compares its
 //! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
 //! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`), and
-//! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). Off unless
-//! `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases, each through a
-//! read-only role; every session it opens on them is read-only besides. Its own
-//! database it reads through the service's pool.
+//! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). It is on unless
+//! `BOOKS_CHECK=off`: `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases,
+//! each through a read-only role, and default to the layout `ops/postgres/roles.sql` and compose
+//! make (the `books` role, on the orders database's server, databases `inventory` and `billing`).
+//! Where that guess does not reach, `books_check_up` is 0 and `BooksCheckDown` says so until the
+//! URLs are set. Every session it opens on them is read-only besides. Its own database it reads
+//! through the service's pool.
 
 use std::time::Duration;
 
@@ -16,12 +19,17 @@ use sqlx::PgPool;
 /// The check's settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BooksArgs {
-    /// The inventory database, through a read-only role: with `BOOKS_BILLING_URL`, the service
-    /// checks the shop's books against it (unset: not checked).
-    #[arg(long, env = "BOOKS_INVENTORY_URL", hide_env_values = true, requires = "books_billing_url")]
+    /// Whether the service checks the books: `off` only where the other databases are out of its
+    /// reach for good (the alerts `BooksDisagree` and `BooksCheckDown` then never fire).
+    #[arg(long, env = "BOOKS_CHECK", default_value = "on", value_parser = ["on", "off"])]
+    pub books_check: String,
+    /// The inventory database, through a read-only role (unset: role `books`, database
+    /// `inventory`, on the server of `DATABASE_URL`).
+    #[arg(long, env = "BOOKS_INVENTORY_URL", hide_env_values = true)]
     pub books_inventory_url: Option<SecretUrl>,
-    /// The billing database, through a read-only role (with `BOOKS_INVENTORY_URL`).
-    #[arg(long, env = "BOOKS_BILLING_URL", hide_env_values = true, requires = "books_inventory_url")]
+    /// The billing database, through a read-only role (unset: role `books`, database `billing`,
+    /// on the server of `DATABASE_URL`).
+    #[arg(long, env = "BOOKS_BILLING_URL", hide_env_values = true)]
     pub books_billing_url: Option<SecretUrl>,
     /// How often the books are checked.
     #[arg(long, env = "BOOKS_INTERVAL", default_value = "60s", value_parser = parse_duration)]
@@ -64,20 +72,29 @@ impl BooksMetrics {
     }
 }
 
-/// Check the books every interval until `shutdown`, if the other databases are named; an
-/// undecided order holding stock past `deadline` (`ORDER_DEADLINE`) is a disagreement.
+/// Check the books every interval until `shutdown`, unless `BOOKS_CHECK=off`; an undecided
+/// order holding stock past `deadline` (`ORDER_DEADLINE`) is a disagreement. `own` is the orders
+/// database's URL, from which the other two are guessed where they are not named.
 pub fn start(
     args: &BooksArgs,
+    own: &SecretUrl,
     deadline: Duration,
     orders: PgPool,
     metrics: BooksMetrics,
     shutdown: Shutdown,
 ) -> Result<(), sqlx::Error> {
-    let (Some(inventory), Some(billing)) = (&args.books_inventory_url, &args.books_billing_url) else {
+    if args.books_check == "off" {
+        tracing::info!("the books are not checked (BOOKS_CHECK=off)");
         return Ok(());
+    }
+    let url = |named: &Option<SecretUrl>, database: &str| match named {
+        Some(url) => Ok(url.clone()),
+        None => beside(own, database),
     };
+    let (inventory, billing) = (url(&args.books_inventory_url, "inventory")?, url(&args.books_billing_url, "billing")?);
+    tracing::info!(%inventory, %billing, "checking the books every {:?}", args.books_interval);
     let read_only = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(5));
-    let books = Books { orders, inventory: read_only(inventory)?, billing: read_only(billing)? };
+    let books = Books { orders, inventory: read_only(&inventory)?, billing: read_only(&billing)? };
     let horizon = Horizon { grace: args.books_grace, window: args.books_window, deadline: Some(deadline) };
     let interval = args.books_interval;
     tokio::spawn(async move {
@@ -91,6 +108,27 @@ pub fn start(
         }
     });
     Ok(())
+}
+
+/// The URL of `database` through the `books` role on the server `own` names, with its TLS and
+/// other settings but not its user or password.
+fn beside(own: &SecretUrl, database: &str) -> Result<SecretUrl, sqlx::Error> {
+    let unparsable = |error: url::ParseError| sqlx::Error::Configuration(format!("DATABASE_URL: {error}").into());
+    let mut url = url::Url::parse(own.expose()).map_err(unparsable)?;
+    let kept: Vec<(String, String)> = url
+        .query_pairs()
+        .filter(|(key, _)| !matches!(key.as_ref(), "user" | "password" | "dbname"))
+        .map(|(key, value)| (key.into_owned(), value.into_owned()))
+        .collect();
+    url.query_pairs_mut().clear().extend_pairs(kept);
+    if url.query() == Some("") {
+        url.set_query(None);
+    }
+    let refused = |()| sqlx::Error::Configuration(format!("DATABASE_URL names no server: {own}").into());
+    url.set_username("books").map_err(refused)?;
+    url.set_password(None).map_err(refused)?;
+    url.set_path(database);
+    Ok(SecretUrl::new(url.to_string()))
 }
 
 async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
@@ -117,5 +155,22 @@ async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
             };
             tracing::warn!(%error, "cannot check the books");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_other_databases_are_guessed_beside_the_orders_database_through_the_books_role() {
+        let own = SecretUrl::new("postgres://orders:secret@db.example:6432/orders?sslmode=verify-full&password=x");
+        assert_eq!(
+            beside(&own, "inventory").expect("a URL").expose(),
+            "postgres://books@db.example:6432/inventory?sslmode=verify-full"
+        );
+        let bare = SecretUrl::new("postgres://orders@postgres/orders");
+        assert_eq!(beside(&bare, "billing").expect("a URL").expose(), "postgres://books@postgres/billing");
+        assert!(beside(&SecretUrl::new("not a url"), "billing").is_err());
     }
 }

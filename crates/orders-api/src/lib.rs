@@ -137,7 +137,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     };
     let status = ConsumerSettings::from_args(status::endpoint(), consumer, broker);
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
-    books::start(&config.books, config.order_deadline, pool.clone(), books_metrics, shutdown.clone())?;
+    books::start(&config.books, database_url, config.order_deadline, pool.clone(), books_metrics, shutdown.clone())?;
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
     let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {

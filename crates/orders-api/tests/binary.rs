@@ -8,6 +8,7 @@ testkit::binary_tests!(
         "RABBITMQ_MANAGEMENT_URL",
         "MAX_MESSAGE_BYTES",
         "ORDER_DEADLINE",
+        "BOOKS_CHECK",
         "BOOKS_INVENTORY_URL",
         "BOOKS_BILLING_URL",
         "BOOKS_INTERVAL",

@@ -64,6 +64,11 @@ impl Accounts {
         format!("{}books", self.role_prefix)
     }
 
+    /// `url` (a database of this shop) through the read-only books role.
+    pub fn books_url(&self, url: &str) -> String {
+        as_user(url, &self.books_role(), None)
+    }
+
     /// The broker user of `service` (`t-<id>-inventory-worker`).
     pub fn broker_user(&self, service: Service) -> String {
         format!("{}{}", self.user_prefix, service.binary())
@@ -103,6 +108,7 @@ pub async fn provision(env: &TestEnv) -> Accounts {
             .args(["-q", "-v", &format!("service={service}"), "-v", &format!("owner_password={owner}")])
             .args(["-v", &format!("runtime_password={service}"), "-v", &format!("relay={relay}")])
             .args(["-v", &format!("relay_password={relay}"), "-v", &format!("books={}", accounts.books_role())])
+            .args(["-v", &format!("books_password={}", accounts.books_role())])
             .arg("-f")
             .arg(script("ops/postgres/roles.sql"))
             .output()

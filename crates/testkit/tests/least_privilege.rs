@@ -41,6 +41,12 @@ async fn the_order_flow_runs_with_a_role_and_a_user_per_service() {
             .await
             .expect("table owners");
     assert_eq!(owners, [role(&shop, "inventory_owner")]);
+    // The API checks the books through the read-only role, and they agree.
+    testkit::eventually("the books checked", testkit::shop::WAIT, || async {
+        (shop.metric(Service::Api, "books_check_up").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(shop.metric(Service::Api, "books_disagreements").await, 0);
     shop.stop().await;
 }
 

@@ -246,6 +246,15 @@ impl Shop {
                 ]);
                 vars.extend(options.consumer_env.iter().cloned());
             }
+            if service == Service::Api {
+                // The books checked as in production, through the read-only role where there is one.
+                for (name, database) in [("BOOKS_INVENTORY_URL", "inventory"), ("BOOKS_BILLING_URL", "billing")] {
+                    let url = env.database_url(database);
+                    vars.push((name, accounts.as_ref().map_or(url.clone(), |accounts| accounts.books_url(&url))));
+                }
+                // Soon after the workers' migrations, which the API's first check may precede.
+                vars.push(("BOOKS_INTERVAL", "5s".to_owned()));
+            }
             if matches!(service, Service::Inventory | Service::Billing) {
                 vars.push(("DEMO_FAULTS", options.demo_faults.to_string()));
                 vars.push(("DEMO_CATALOGUE", "true".to_owned()));

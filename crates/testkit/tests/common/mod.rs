@@ -47,7 +47,11 @@ pub async fn start_with(options: Options) -> Shop {
     let mut tasks = Vec::new();
 
     let (l, url) = listener().await;
-    let config = orders_api::Config::parse_from(flags("orders-api", "orders"));
+    let mut api = flags("orders-api", "orders");
+    for (flag, database) in [("--books-inventory-url", "inventory"), ("--books-billing-url", "billing")] {
+        api.extend([flag.to_owned(), env.database_url(database)]);
+    }
+    let config = orders_api::Config::parse_from(api);
     let run = orders_api::run(config, l, stop.clone());
     tasks.push((Service::Api, tokio::spawn(run)));
     http.insert(Service::Api, url);
