@@ -143,6 +143,10 @@ pub fn read_only(url: &str, acquire_timeout: Duration) -> sqlx::Result<PgPool> {
     let options = options.options([("default_transaction_read_only", "on")]);
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
+        // A check every minute holds no connection between checks: a database's connection
+        // slots are for its own service.
+        .min_connections(0)
+        .idle_timeout(Duration::from_secs(1))
         .acquire_timeout(acquire_timeout)
         .connect_lazy_with(options))
 }
