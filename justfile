@@ -73,7 +73,11 @@ dev:
     bin="${CARGO_TARGET_DIR:-target}/debug"
     base="${DATABASE_URL%/}"
     trap 'kill 0' EXIT INT TERM
-    DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 "$bin/orders-api" &
+    # The demo's key and tokens (ops/demo-tokens.env: `-H "Authorization: Bearer $DEMO_TOKEN"`), and
+    # the books read with your own user, as there is no `books` role here.
+    source ops/demo-tokens.env
+    DATABASE_URL="$base/orders" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8080 AUTH_JWT_KEY="$DEMO_AUTH_JWT_KEY" \
+        BOOKS_INVENTORY_URL="$base/inventory" BOOKS_BILLING_URL="$base/billing" "$bin/orders-api" &
     DATABASE_URL="$base/inventory" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8081 DEMO_FAULTS=1 DEMO_CATALOGUE=1 "$bin/inventory-worker" &
     DATABASE_URL="$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8082 DEMO_FAULTS=1 DEMO_CATALOGUE=1 "$bin/billing-worker" &
     DATABASE_URL="$base/orders,$base/inventory,$base/billing" AMQP_URL="$AMQP_URL/%2f" HTTP_ADDR=127.0.0.1:8083 "$bin/relay" &
@@ -90,7 +94,8 @@ demo:
 demo-check *flags:
     bash scripts/demo {{flags}}
 
-# Place a demo order against a running API (`just order SKU-1 2`).
+# Place a demo order against a running API (`just order SKU-1 2`), as the demo's customer.
 order sku="SKU-1" quantity="1":
-    curl -si -X POST 127.0.0.1:8080/orders -H 'Content-Type: application/json' \
+    . ops/demo-tokens.env && curl -si -X POST 127.0.0.1:8080/orders -H 'Content-Type: application/json' \
+        -H "Authorization: Bearer $DEMO_TOKEN" \
         -d '{"customerId":"demo","lines":[{"sku":"{{sku}}","quantity":{{quantity}}}]}'

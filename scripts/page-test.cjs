@@ -4,13 +4,18 @@
 // so the test fails if the page shows anything but the job's real state; and it proves it can
 // fail: the same check against the page fed a tampered `/overview` must fail.
 //
-//   NODE_PATH=<dir with playwright-core> node scripts/page-test.cjs http://127.0.0.1:8080 [screenshot.png]
+// The page's data is an operator's (decision 0031): without a token the page shows the 401 and no
+// job; with DEMO_OPERATOR_TOKEN in its address (`/#token=…`) it works.
+//
+//   DEMO_OPERATOR_TOKEN=… NODE_PATH=<dir with playwright-core> node scripts/page-test.cjs http://127.0.0.1:8080 [screenshot.png]
 "use strict";
 const { chromium } = require("playwright-core");
 
 const api = process.argv[2] || "http://127.0.0.1:8080";
 const screenshot = process.argv[3];
 const executablePath = process.env.CHROMIUM || "/usr/bin/chromium";
+const token = process.env.DEMO_OPERATOR_TOKEN;
+if (!token) throw new Error("DEMO_OPERATOR_TOKEN is not set: source ops/demo-tokens.env");
 
 async function jobState(jobId) {
   const response = await fetch(`${api}/jobs/${jobId}`);
@@ -46,8 +51,15 @@ async function expectState(page, jobId, state, timeout) {
 async function main() {
   const browser = await chromium.launch({ executablePath, args: ["--no-sandbox", "--disable-dev-shm-usage"] });
   try {
+    // Without a token: the status line says 401, and no job is listed.
+    const anonymous = await browser.newPage();
+    await anonymous.goto(`${api}/`);
+    await anonymous.waitForFunction(() => document.querySelector("#status").textContent.includes("401"), null, { timeout: 5000 });
+    if ((await anonymous.locator("tr[data-job]").count()) !== 0) throw new Error("the page listed jobs without a token");
+    console.log("page: without a token, /overview refused (401) and no job shown");
+
     const page = await browser.newPage({ viewport: { width: 1200, height: 900 } });
-    await page.goto(`${api}/`);
+    await page.goto(`${api}/#token=${token}`);
 
     const flaky = await place(page, "FLAKY-1");
     await expectState(page, flaky, "succeeded", 30000);
@@ -72,7 +84,7 @@ async function main() {
       for (const job of overview.jobs) if (job.jobId === flaky) job.state = "published";
       await route.fulfill({ response, json: overview });
     });
-    await tampered.goto(`${api}/`);
+    await tampered.goto(`${api}/#token=${token}`);
     let caught = null;
     try {
       await expectState(tampered, flaky, "succeeded", 3000);

@@ -346,7 +346,13 @@ impl Bench {
     /// A service's variables, on database `url` (for the relay, its outbox databases,
     /// comma-separated). The workers write the demo's catalogue, which the orders are made of.
     fn service_vars(&self, url: &str) -> Vec<(&'static str, String)> {
-        vec![("DATABASE_URL", url.to_owned()), ("AMQP_URL", self.env.amqp_url()), ("DEMO_CATALOGUE", "true".to_owned())]
+        vec![
+            ("DATABASE_URL", url.to_owned()),
+            ("AMQP_URL", self.env.amqp_url()),
+            ("DEMO_CATALOGUE", "true".to_owned()),
+            // The orders API checks the bench's bearer tokens (`open_loop::operator`) against it.
+            ("AUTH_JWT_KEY", testkit::auth::KEY.to_owned()),
+        ]
     }
 
     /// The servers with our exact work, no service code; and from them the relay's floor and the

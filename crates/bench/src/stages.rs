@@ -130,8 +130,9 @@ pub async fn post_orders(api: &str, concurrency: usize, count: usize, catalog: C
                     return jobs;
                 }
                 let body = serde_json::to_string(&sample_order(i, catalog)).expect("json");
+                let headers = [("Authorization", crate::open_loop::operator())];
                 let response =
-                    connection.send("POST", "/orders", &[], Some(body.as_bytes())).await.expect("POST /orders");
+                    connection.send("POST", "/orders", &headers, Some(body.as_bytes())).await.expect("POST /orders");
                 assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
                 jobs.push(job_id(&response.body));
             }

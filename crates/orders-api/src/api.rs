@@ -23,6 +23,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
+    auth::{Auth, Caller},
     jobs,
     order::{Accepted, CustomerId, IdempotencyKey, Line, OrderStatus, Quantity, Sku, ValidOrder},
     problem::{ApiError, Problem},
@@ -50,14 +51,15 @@ impl Default for Limits {
     }
 }
 
-/// The API's routes: reads on `pool`, orders written by `writers`, within `limits`.
-pub fn router(pool: PgPool, writers: Writers, limits: Limits) -> Router {
+/// The API's routes: reads on `pool`, orders written by `writers`, within `limits`, changes only
+/// for callers `auth` accepts.
+pub fn router(pool: PgPool, writers: Writers, limits: Limits, auth: Auth) -> Router {
     Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{order_id}", get(get_order))
         .route("/orders/{order_id}/cancel", post(cancel_order))
         .route("/jobs/{job_id}", get(get_job))
-        .with_state(ApiState { pool, writers, limits })
+        .with_state(ApiState { pool, writers, limits, auth })
 }
 
 /// What the handlers share.
@@ -66,6 +68,7 @@ pub(crate) struct ApiState {
     pool: PgPool,
     writers: Writers,
     limits: Limits,
+    auth: Auth,
 }
 
 impl FromRef<ApiState> for PgPool {
@@ -74,11 +77,18 @@ impl FromRef<ApiState> for PgPool {
     }
 }
 
+impl FromRef<ApiState> for Auth {
+    fn from_ref(state: &ApiState) -> Self {
+        state.auth.clone()
+    }
+}
+
 /// `POST /orders` body. Unknown fields are refused: a typo must not silently drop data.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PlaceOrder {
-    /// Who orders: 1 to 200 characters, not all blank, no control characters.
+    /// Who orders: 1 to 200 characters, not all blank, no control characters. The bearer token's
+    /// customer (`sub`), unless an operator's token places the order.
     #[schema(
         min_length = 1,
         max_length = 200,
@@ -144,11 +154,13 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
 }
 
 /// Accept an order: the order, its lines, its job and its `order.placed` message are written in
-/// one transaction, all or nothing.
+/// one transaction, all or nothing. The caller's bearer token names the customer (`sub`); an
+/// operator's token may order for anyone.
 #[utoipa::path(
     post,
     path = "/orders",
     tag = "orders",
+    security(("bearer" = [])),
     request_body(content = PlaceOrder, content_type = "application/json"),
     params(
         ("Idempotency-Key" = Option<String>, Header, pattern = "^[!-~]{1,255}$",
@@ -159,6 +171,9 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
         (status = 202, description = "Accepted: poll the job.", body = Accepted,
          headers(("Location" = String, description = "`/jobs/{jobId}`"))),
         (status = 400, description = "Malformed or invalid input: nothing was written.", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "No bearer token, or one refused (forged, expired, another key): nothing was written.", body = Problem, content_type = "application/problem+json",
+         headers(("WWW-Authenticate" = String, description = "`Bearer realm=\"orders\"`"))),
+        (status = 403, description = "The token's customer is not the order's `customerId`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over 64 KiB, or an order whose messages (its `order.placed`, its `inventory.reserved`) would be over `MAX_MESSAGE_BYTES`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Not `application/json`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "The Idempotency-Key was used with another body.", body = Problem, content_type = "application/problem+json"),
@@ -167,12 +182,20 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
     )
 )]
 pub(crate) async fn place_order(
-    State(ApiState { pool, writers, limits }): State<ApiState>,
+    State(ApiState { pool, writers, limits, .. }): State<ApiState>,
+    caller: Caller,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let request = read_json::<PlaceOrder>(&headers, body).await?;
     let order = request.parse()?;
+    if !caller.acts_for(&request.customer_id) {
+        return Err(ApiError::Forbidden(format!(
+            "the bearer token is customer {:?}'s: it may not order in {:?}'s name",
+            caller.name(),
+            request.customer_id
+        )));
+    }
     // Its ids do not change its size: every UUID is written with the same length.
     let placeholder = Accepted { job_id: Uuid::nil(), order_id: Uuid::nil() };
     // In microseconds, as Postgres keeps it: the row's due time and order.placed's say the same.
@@ -391,6 +414,8 @@ pub(crate) async fn get_order(
 
 /// Why a customer's cancel ended an order.
 pub const CANCELLED_BY_CUSTOMER: &str = "cancelled by the customer";
+/// The reason an operator's cancel gives.
+pub const CANCELLED_BY_OPERATOR: &str = "cancelled by an operator";
 
 /// How cancelling an order can fail, beyond a lookup (OpenAPI only).
 #[derive(utoipa::IntoResponses)]
@@ -399,15 +424,23 @@ enum CancelFailure {
     /// The order has ended otherwise (invoiced, rejected, declined): it can no longer be cancelled.
     #[response(status = 409, content_type = "application/problem+json")]
     Ended(Problem),
+    /// No bearer token, or one refused: nothing changed.
+    #[response(status = 401, content_type = "application/problem+json")]
+    Unauthenticated(Problem),
+    /// The order is another customer's: nothing changed.
+    #[response(status = 403, content_type = "application/problem+json")]
+    AnotherCustomers(Problem),
 }
 
 /// Cancel an order that has not ended: it ends `cancelled`, and what it took (reserved stock, an
 /// invoice) is given back; its job shows `compensating` until then, and `cancelled` after.
-/// Idempotent: cancelling a cancelled order answers 202 again.
+/// Idempotent: cancelling a cancelled order answers 202 again. Only the order's customer (its
+/// bearer token's `sub`) or an operator may.
 #[utoipa::path(
     post,
     path = "/orders/{orderId}/cancel",
     tag = "orders",
+    security(("bearer" = [])),
     params(("orderId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
     responses(
         (status = 202, description = "Cancelled, or cancelled before: poll the job.", body = Accepted,
@@ -418,24 +451,37 @@ enum CancelFailure {
 )]
 pub(crate) async fn cancel_order(
     State(pool): State<PgPool>,
+    caller: Caller,
     Path(order_id): Path<String>,
 ) -> Result<Response, ApiError> {
     let order_id = parse_id("order", &order_id)?;
-    let accepted = db::within(QUERY_DEADLINE, cancel(&pool, order_id)).await?;
+    let accepted = db::within(QUERY_DEADLINE, cancel(&pool, &caller, order_id)).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }
 
-/// Decide the order's end, `cancelled`, and announce it, in one transaction ([`jobs::decide`]).
-/// Begun by [`db::Taken::begin`]: the request's deadline may give it up mid-`BEGIN`.
-async fn cancel(pool: &PgPool, order_id: Uuid) -> Result<Accepted, ApiError> {
+/// Decide the order's end, `cancelled`, and announce it, in one transaction ([`jobs::decide`]),
+/// if `caller` may. Begun by [`db::Taken::begin`]: the request's deadline may give it up
+/// mid-`BEGIN`.
+async fn cancel(pool: &PgPool, caller: &Caller, order_id: Uuid) -> Result<Accepted, ApiError> {
     let mut conn = db::Taken::acquire(pool).await?;
     let mut tx = conn.begin().await?;
-    let job_id: Option<Uuid> =
-        sqlx::query_scalar("select id from jobs where order_id = $1").bind(order_id).fetch_optional(&mut *tx).await?;
-    let job_id = job_id.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    let found: Option<(Uuid, String)> = sqlx::query_as(
+        "select jobs.id, orders.customer_id from jobs join orders on orders.id = jobs.order_id where jobs.order_id = $1",
+    )
+    .bind(order_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (job_id, customer_id) = found.ok_or_else(|| ApiError::NotFound(format!("no order {order_id}")))?;
+    let reason = match caller {
+        Caller::Operator(_) => CANCELLED_BY_OPERATOR,
+        Caller::Customer(_) if caller.acts_for(&customer_id) => CANCELLED_BY_CUSTOMER,
+        Caller::Customer(_) => {
+            return Err(ApiError::Forbidden(format!("order {order_id} is another customer's: only it may cancel it")));
+        }
+    };
     let accepted = Accepted { job_id, order_id };
-    match jobs::decide(&mut tx, job_id, shop::End::Cancelled, Some(CANCELLED_BY_CUSTOMER), None).await? {
+    match jobs::decide(&mut tx, job_id, shop::End::Cancelled, Some(reason), None).await? {
         jobs::Decided::Now(..) => {
             tx.commit().await?;
             Ok(accepted)

@@ -3,6 +3,7 @@
 //! final state. Both live in one process and share the `orders` database.
 
 pub mod api;
+pub mod auth;
 pub mod books;
 pub mod jobs;
 pub mod openapi;
@@ -41,8 +42,8 @@ pub struct Config {
     /// consumer settings.
     #[command(flatten)]
     pub common: WorkerArgs,
-    /// The live page (`GET /`) and its data (`GET /overview`), which place orders and show broker
-    /// data to anyone who can reach the API: `off` removes both routes.
+    /// The live page (`GET /`) and its data (`GET /overview`, for operators' tokens only; the page
+    /// takes one from its address, `/#token=…`): `off` removes both routes.
     #[arg(long, env = "LIVE_PAGE", default_value = "on", value_parser = ["on", "off"])]
     pub live_page: String,
     /// Database connections for requests and the status consumer.
@@ -75,6 +76,9 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub books: books::BooksArgs,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub auth: auth::AuthArgs,
 }
 
 impl BinarySettings for Config {
@@ -83,15 +87,22 @@ impl BinarySettings for Config {
     }
 
     fn check(&self) -> Result<(), String> {
-        self.common.consumer.check()
+        self.common.consumer.check()?;
+        self.auth.auth().map(drop)
     }
 }
 
 /// The API's own HTTP surface: API routes, the live page (unless `page` is `None`), the OpenAPI
 /// document, problem+json 404s, tracing and failure logs. The service runtime merges the health
 /// routes with it.
-pub fn app(pool: PgPool, writers: writer::Writers, limits: api::Limits, page: Option<overview::Sources>) -> Router {
-    let api = api::router(pool, writers, limits);
+pub fn app(
+    pool: PgPool,
+    writers: writer::Writers,
+    limits: api::Limits,
+    auth: auth::Auth,
+    page: Option<overview::Sources>,
+) -> Router {
+    let api = api::router(pool, writers, limits, auth);
     let api = match page {
         Some(page) => api.merge(overview::routes(page)),
         None => api,
@@ -109,6 +120,8 @@ pub fn app(pool: PgPool, writers: writer::Writers, limits: api::Limits, page: Op
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
     // Before anything is written: a broker whose certificate does not verify stops us here.
     let WorkerArgs { database_url, schema, service: service_args, consumer } = &config.common;
+    // Checked by `check` at start-up as well.
+    let auth = config.auth.auth()?;
     let broker = &service_args.broker;
     messaging::runtime::broker::check_tls(&broker.amqp_url).await?;
     let settings = PoolSettings {
@@ -146,12 +159,13 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             health.clone(),
             config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
             config.rabbitmq_management_url.clone(),
+            auth.clone(),
         )
     });
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let limits =
         api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
-    let app = app(pool.clone(), writers, limits, page)
+    let app = app(pool.clone(), writers, limits, auth, page)
         .layer(axum::middleware::from_fn_with_state(responses, responses::count));
     let served = service.routes(app).run(listener, &service_args.http).await;
     pool.close().await;

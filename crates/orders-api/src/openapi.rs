@@ -48,9 +48,31 @@ use crate::{api, jobs, order, overview, problem};
         Liveness,
         Readiness,
     )),
+    modifiers(&BearerScheme),
     tags((name = "orders", description = "Orders and their jobs"), (name = "operations", description = "Health, metrics and the live page"))
 )]
 pub struct ApiDoc;
+
+/// The `bearer` security scheme the changing routes name: a JWT (`crate::auth`).
+struct BearerScheme;
+
+impl utoipa::Modify for BearerScheme {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let scheme = HttpBuilder::new()
+            .scheme(HttpAuthScheme::Bearer)
+            .bearer_format("JWT")
+            .description(Some(
+                "A JWT checked against AUTH_JWT_KEY: `sub` is the customer; `scope` holding `operator` makes it an \
+                 operator's",
+            ))
+            .build();
+        openapi
+            .components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme("bearer", SecurityScheme::Http(scheme));
+    }
+}
 
 /// The document as pretty JSON, as served and as kept in `docs/openapi.json`.
 pub fn json() -> String {
@@ -96,10 +118,14 @@ struct Readiness {
 #[allow(dead_code)]
 fn overview_page() {}
 
-/// What the live page shows, as JSON.
+/// What the live page shows, as JSON: for operators' tokens only.
 #[utoipa::path(get, path = "/overview", tag = "operations",
+    security(("bearer" = [])),
     responses(
         (status = 200, description = "The figures.", body = overview::Overview),
+        (status = 401, description = "No bearer token, or one refused.", body = problem::Problem, content_type = "application/problem+json",
+         headers(("WWW-Authenticate" = String, description = "`Bearer realm=\"orders\"`"))),
+        (status = 403, description = "Not an operator's token.", body = problem::Problem, content_type = "application/problem+json"),
         (status = 503, description = "The database is unreachable: retry later.", body = problem::Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds"))),
     ))]

@@ -14,22 +14,33 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::problem::ApiError;
+use crate::{
+    auth::{Auth, Caller},
+    problem::ApiError,
+};
 
-/// Where the page's data comes from besides this service's database.
+/// Where the page's data comes from besides this service's database, and who may read it.
 #[derive(Clone)]
 pub struct Sources {
     pool: PgPool,
     health: Health,
     metrics: Vec<String>,
     management: Option<SecretUrl>,
+    auth: Auth,
+}
+
+impl axum::extract::FromRef<Sources> for Auth {
+    fn from_ref(sources: &Sources) -> Self {
+        sources.auth.clone()
+    }
 }
 
 impl Sources {
     /// The page's sources: this service's pool and health, the other services' `/metrics` URLs,
-    /// and the RabbitMQ management API (`http://user:password@host:port`), if any.
-    pub fn new(pool: PgPool, health: Health, metrics: Vec<String>, management: Option<SecretUrl>) -> Self {
-        Self { pool, health, metrics, management }
+    /// and the RabbitMQ management API (`http://user:password@host:port`), if any; its data is
+    /// for the operators `auth` accepts.
+    pub fn new(pool: PgPool, health: Health, metrics: Vec<String>, management: Option<SecretUrl>, auth: Auth) -> Self {
+        Self { pool, health, metrics, management, auth }
     }
 
     /// `GET url` (basic auth from its user info; `https://` as [`messaging::runtime::http`] does it), its
@@ -129,7 +140,9 @@ pub struct ParkingQueue {
     pub messages: u64,
 }
 
-async fn overview(State(sources): State<Sources>) -> Result<Json<Overview>, ApiError> {
+async fn overview(State(sources): State<Sources>, caller: Caller) -> Result<Json<Overview>, ApiError> {
+    // Order ids and what the broker holds: an operator's to read.
+    caller.operator("the live page's data")?;
     let jobs = recent_jobs(&sources.pool, false).await?;
     let quarantined = recent_jobs(&sources.pool, true).await?;
     let mut unavailable = Vec::new();

@@ -36,6 +36,13 @@ pub enum ApiError {
         /// The limit.
         limit: usize,
     },
+    /// No bearer token, or one that is refused (401, with `WWW-Authenticate: Bearer`): why, if
+    /// there was a token.
+    #[error("{}", .0.as_deref().unwrap_or("this route needs `Authorization: Bearer <token>`"))]
+    Unauthenticated(Option<String>),
+    /// The token's caller may not do this (403).
+    #[error("{0}")]
+    Forbidden(String),
     /// No such resource (404).
     #[error("{0}")]
     NotFound(String),
@@ -96,6 +103,8 @@ impl ApiError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge(_) | Self::MessageTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
@@ -118,6 +127,14 @@ impl IntoResponse for ApiError {
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let Self::Unavailable(cause) | Self::Internal(cause) = &self {
             response.extensions_mut().insert(FailureCause(Arc::new(cause.to_string())));
+        }
+        if let Self::Unauthenticated(refused) = &self {
+            // RFC 6750, 3: a refused token is an `invalid_token`; no token gets the bare challenge.
+            let challenge = match refused {
+                Some(_) => HeaderValue::from_static(r#"Bearer realm="orders", error="invalid_token""#),
+                None => HeaderValue::from_static(r#"Bearer realm="orders""#),
+            };
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, challenge);
         }
         if matches!(self, Self::Unavailable(_)) {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));

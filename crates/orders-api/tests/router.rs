@@ -10,7 +10,10 @@ use axum::{
     http::{Request, StatusCode, header},
 };
 use messaging::runtime::metrics::Metrics;
-use orders_api::writer::{BatchMetrics, Writers};
+use orders_api::{
+    auth::{Auth, AuthArgs},
+    writer::{BatchMetrics, Writers},
+};
 use serde_json::Value;
 use sqlx::PgPool;
 use testkit::TestEnv;
@@ -25,8 +28,19 @@ async fn api(env: &TestEnv) -> (Router, PgPool) {
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
     let mut metrics = Metrics::default();
     let writers = Writers::start(pool.clone(), 2, BatchMetrics::register(&mut metrics));
-    let app = orders_api::app(pool.clone(), writers, LIMITS, None);
+    let app = orders_api::app(pool.clone(), writers, LIMITS, auth(), None);
     (app, pool)
+}
+
+/// Tokens checked against the test kit's key, as every test shop's API checks them.
+fn auth() -> Auth {
+    let args = AuthArgs {
+        auth_jwt_key: testkit::auth::KEY.parse().expect("a key"),
+        auth_jwt_algorithm: "HS256".to_owned(),
+        auth_jwt_issuer: None,
+        auth_jwt_audience: None,
+    };
+    args.auth().expect("the test kit's key")
 }
 
 /// What came back.
@@ -49,12 +63,25 @@ async fn send(app: &Router, request: Request<Body>) -> Answer {
     Answer { status, content_type, location, body }
 }
 
+/// `POST /orders` with an operator's token, unless `headers` name an `Authorization`.
 async fn post(app: &Router, body: &str, headers: &[(&str, &str)]) -> Answer {
     let mut request = Request::post("/orders").header(header::CONTENT_TYPE, "application/json");
+    if !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("authorization")) {
+        request = request.header(header::AUTHORIZATION, testkit::auth::bearer(&testkit::auth::operator()));
+    }
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
     send(app, request.body(Body::from(body.to_owned())).expect("request")).await
+}
+
+/// `POST /orders/{order_id}/cancel` with `authorization`, if any.
+async fn cancel(app: &Router, order_id: &str, authorization: Option<&str>) -> Answer {
+    let mut request = Request::post(format!("/orders/{order_id}/cancel"));
+    if let Some(authorization) = authorization {
+        request = request.header(header::AUTHORIZATION, authorization);
+    }
+    send(app, request.body(Body::empty()).expect("request")).await
 }
 
 async fn get(app: &Router, path: &str) -> Answer {
@@ -137,7 +164,10 @@ async fn every_bad_input_gets_its_problem_and_writes_nothing() {
         assert_problem(&post(&app, body, &[]).await, *status, detail);
         println!("ok: {name}");
     }
-    let not_json = Request::post("/orders").header(header::CONTENT_TYPE, "text/plain").body(Body::from("{}"));
+    let not_json = Request::post("/orders")
+        .header(header::CONTENT_TYPE, "text/plain")
+        .header(header::AUTHORIZATION, testkit::auth::bearer(&testkit::auth::operator()))
+        .body(Body::from("{}"));
     assert_problem(&send(&app, not_json.expect("request")).await, 415, "application/json");
     let answer = post(&app, &format!(r#"{{"customerId":"c","lines":[{line}]}}"#), &[("Idempotency-Key", "")]).await;
     assert_problem(&answer, 400, "Idempotency-Key");
@@ -177,7 +207,7 @@ async fn an_order_whose_reservation_would_be_over_the_message_limit_is_refused()
     let placed_bytes = messaging::outbox::published_size(&placed).expect("size");
     let limits = orders_api::api::Limits { max_message_bytes: placed_bytes + 18, ..LIMITS };
     let writers = Writers::start(pool.clone(), 1, BatchMetrics::register(&mut Metrics::default()));
-    let app = orders_api::app(pool.clone(), writers, limits, None);
+    let app = orders_api::app(pool.clone(), writers, limits, auth(), None);
     let body: Vec<String> = lines.iter().map(|line| format!(r#"{{"sku":"{}","quantity":1}}"#, line.sku)).collect();
     let body = format!(r#"{{"customerId":"c","lines":[{}]}}"#, body.join(","));
     let limit = format!("over the {}-byte limit (MAX_MESSAGE_BYTES)", placed_bytes + 18);
@@ -299,4 +329,76 @@ async fn failure_after_order_insert_before_commit_leaves_no_order_and_no_outbox_
     assert_problem(&answer, 500, "internal error");
     assert!(!answer.body.to_string().contains("refuse_orders"), "no database text leaks");
     assert_nothing_written(&pool).await;
+}
+
+/// Issue 56, row 6: the routes that change an order take a bearer token, and a customer acts only
+/// in its own name. Each refusal is a precise problem and writes nothing.
+#[tokio::test]
+async fn placing_or_cancelling_needs_a_token_and_a_customer_acts_only_for_itself() {
+    let env = TestEnv::new().await;
+    let (app, pool) = api(&env).await;
+    let body = r#"{"customerId":"alice","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let alice = testkit::auth::bearer(&testkit::auth::customer("alice"));
+    let bob = testkit::auth::bearer(&testkit::auth::customer("bob"));
+
+    // No token, a cross-site form's POST (no header, another content type), a forged or an
+    // expired token: 401 with the bearer challenge, before the body is read.
+    let forged = {
+        let (head, claims, _) = {
+            let token = testkit::auth::customer("alice");
+            let mut parts = token.splitn(3, '.').map(str::to_owned);
+            (parts.next().expect("head"), parts.next().expect("claims"), parts.next())
+        };
+        format!("Bearer {head}.{claims}.AAAA")
+    };
+    let expired =
+        testkit::auth::bearer(&testkit::auth::sign(serde_json::json!({"sub": "alice", "exp": 1_000_000_000})));
+    for authorization in ["", "Basic YWxpY2U6eA==", forged.as_str(), expired.as_str()] {
+        let mut request = Request::post("/orders").header(header::CONTENT_TYPE, "application/json");
+        if !authorization.is_empty() {
+            request = request.header(header::AUTHORIZATION, authorization);
+        }
+        let answer = send(&app, request.body(Body::from(body)).expect("request")).await;
+        assert_problem(&answer, 401, "");
+    }
+    let form = Request::post("/orders")
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(Body::from("customerId=alice"))
+        .expect("request");
+    assert_eq!(send(&app, form).await.status, StatusCode::UNAUTHORIZED);
+    let no_token = app
+        .clone()
+        .oneshot(Request::post("/orders").body(Body::from(body)).expect("request"))
+        .await
+        .expect("an answer");
+    let challenge = no_token.headers().get(header::WWW_AUTHENTICATE).and_then(|v| v.to_str().ok());
+    assert_eq!(challenge, Some(r#"Bearer realm="orders""#));
+
+    // Bob may not order in Alice's name.
+    assert_problem(&post(&app, body, &[("Authorization", &bob)]).await, 403, "may not order in \"alice\"'s name");
+    assert_nothing_written(&pool).await;
+
+    // Alice may; then only she or an operator may cancel it.
+    let placed = post(&app, body, &[("Authorization", &alice)]).await;
+    assert_eq!(placed.status, StatusCode::ACCEPTED, "{}", placed.body);
+    let order_id = placed.body["orderId"].as_str().expect("orderId").to_owned();
+    assert_problem(&cancel(&app, &order_id, None).await, 401, "");
+    assert_problem(&cancel(&app, &order_id, Some(&bob)).await, 403, "another customer's");
+    let status = || async {
+        sqlx::query_scalar::<_, String>("select status from orders").fetch_one(&pool).await.expect("status")
+    };
+    assert_eq!(status().await, "accepted", "refused cancels changed nothing");
+    assert_eq!(count(&pool, "outbox").await, 2, "order.placed and order.deadline only");
+    assert_eq!(cancel(&app, &order_id, Some(&alice)).await.status, StatusCode::ACCEPTED);
+    assert_eq!(status().await, "cancelled");
+    let reason: Option<String> =
+        sqlx::query_scalar("select last_error from jobs").fetch_one(&pool).await.expect("reason");
+    assert_eq!(reason.as_deref(), Some(orders_api::api::CANCELLED_BY_CUSTOMER));
+
+    // An operator places in anyone's name and cancels anyone's order.
+    let placed = post(&app, &body.replace("alice", "carol"), &[]).await;
+    assert_eq!(placed.status, StatusCode::ACCEPTED, "{}", placed.body);
+    let operator = testkit::auth::bearer(&testkit::auth::operator());
+    let order_id = placed.body["orderId"].as_str().expect("orderId");
+    assert_eq!(cancel(&app, order_id, Some(&operator)).await.status, StatusCode::ACCEPTED);
 }

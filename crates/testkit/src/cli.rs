@@ -30,8 +30,10 @@ pub fn assert_help_names(binary: &str, variables: &[&str]) {
 }
 
 /// An `INBOX_RETENTION` shorter than the retry horizon stops the binary at once, naming both values.
+/// (With the orders API's one required setting, `AUTH_JWT_KEY`, given: other binaries ignore it.)
 pub fn assert_short_inbox_retention_refused(binary: &str) {
-    let output = Command::new(binary).env("INBOX_RETENTION", "1h").output().expect("run");
+    let output =
+        Command::new(binary).env("AUTH_JWT_KEY", crate::auth::KEY).env("INBOX_RETENTION", "1h").output().expect("run");
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     let error = String::from_utf8_lossy(&output.stderr);
     assert!(error.contains("INBOX_RETENTION=1h is shorter than the 1d 2m 36s"), "{error}");
@@ -39,7 +41,11 @@ pub fn assert_short_inbox_retention_refused(binary: &str) {
 
 /// A bad setting stops the binary at once, before it touches a server: exit 2, naming the flag.
 pub fn assert_bad_setting_refused(binary: &str) {
-    let output = Command::new(binary).env("HTTP_ADDR", "not-an-address").output().expect("run");
+    let output = Command::new(binary)
+        .env("AUTH_JWT_KEY", crate::auth::KEY)
+        .env("HTTP_ADDR", "not-an-address")
+        .output()
+        .expect("run");
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     let error = String::from_utf8_lossy(&output.stderr);
     assert!(error.contains("invalid value 'not-an-address' for '--http-addr"), "{error}");

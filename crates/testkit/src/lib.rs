@@ -14,6 +14,7 @@
 //! broker that is not the machine's own node: `.ci/rabbitmq4 4.3 env` sets it for the RabbitMQ 4.3
 //! in its chroot. Default `rabbitmqctl`.
 
+pub mod auth;
 pub mod cli;
 pub mod cluster;
 pub use messaging::runtime::http;

@@ -38,15 +38,23 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
         let (url, body) =
             (url.clone(), format!(r#"{{"customerId":"{customer}","lines":[{{"sku":"SKU-1","quantity":1}}]}}"#));
         tokio::spawn(async move {
-            let headers: Vec<(&str, &str)> = key.iter().map(|key| ("Idempotency-Key", key.as_str())).collect();
+            let operator = testkit::auth::bearer(&testkit::auth::operator());
+            let mut headers: Vec<(&str, &str)> = key.iter().map(|key| ("Idempotency-Key", key.as_str())).collect();
+            headers.push(("Authorization", &operator));
             http::request("POST", &url, &headers, Some(&body)).await.expect("POST /orders")
         })
     };
     // Keep every writer busy (each pauses 1 s before its statement), so that what follows queues
     // and is taken as one batch.
-    let writers = orders_api::Config::try_parse_from(["orders-api", "--database-url", "postgres://localhost/orders"])
-        .expect("defaults")
-        .order_writers;
+    let writers = orders_api::Config::try_parse_from([
+        "orders-api",
+        "--database-url",
+        "postgres://localhost/orders",
+        "--auth-jwt-key",
+        testkit::auth::KEY,
+    ])
+    .expect("defaults")
+    .order_writers;
     let mut blockers = Vec::new();
     for i in 0..writers {
         // One at a time, so that each writer takes one.

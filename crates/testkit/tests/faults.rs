@@ -205,10 +205,14 @@ async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadlin
     shop.restart_with(Service::Api, &[("FAILPOINTS", "api.before-commit=500ms")]).await;
     let url = format!("{}/orders", shop.http(Service::Api));
     let body = r#"{"customerId":"stall","lines":[{"sku":"SKU-1","quantity":1}]}"#;
-    let key = [("Idempotency-Key", "stalled-in-flight")];
+    let operator = testkit::auth::bearer(&testkit::auth::operator());
+    let key = [("Idempotency-Key", "stalled-in-flight"), ("Authorization", operator.as_str())];
     let in_flight = {
-        let url = url.clone();
-        tokio::spawn(async move { http::request("POST", &url, &key, Some(body)).await })
+        let (url, operator) = (url.clone(), operator.clone());
+        tokio::spawn(async move {
+            let key = [("Idempotency-Key", "stalled-in-flight"), ("Authorization", operator.as_str())];
+            http::request("POST", &url, &key, Some(body)).await
+        })
     };
     shop.wait_for_failpoint(Service::Api, orders_api::writer::BEFORE_COMMIT, 1).await;
     shop.database_proxy(Service::Api).stall();

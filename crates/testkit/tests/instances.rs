@@ -24,7 +24,8 @@ async fn an_idempotency_key_holds_across_two_apis() {
     let body = r#"{"customerId":"twice","lines":[{"sku":"SKU-1","quantity":1}]}"#;
     let post = |base: String| {
         tokio::spawn(async move {
-            let headers = [("Idempotency-Key", "across-instances")];
+            let operator = testkit::auth::bearer(&testkit::auth::operator());
+            let headers = [("Idempotency-Key", "across-instances"), ("Authorization", &operator)];
             http::request("POST", &format!("{base}/orders"), &headers, Some(body)).await.expect("POST /orders")
         })
     };

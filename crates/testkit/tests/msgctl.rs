@@ -290,9 +290,7 @@ async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     let job = shop.place(&[("POISON-1", 1)]).await;
     shop.wait_for_state(job, "quarantined").await;
     let order_id = shop.job(job).await["orderId"].as_str().expect("orderId").to_owned();
-    let cancelled = testkit::http::request("POST", &format!("{}/orders/{order_id}/cancel", shop.front()), &[], None)
-        .await
-        .expect("POST cancel");
+    let cancelled = shop.cancel(&order_id).await;
     assert_eq!(cancelled.status, 202, "{}", String::from_utf8_lossy(&cancelled.body));
     shop.wait_for_state(job, "cancelled").await;
     // Its order.ended parked at billing, as the runtime parks a message it gave up on.

@@ -17,8 +17,7 @@ const BILLING: &str = "billing.inventory-reserved";
 
 /// `POST /orders/{id}/cancel`: its status and body.
 async fn cancel(shop: &Shop, order_id: &str) -> (u16, Value) {
-    let url = format!("{}/orders/{order_id}/cancel", shop.front());
-    let response = http::request("POST", &url, &[], None).await.expect("POST cancel");
+    let response = shop.cancel(order_id).await;
     (response.status, response.json())
 }
 

@@ -134,6 +134,8 @@ async fn a_broker_node_list_that_is_not_one_broker_stops_every_service() {
         let mut command = tokio::process::Command::new(process::binary(service.binary()));
         command
             .env_clear()
+            // The orders API's one required setting (the others ignore it).
+            .env("AUTH_JWT_KEY", testkit::auth::KEY)
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
             .env("AMQP_URL", nodes)
             .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()));
@@ -157,6 +159,8 @@ async fn retry_tiers_that_would_park_a_waiting_message_first_stop_every_consumer
         let mut command = tokio::process::Command::new(process::binary(service.binary()));
         command
             .env_clear()
+            // The orders API's one required setting (the others ignore it).
+            .env("AUTH_JWT_KEY", testkit::auth::KEY)
             .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
             .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
             .env("RETRY_DELAYS", "10ms,30m")

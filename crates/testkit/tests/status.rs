@@ -34,7 +34,9 @@ impl Api {
     /// Place an order of one SKU-1: its job id as text and as a UUID, and its order id.
     async fn place(&self) -> (String, Uuid, Uuid) {
         let body = r#"{"customerId":"c","lines":[{"sku":"SKU-1","quantity":1}]}"#;
-        let placed = http::request("POST", &format!("{}/orders", self.base), &[], Some(body)).await.expect("POST");
+        let customer = testkit::auth::bearer(&testkit::auth::customer("c"));
+        let url = format!("{}/orders", self.base);
+        let placed = http::request("POST", &url, &[("Authorization", &customer)], Some(body)).await.expect("POST");
         let job_id = placed.json()["jobId"].as_str().expect("jobId").to_owned();
         let order_id: Uuid = placed.json()["orderId"].as_str().expect("orderId").parse().expect("uuid");
         let job = job_id.parse().expect("uuid");
@@ -124,8 +126,14 @@ async fn a_step_that_recovers_moves_its_job_on_and_a_late_retry_event_cannot_mov
     assert_eq!(api.job(&job_id).await["state"], "retry_wait", "waiting on billing, not on inventory");
     assert_eq!(api.order_status(order_id).await, "reserved");
 
-    // The live page's data shows the job as the API does, and nothing quarantined.
-    let overview = http::request("GET", &format!("{}/overview", api.base), &[], None).await.expect("GET").json();
+    // The live page's data shows the job as the API does, and nothing quarantined: to an
+    // operator's token only (401 without one, 403 for a customer's).
+    let url = format!("{}/overview", api.base);
+    assert_eq!(http::request("GET", &url, &[], None).await.expect("GET").status, 401);
+    let customer = testkit::auth::bearer(&testkit::auth::customer("c"));
+    assert_eq!(http::request("GET", &url, &[("Authorization", &customer)], None).await.expect("GET").status, 403);
+    let operator = testkit::auth::bearer(&testkit::auth::operator());
+    let overview = http::request("GET", &url, &[("Authorization", &operator)], None).await.expect("GET").json();
     assert_eq!(overview["jobs"][0]["jobId"], job_id, "{overview}");
     assert_eq!(overview["jobs"][0]["state"], "retry_wait", "{overview}");
     assert_eq!(overview["jobs"][0]["lines"], "1 × SKU-1", "{overview}");
@@ -247,7 +255,7 @@ async fn start_api_with(
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (trigger, stop) = shutdown::channel();
     let (database, amqp) = (env.database_url("orders"), env.amqp_url());
-    let flags = ["orders-api", "--database-url", &database, "--amqp-url", &amqp];
+    let flags = ["orders-api", "--database-url", &database, "--amqp-url", &amqp, "--auth-jwt-key", testkit::auth::KEY];
     let config = orders_api::Config::parse_from(flags.iter().chain(extra));
     let task = tokio::spawn(orders_api::run(config, listener, stop));
     testkit::wait_ready(&base, WAIT, "").await;

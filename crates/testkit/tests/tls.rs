@@ -37,6 +37,8 @@ async fn run(service: Service, database_url: &str, amqp_url: &str) -> (Option<i3
     let mut command = tokio::process::Command::new(process::binary(service.binary()));
     command
         .env_clear()
+        // The orders API's one required setting (the others ignore it).
+        .env("AUTH_JWT_KEY", testkit::auth::KEY)
         .env("DATABASE_URL", database_url)
         .env("AMQP_URL", amqp_url)
         .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))

@@ -8,7 +8,7 @@
 use lapin::options::QueueDeleteOptions;
 use serde_json::Value;
 use testkit::{
-    eventually, http,
+    eventually,
     shop::{Options, Service, Shop, WAIT},
 };
 
@@ -47,8 +47,7 @@ async fn on_a_first_deploy_where_inventory_starts_last_every_order_still_ends_an
     let cancelled = shop.place(&[("SKU-2", 1)]).await;
     let expiring = [shop.place(&[("SKU-3", 1)]).await, shop.place(&[("SKU-4", 1)]).await];
     let order_id = shop.job(cancelled).await["orderId"].as_str().expect("order id").to_owned();
-    let url = format!("{}/orders/{order_id}/cancel", shop.front());
-    let response = http::request("POST", &url, &[], None).await.expect("POST cancel");
+    let response = shop.cancel(&order_id).await;
     assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
     for job_id in [cancelled, expiring[0], expiring[1]] {
         eventually("the order's end to be decided", WAIT, || async {

@@ -50,7 +50,9 @@ async fn ordinary_load(api: &str, orders: usize, concurrency: usize) -> Vec<Dura
         let url = url.clone();
         running.spawn(async move {
             let started = Instant::now();
-            let response = testkit::http::request("POST", &url, &[], Some(body)).await.expect("POST /orders");
+            let operator = testkit::auth::bearer(&testkit::auth::operator());
+            let headers = [("Authorization", operator.as_str())];
+            let response = testkit::http::request("POST", &url, &headers, Some(body)).await.expect("POST /orders");
             assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
             started.elapsed()
         });

@@ -486,7 +486,9 @@ enum Cancelled {
 async fn cancel(url: &str) -> Cancelled {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let attempt = http::request("POST", url, &[], None);
+        let operator = testkit::auth::bearer(&testkit::auth::operator());
+        let headers = [("Authorization", operator.as_str())];
+        let attempt = http::request("POST", url, &headers, None);
         match tokio::time::timeout(Duration::from_secs(5), attempt).await {
             Ok(Ok(response)) if response.status == 202 => return Cancelled::Yes,
             Ok(Ok(response)) if response.status == 409 => return Cancelled::TooLate,
@@ -507,7 +509,8 @@ async fn place(url: &str, body: &str, key: &str) -> (Placed, usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut retries = 0;
     loop {
-        let headers = [("Idempotency-Key", key)];
+        let operator = testkit::auth::bearer(&testkit::auth::operator());
+        let headers = [("Idempotency-Key", key), ("Authorization", &operator)];
         let attempt = http::request("POST", url, &headers, Some(body));
         match tokio::time::timeout(Duration::from_secs(5), attempt).await {
             Ok(Ok(response)) if response.status == 202 => {

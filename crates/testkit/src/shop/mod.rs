@@ -247,7 +247,13 @@ impl Shop {
                 vars.extend(options.consumer_env.iter().cloned());
             }
             if service == Service::Api {
-                // The books checked as in production, through the read-only role where there is one.
+                vars.push(("AUTH_JWT_KEY", crate::auth::KEY.to_owned()));
+                // The books checked as in production, through the read-only role where there is one;
+                // by the first API only (each would check the same books, with connections of its
+                // own, and the test servers' connection slots are few).
+                if instance.index > 0 {
+                    vars.push(("BOOKS_CHECK", "off".to_owned()));
+                }
                 for (name, database) in [("BOOKS_INVENTORY_URL", "inventory"), ("BOOKS_BILLING_URL", "billing")] {
                     let url = env.database_url(database);
                     vars.push((name, accounts.as_ref().map_or(url.clone(), |accounts| accounts.books_url(&url))));

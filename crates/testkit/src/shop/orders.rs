@@ -10,7 +10,10 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::{Instance, Run, Shop, WAIT};
-use crate::{eventually, http, ledger::Ledger};
+use crate::{auth, eventually, http, ledger::Ledger};
+
+/// The customer whose token places [`Shop::place`]'s orders.
+pub const CUSTOMER: &str = "chaos";
 
 impl Shop {
     /// `GET /jobs/{job_id}`.
@@ -31,25 +34,41 @@ impl Shop {
         }
     }
 
-    /// `POST /orders` with a raw body and extra headers, as sent; nothing is recorded.
+    /// `POST /orders` with a raw body and extra headers, as sent, with an operator's token unless
+    /// `headers` name an `Authorization`; nothing is recorded.
     pub async fn post_order(&self, body: &str, headers: &[(&str, &str)]) -> http::Response {
         let url = format!("{}/orders", self.front());
-        http::request("POST", &url, headers, Some(body)).await.expect("POST /orders")
+        let operator = auth::bearer(&auth::operator());
+        let mut headers = headers.to_vec();
+        if !headers.iter().any(|(name, _)| name.eq_ignore_ascii_case("authorization")) {
+            headers.push(("Authorization", &operator));
+        }
+        http::request("POST", &url, &headers, Some(body)).await.expect("POST /orders")
+    }
+
+    /// `POST /orders/{order_id}/cancel` as [`CUSTOMER`], whose orders [`Shop::place`] places.
+    pub async fn cancel(&self, order_id: impl std::fmt::Display) -> http::Response {
+        let url = format!("{}/orders/{order_id}/cancel", self.front());
+        let customer = auth::bearer(&auth::customer(CUSTOMER));
+        http::request("POST", &url, &[("Authorization", &customer)], None).await.expect("POST /orders/{id}/cancel")
     }
 
     /// `POST /orders` for `lines`, given up after 10 s (an API must answer, even if only 503). A
     /// 202's job id is recorded as accepted.
     pub async fn try_place(&mut self, lines: &[(&str, i32)]) -> std::io::Result<http::Response> {
         let lines: Vec<Value> = lines.iter().map(|(sku, q)| serde_json::json!({"sku": sku, "quantity": q})).collect();
-        let body = serde_json::json!({"customerId": "chaos", "lines": lines}).to_string();
+        let body = serde_json::json!({"customerId": CUSTOMER, "lines": lines}).to_string();
         let url = format!("{}/orders", self.front());
+        let customer = auth::bearer(&auth::customer(CUSTOMER));
         // The API bounds its own work by QUERY_DEADLINE; an answer later than that and a margin
         // is a hang.
         let limit = messaging::runtime::db::QUERY_DEADLINE + Duration::from_secs(5);
         let response =
-            tokio::time::timeout(limit, http::request("POST", &url, &[], Some(&body))).await.map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, format!("POST /orders took over {limit:?}"))
-            })??;
+            tokio::time::timeout(limit, http::request("POST", &url, &[("Authorization", &customer)], Some(&body)))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("POST /orders took over {limit:?}"))
+                })??;
         if response.status == 202 {
             let job_id = response.json()["jobId"].as_str().and_then(|id| id.parse().ok()).expect("202 names a jobId");
             self.accepted.push(job_id);

@@ -48,6 +48,7 @@ pub async fn start_with(options: Options) -> Shop {
 
     let (l, url) = listener().await;
     let mut api = flags("orders-api", "orders");
+    api.extend(["--auth-jwt-key".to_owned(), testkit::auth::KEY.to_owned()]);
     for (flag, database) in [("--books-inventory-url", "inventory"), ("--books-billing-url", "billing")] {
         api.extend([flag.to_owned(), env.database_url(database)]);
     }
