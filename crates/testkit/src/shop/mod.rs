@@ -24,6 +24,8 @@ use crate::{
 
 mod orders;
 
+pub use orders::CUSTOMER;
+
 pub use crate::services::{Instance, Service};
 
 /// Knobs of a shop.
