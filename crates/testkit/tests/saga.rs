@@ -2,8 +2,9 @@
 //! other than `invoiced` leaves no stock held and no invoice standing. Billing declines; an
 //! operator abandons a parked order; a customer cancels before the relay publishes, between
 //! reservation and invoice, and after the invoice; a deadline expires while billing is down; an
-//! order's end waits at inventory behind its placing; and each undo is safe against the message
-//! it undoes arriving late.
+//! order's end waits at inventory behind its placing, or goes unordered when the relay is still
+//! retrying a placing the broker refuses; and each undo is safe against the message it undoes
+//! arriving late.
 
 use serde_json::Value;
 use shop::{End, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
@@ -196,6 +197,55 @@ async fn an_orders_end_waits_at_inventory_behind_its_placing() {
     );
     let deferred = r#"messages_handled_total{endpoint="inventory.order-placed",outcome="deferred""#;
     assert!(shop.metric(Service::Inventory, deferred).await > 0, "order.ended did not wait");
+}
+
+/// Issue 56, row 7: an order cancelled while the relay still retries its `order.placed` (the broker
+/// refuses it: an internal exchange takes no publish), before the relay would park it. The row is
+/// withdrawn and the end goes out unordered, so the order ends `cancelled` with nothing taken.
+/// Sent ordered, the end would wait at inventory behind a placing that the relay parks later, and
+/// the job would stay `compensating`.
+#[tokio::test]
+async fn an_order_cancelled_while_the_relay_retries_its_placing_ends_with_nothing_taken() {
+    let relay_env = [("RELAY_MAX_ATTEMPTS", "10000"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
+    let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
+    let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
+    let connection = shop.env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let internal = lapin::options::ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() };
+    channel
+        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Topic, internal, lapin::types::FieldTable::default())
+        .await
+        .expect("an internal exchange");
+    let _ = connection.close(200, "bye".into()).await;
+    shop.kill(Service::Relay).await;
+    let job_id = shop.place(&[("SKU-3", 2)]).await;
+    let placed: Uuid = sqlx::query_scalar(
+        "update outbox set exchange = 'elsewhere' where message_type = 'order.placed' and payload->>'jobId' = $1::text
+         returning message_id",
+    )
+    .bind(job_id)
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the order's order.placed row");
+    shop.restart(Service::Relay).await;
+    let attempts = || async {
+        sqlx::query_as::<_, (i32, bool)>("select attempts, parked_at is null from outbox where message_id = $1")
+            .bind(placed)
+            .fetch_optional(&shop.orders)
+            .await
+            .expect("the row")
+    };
+    eventually("the relay to retry the refused placing", WAIT, || async {
+        attempts().await.filter(|&(attempts, unparked)| attempts > 0 && unparked).map(drop)
+    })
+    .await;
+
+    let order_id = order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_eq!(attempts().await, None, "the placing is withdrawn");
+    assert_eq!(stock(&shop, "SKU-3").await.1, 0, "nothing held");
+    shop.assert_books_balance().await;
 }
 
 #[tokio::test]
