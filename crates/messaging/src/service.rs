@@ -108,12 +108,13 @@ impl Service {
     /// have stopped (in-flight deliveries settled) and the server has closed.
     pub async fn run(self, listener: TcpListener, http: &HttpArgs) -> std::io::Result<()> {
         let Self { health, shutdown, tasks, routes } = self;
+        let timeouts = health.metrics.request_timeouts.clone();
         let health = health::routes(health);
         let routes = match routes {
             Some(routes) => routes.merge(health),
             None => health,
         };
-        let served = serve::serve(listener, routes, http, shutdown);
+        let served = serve::serve(listener, routes, http, shutdown, timeouts);
         // The loops run in this task (the binary's main thread), as a worker's consumer always
         // did; they spawn their handlers' work onto the runtime's threads themselves. (Spawning
         // the loops too measured no different in the bench.)

@@ -2,8 +2,9 @@
 //! around its routes (not the health routes), so that a rate of 5xx pages (alert `ApiErrorRate`)
 //! where the API is ready but failing, as when its database's disk is full: every order answers
 //! 503 while `/readyz` stays 200. The server's own 503, a request past `HTTP_REQUEST_TIMEOUT`
-//! (`messaging::runtime::serve`), is answered outside this layer and not counted: the API's own
-//! deadlines (the pool's 2 s, `QUERY_DEADLINE`) answer first.
+//! (`messaging::runtime::serve`), is answered outside this layer, which sees its work dropped
+//! unanswered: the server counts it apart, `http_request_timeouts_total`, and `ApiErrorRate`
+//! adds the two. The API's own deadlines (the pool's 2 s, `QUERY_DEADLINE`) usually answer first.
 
 use axum::{extract::State, response::Response};
 use prometheus_client::metrics::{counter::Counter, family::Family};

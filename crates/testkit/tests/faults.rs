@@ -197,6 +197,24 @@ async fn stalled_database_connections_mean_503_not_a_hang_then_recovery() {
     shop.assert_books_balance().await;
 }
 
+/// A request the server itself answers 503, once past `HTTP_REQUEST_TIMEOUT`, is counted
+/// (`http_request_timeouts_total`, which `ApiErrorRate` adds to the API's 5xx: issue 56, row 4).
+/// Its route's work is dropped unanswered, so the route's own count never sees it.
+#[tokio::test]
+async fn a_request_past_the_server_s_timeout_is_answered_503_and_counted() {
+    let mut shop = shop().await;
+    shop.kill(Service::Api).await;
+    let vars = [("FAILPOINTS", "api.before-commit=3s"), ("HTTP_REQUEST_TIMEOUT", "500ms")];
+    shop.restart_with(Service::Api, &vars).await;
+    let failed = r#"http_responses_total{class="5xx"}"#;
+    assert_eq!(shop.metric(Service::Api, failed).await, 0);
+    let body = r#"{"customerId":"late","lines":[{"sku":"SKU-1","quantity":1}]}"#;
+    let response = shop.post_order(body, &[]).await;
+    assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(shop.metric(Service::Api, "http_request_timeouts_total").await, 1);
+    assert_eq!(shop.metric(Service::Api, failed).await, 0, "not answered by the route");
+}
+
 #[tokio::test]
 async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadline_and_a_retry_is_safe() {
     let mut shop = shop().await;

@@ -143,6 +143,9 @@ pub struct Metrics {
     pub(crate) connection_blocked: Family<ByConnection, Gauge<f64, AtomicU64>>,
     /// `readiness_failing_seconds`: how long each readiness check has failed (0 while it passes).
     pub(crate) readiness_failing: Family<ByCheck, Gauge<f64, AtomicU64>>,
+    /// `http_request_timeouts_total`: requests the server answered 503 itself, past
+    /// `HTTP_REQUEST_TIMEOUT` ([`crate::runtime::serve`]).
+    pub(crate) request_timeouts: Counter,
 }
 
 impl Default for Metrics {
@@ -165,12 +168,19 @@ impl Default for Metrics {
             topology_missing: Family::default(),
             connection_blocked: Family::default(),
             readiness_failing: Family::default(),
+            request_timeouts: Counter::default(),
         };
         metrics.register_consumers();
         metrics.register_outboxes();
         // `build_info{failpoints="on"}` only in a test build (decision 0025): what an operator
         // checks a production build by, and what the test kit checks its binaries by.
         let failpoints = if crate::runtime::failpoint::COMPILED_IN { "on" } else { "off" };
+        metrics.registry.register(
+            "http_request_timeouts",
+            "Requests the server answered 503 itself, past HTTP_REQUEST_TIMEOUT: whatever they waited for (a \
+             permit, a route) did not answer in time",
+            metrics.request_timeouts.clone(),
+        );
         metrics.registry.register(
             "build",
             "What this build carries: the fault suite's failpoints are on only in a test build",

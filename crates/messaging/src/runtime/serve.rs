@@ -23,6 +23,7 @@ use std::{
 };
 
 use axum::{Router, http::StatusCode};
+use prometheus_client::metrics::counter::Counter;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
@@ -74,20 +75,33 @@ pub fn loopback(port: u16) -> SocketAddr {
 }
 
 /// Serve `router` on `listener` with `limits` until shutdown, then finish the requests in flight
-/// and close every connection.
+/// and close every connection. Each request answered 503 for its request timeout is counted in
+/// `timeouts` (`http_request_timeouts_total`): the routes' own counts never see it, since their
+/// work is dropped unanswered.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: &HttpArgs,
     shutdown: Shutdown,
+    timeouts: Counter,
 ) -> std::io::Result<()> {
     use tower::ServiceBuilder;
+    let request_timeout = limits.request_timeout;
+    let timed = move |request: axum::extract::Request, next: axum::middleware::Next| {
+        let timeouts = timeouts.clone();
+        async move {
+            match tokio::time::timeout(request_timeout, next.run(request)).await {
+                Ok(response) => response,
+                Err(_) => {
+                    timeouts.inc();
+                    axum::response::IntoResponse::into_response(StatusCode::SERVICE_UNAVAILABLE)
+                }
+            }
+        }
+    };
     let router = router.layer(
         ServiceBuilder::new()
-            .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-                StatusCode::SERVICE_UNAVAILABLE,
-                limits.request_timeout,
-            ))
+            .layer(axum::middleware::from_fn(timed))
             .layer(tower::limit::GlobalConcurrencyLimitLayer::new(limits.max_in_flight as usize)),
     );
     let connections = Arc::new(Semaphore::new(limits.max_connections as usize));
@@ -206,11 +220,22 @@ mod tests {
 
     /// Serve `router` with `limits` on a free port.
     async fn start(router: Router, limits: HttpArgs) -> (SocketAddr, crate::runtime::shutdown::ShutdownTrigger) {
+        let (addr, trigger, _) = start_counting(router, limits).await;
+        (addr, trigger)
+    }
+
+    /// [`start`], and the count of requests answered 503 for their timeout.
+    async fn start_counting(
+        router: Router,
+        limits: HttpArgs,
+    ) -> (SocketAddr, crate::runtime::shutdown::ShutdownTrigger, Counter) {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (trigger, shutdown) = crate::runtime::shutdown::channel();
-        tokio::spawn(async move { serve(listener, router, &limits, shutdown).await });
-        (addr, trigger)
+        let timeouts = Counter::default();
+        let counted = timeouts.clone();
+        tokio::spawn(async move { serve(listener, router, &limits, shutdown, counted).await });
+        (addr, trigger, timeouts)
     }
 
     /// Read until the server closes the connection (within 10 s); what it sent.
@@ -239,18 +264,25 @@ mod tests {
         assert!(until_closed(&mut quick).await.starts_with("HTTP/1.1 200 OK"));
     }
 
+    /// Answered 503 and counted, whether the route was too slow or the request waited for a
+    /// permit (`HTTP_MAX_IN_FLIGHT`) past its timeout.
     #[tokio::test]
-    async fn a_request_that_takes_too_long_is_answered_503() {
-        let limits = HttpArgs { request_timeout: Duration::from_millis(200), ..HttpArgs::default() };
+    async fn a_request_that_takes_too_long_is_answered_503_and_counted() {
+        let limits = HttpArgs { request_timeout: Duration::from_millis(200), max_in_flight: 1, ..HttpArgs::default() };
         let slow = || async {
             tokio::time::sleep(Duration::from_secs(5)).await;
             "late"
         };
-        let (addr, _trigger) = start(Router::new().route("/", get(slow)), limits).await;
-        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
-        let answer = until_closed(&mut client).await;
-        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        let (addr, _trigger, timeouts) = start_counting(Router::new().route("/", get(slow)), limits).await;
+        let ask = || async move {
+            let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            client.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("write");
+            until_closed(&mut client).await
+        };
+        let (first, second) = tokio::join!(ask(), ask());
+        assert!(first.starts_with("HTTP/1.1 503"), "{first}");
+        assert!(second.starts_with("HTTP/1.1 503"), "{second}");
+        assert_eq!(timeouts.get(), 2);
     }
 
     #[tokio::test]
