@@ -330,9 +330,8 @@ async fn purge_and_abandon_refuse_to_delete_an_undo_and_end_nothing() {
     assert!(parked_at(BILLING).await.is_empty());
 }
 
-/// An `order.placed` the broker refuses for good (its row names an exchange of another type, whose
-/// declaration the broker refuses by closing the channel),
-/// parked in the outbox by the relay and its job quarantined: `msgctl outbox discard` abandons the
+/// An `order.placed` the broker refuses for good (its row names an internal exchange,
+/// `Shop::refuse_placing`), parked in the outbox by the relay and its job quarantined: `msgctl outbox discard` abandons the
 /// job and deletes the row, and the order ends cancelled with nothing taken: its `order.ended` goes
 /// out unordered, since the `order.placed` it would wait behind at inventory will never come
 /// (issue 56, row 7). An undo row, or one the relay still sends, is refused.
@@ -341,26 +340,9 @@ async fn a_parked_order_placed_discarded_ends_its_order_cancelled_with_nothing_t
     let relay_env = [("RELAY_MAX_ATTEMPTS", "2"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
     let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
     let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
-    let connection = shop.env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    // An internal exchange takes no publish (ACCESS_REFUSED, closing the channel): the broker
-    // refuses the row itself, on every version, whoever publishes.
-    let internal = lapin::options::ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() };
-    channel
-        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Topic, internal, lapin::types::FieldTable::default())
-        .await
-        .expect("an internal exchange");
-    let _ = connection.close(200, "bye".into()).await;
     shop.kill(Service::Relay).await;
     let job = shop.place(&[("SKU-3", 2)]).await;
-    let placed: Uuid = sqlx::query_scalar(
-        "update outbox set exchange = 'elsewhere' where message_type = 'order.placed' and payload->>'jobId' = $1::text
-         returning message_id",
-    )
-    .bind(job)
-    .fetch_one(&shop.orders)
-    .await
-    .expect("the order's order.placed row");
+    let placed = shop.refuse_placing(job).await;
     // Not parked yet: the relay would still send it.
     let refused = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
     assert_eq!(refused.status.code(), Some(1), "{refused:?}");

@@ -209,24 +209,9 @@ async fn an_order_cancelled_while_the_relay_retries_its_placing_ends_with_nothin
     let relay_env = [("RELAY_MAX_ATTEMPTS", "1000"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
     let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
     let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
-    let connection = shop.env.amqp().await;
-    let channel = connection.create_channel().await.expect("channel");
-    let internal = lapin::options::ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() };
-    channel
-        .exchange_declare("elsewhere".into(), lapin::ExchangeKind::Topic, internal, lapin::types::FieldTable::default())
-        .await
-        .expect("an internal exchange");
-    let _ = connection.close(200, "bye".into()).await;
     shop.kill(Service::Relay).await;
     let job_id = shop.place(&[("SKU-3", 2)]).await;
-    let placed: Uuid = sqlx::query_scalar(
-        "update outbox set exchange = 'elsewhere' where message_type = 'order.placed' and payload->>'jobId' = $1::text
-         returning message_id",
-    )
-    .bind(job_id)
-    .fetch_one(&shop.orders)
-    .await
-    .expect("the order's order.placed row");
+    let placed = shop.refuse_placing(job_id).await;
     shop.restart(Service::Relay).await;
     let attempts = || async {
         sqlx::query_as::<_, (i32, bool)>("select attempts, parked_at is null from outbox where message_id = $1")

@@ -46,6 +46,31 @@ impl Shop {
         http::request("POST", &url, &headers, Some(body)).await.expect("POST /orders")
     }
 
+    /// Make the broker refuse `job_id`'s `order.placed` for good, returning its message id: its
+    /// outbox row is pointed at an internal exchange, which takes no publish (`ACCESS_REFUSED`,
+    /// closing the channel) on every version, whoever publishes. The relay must not have sent it
+    /// yet: stop it before placing the order.
+    pub async fn refuse_placing(&self, job_id: Uuid) -> Uuid {
+        let connection = self.env.amqp().await;
+        let channel = connection.create_channel().await.expect("channel");
+        let internal = lapin::options::ExchangeDeclareOptions { durable: true, internal: true, ..Default::default() };
+        let kind = lapin::ExchangeKind::Topic;
+        channel
+            .exchange_declare("elsewhere".into(), kind, internal, lapin::types::FieldTable::default())
+            .await
+            .expect("an internal exchange");
+        let _ = connection.close(200, "bye".into()).await;
+        sqlx::query_scalar(
+            "update outbox set exchange = 'elsewhere'
+              where message_type = 'order.placed' and payload->>'jobId' = $1::text and published_at is null
+             returning message_id",
+        )
+        .bind(job_id)
+        .fetch_one(&self.orders)
+        .await
+        .expect("the order's order.placed row, not yet published")
+    }
+
     /// `POST /orders/{order_id}/cancel` as [`CUSTOMER`], whose orders [`Shop::place`] places.
     pub async fn cancel(&self, order_id: impl std::fmt::Display) -> http::Response {
         let url = format!("{}/orders/{order_id}/cancel", self.front());
