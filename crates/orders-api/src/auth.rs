@@ -78,6 +78,15 @@ impl AuthArgs {
         let algorithm: Algorithm = self.auth_jwt_algorithm.parse().map_err(|_| {
             format!("AUTH_JWT_ALGORITHM: {} is not one of HS256, RS256, ES256, EdDSA", self.auth_jwt_algorithm)
         })?;
+        // jsonwebtoken reads a private key's PEM as well, and would then refuse every token: only
+        // the provider's public key is taken.
+        let public = ["-----BEGIN PUBLIC KEY-----", "-----BEGIN RSA PUBLIC KEY-----"];
+        if algorithm != Algorithm::HS256 && !public.iter().any(|label| key.starts_with(label)) {
+            return Err(format!(
+                "AUTH_JWT_KEY: expected the identity provider's public key for {algorithm:?}, in PEM \
+                 (`-----BEGIN PUBLIC KEY-----`)"
+            ));
+        }
         let pem = |parsed: Result<DecodingKey, jsonwebtoken::errors::Error>| {
             parsed.map_err(|error| format!("AUTH_JWT_KEY: not a PEM public key for {algorithm:?}: {error}"))
         };
@@ -95,15 +104,23 @@ impl AuthArgs {
             other => return Err(format!("AUTH_JWT_ALGORITHM: {other:?} is not supported")),
         };
         let mut validation = Validation::new(algorithm);
-        validation.set_required_spec_claims(&["exp", "sub"]);
+        // Each claim named here must be present; `iss` and `aud` are only compared when present
+        // unless they are named too.
+        let mut required = vec!["exp", "sub"];
         validation.leeway = 30;
+        validation.validate_nbf = true;
         if let Some(issuer) = &self.auth_jwt_issuer {
             validation.set_issuer(&[issuer]);
+            required.push("iss");
         }
         match &self.auth_jwt_audience {
-            Some(audience) => validation.set_audience(&[audience]),
+            Some(audience) => {
+                validation.set_audience(&[audience]);
+                required.push("aud");
+            }
             None => validation.validate_aud = false,
         }
+        validation.set_required_spec_claims(&required);
         Ok(Auth(Arc::new((decoding, validation))))
     }
 }
@@ -273,5 +290,36 @@ mod tests {
         assert!(args("short").auth().expect_err("short").contains("AUTH_JWT_KEY"));
         let rsa = AuthArgs { auth_jwt_algorithm: "RS256".to_owned(), ..args("not a pem") };
         assert!(rsa.auth().expect_err("pem").contains("AUTH_JWT_KEY"));
+        let private = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIA==\n-----END PRIVATE KEY-----";
+        let private = AuthArgs { auth_jwt_algorithm: "EdDSA".to_owned(), ..args(private) };
+        assert!(private.auth().expect_err("a private key").contains("public key"));
+    }
+
+    /// A configured issuer and audience must be named by the token, not merely not contradicted;
+    /// a token not valid yet (`nbf`) is refused.
+    #[test]
+    fn a_configured_issuer_and_audience_are_required_and_nbf_is_checked() {
+        let auth = AuthArgs {
+            auth_jwt_issuer: Some("https://id.example".to_owned()),
+            auth_jwt_audience: Some("orders".to_owned()),
+            ..args(SECRET)
+        }
+        .auth()
+        .expect("auth");
+        let exp = chrono::Utc::now().timestamp() + 60;
+        let caller = |claims: serde_json::Value| auth.caller(Some(&bearer(&token(claims, SECRET))));
+        let full = serde_json::json!({"sub": "alice", "exp": exp, "iss": "https://id.example", "aud": "orders"});
+        assert_eq!(caller(full.clone()).expect("full"), Caller::Customer("alice".into()));
+        for missing in ["iss", "aud"] {
+            let mut claims = full.clone();
+            claims.as_object_mut().expect("object").remove(missing);
+            assert!(caller(claims).is_err(), "a token without {missing}");
+        }
+        let mut other = full.clone();
+        other["aud"] = "billing".into();
+        assert!(caller(other).is_err(), "another service's audience");
+        let mut early = full;
+        early["nbf"] = (exp + 3600).into();
+        assert!(caller(early).is_err(), "not valid yet");
     }
 }

@@ -91,7 +91,15 @@ pub fn start(
         Some(url) => Ok(url.clone()),
         None => beside(own, database),
     };
-    let (inventory, billing) = (url(&args.books_inventory_url, "inventory")?, url(&args.books_billing_url, "billing")?);
+    let (inventory, billing) = match (url(&args.books_inventory_url, "inventory"), url(&args.books_billing_url, "billing")) {
+        (Ok(inventory), Ok(billing)) => (inventory, billing),
+        (Err(error), _) | (_, Err(error)) => {
+            // Not a reason to stop taking orders: the check says it cannot run, and pages.
+            tracing::warn!(%error, "cannot check the books: set BOOKS_INVENTORY_URL and BOOKS_BILLING_URL, or BOOKS_CHECK=off");
+            metrics.up.get_or_create(&Vec::new()).set(0);
+            return Ok(());
+        }
+    };
     tracing::info!(%inventory, %billing, "checking the books every {:?}", args.books_interval);
     let read_only = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(5));
     let books = Books { orders, inventory: read_only(&inventory)?, billing: read_only(&billing)? };
@@ -111,13 +119,16 @@ pub fn start(
 }
 
 /// The URL of `database` through the `books` role on the server `own` names, with its TLS and
-/// other settings but not its user or password.
+/// other settings but nothing of the orders role's: not its user, password, client certificate or
+/// session options. None for a URL without a host (a Unix socket given as `?host=`).
 fn beside(own: &SecretUrl, database: &str) -> Result<SecretUrl, sqlx::Error> {
     let unparsable = |error: url::ParseError| sqlx::Error::Configuration(format!("DATABASE_URL: {error}").into());
     let mut url = url::Url::parse(own.expose()).map_err(unparsable)?;
     let kept: Vec<(String, String)> = url
         .query_pairs()
-        .filter(|(key, _)| !matches!(key.as_ref(), "user" | "password" | "dbname"))
+        .filter(|(key, _)| {
+            !matches!(key.as_ref(), "user" | "password" | "dbname" | "sslcert" | "sslkey" | "options" | "passfile")
+        })
         .map(|(key, value)| (key.into_owned(), value.into_owned()))
         .collect();
     url.query_pairs_mut().clear().extend_pairs(kept);
@@ -169,8 +180,9 @@ mod tests {
             beside(&own, "inventory").expect("a URL").expose(),
             "postgres://books@db.example:6432/inventory?sslmode=verify-full"
         );
-        let bare = SecretUrl::new("postgres://orders@postgres/orders");
+        let bare = SecretUrl::new("postgres://orders@postgres/orders?sslcert=/run/orders.crt&sslkey=/run/orders.key");
         assert_eq!(beside(&bare, "billing").expect("a URL").expose(), "postgres://books@postgres/billing");
         assert!(beside(&SecretUrl::new("not a url"), "billing").is_err());
+        assert!(beside(&SecretUrl::new("postgres:///orders?host=/run/postgresql"), "billing").is_err());
     }
 }

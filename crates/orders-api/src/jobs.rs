@@ -330,14 +330,15 @@ pub enum Decided {
 ///
 /// `order.ended` is sent ordered behind the order's `order.placed` (`shop::order_key`, decision
 /// 0024), unless that `order.placed` will not be sent: never published, and parked in this outbox
-/// (the broker refuses it), gone from it (`msgctl outbox discard`), or failed at least once and
-/// still being retried (the broker refused or returned it, or the relay holds it for a missing
-/// queue). Then it is withdrawn (deleted: an order that has ended needs no placing), and
+/// (the broker refuses it), gone from it (`msgctl outbox discard`), or counted as failed at least
+/// once and still being retried (the broker refused or returned it, or the relay holds it for a
+/// missing queue). Then it is withdrawn (deleted: an order that has ended needs no placing), and
 /// `order.ended` is sent unordered, since an ordered one would wait at inventory for a place
 /// nothing may fill: the relay may park the placing later, and the job would stay `compensating`
-/// (issue 56, row 7). An `order.placed` not tried yet, or being published for the first time, is
-/// left to go, and the end follows it. Should a withdrawn `order.placed` arrive after all (the
-/// relay had published it as the row was deleted), inventory's fence makes it take nothing.
+/// (issue 56, row 7). An `order.placed` not tried yet is left to go, and the end follows it; so is
+/// one the relay holds right now (`SKIP LOCKED`: waiting for it would deadlock with the relay's
+/// own update of this job when the publish is confirmed). Should a withdrawn `order.placed`
+/// arrive after all, inventory's fence makes it take nothing.
 pub async fn decide(
     tx: &mut PgConnection,
     job_id: Uuid,
@@ -394,22 +395,25 @@ pub async fn decide(
     Ok(decided)
 }
 
-/// Whether the job's `order.placed`, never published, will not be: gone from this outbox, or
-/// withdrawn from it now because it is parked or has failed at least once. See [`decide`].
+/// Whether the job's `order.placed`, never published, will not be: gone from this outbox, parked
+/// in it, or withdrawn from it now because it has failed at least once. See [`decide`].
 ///
-/// The delete waits for a relay that holds the row (it is publishing it): if that publish is
-/// confirmed, the row no longer qualifies and stays, and the end is sent ordered behind it.
+/// A row the relay holds (it is publishing or parking it) is skipped, not waited for: the relay's
+/// confirm updates this job, whose row the caller holds. A parked one still counts as lost; one
+/// being retried is left to go, and the end follows it.
 async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "with placed as (
-            select o.id from jobs j left join outbox o on o.message_id = j.order_placed_message_id
+            select o.id, o.parked_at from jobs j left join outbox o on o.message_id = j.order_placed_message_id
              where j.id = $1
          ), withdrawn as (
-            delete from outbox o using placed p
-             where o.id = p.id and o.published_at is null and (o.parked_at is not null or o.attempts > 0)
-            returning o.id
+            delete from outbox where id in (
+                select id from outbox where id = (select id from placed) and published_at is null
+                   and (parked_at is not null or attempts > 0)
+                   for update skip locked)
+            returning id
          )
-         select exists (select from placed where id is null) or exists (select from withdrawn)",
+         select exists (select from placed where id is null or parked_at is not null) or exists (select from withdrawn)",
     )
     .bind(job_id)
     .fetch_one(tx)

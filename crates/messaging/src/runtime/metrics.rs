@@ -177,8 +177,8 @@ impl Default for Metrics {
         let failpoints = if crate::runtime::failpoint::COMPILED_IN { "on" } else { "off" };
         metrics.registry.register(
             "http_request_timeouts",
-            "Requests the server answered 503 itself, past HTTP_REQUEST_TIMEOUT: whatever they waited for (a \
-             permit, a route) did not answer in time",
+            "Requests to the service's own routes (not /healthz, /readyz, /metrics) the server answered 503 \
+             itself, past HTTP_REQUEST_TIMEOUT: whatever they waited for (a permit, a route) did not answer in time",
             metrics.request_timeouts.clone(),
         );
         metrics.registry.register(

@@ -75,9 +75,10 @@ pub fn loopback(port: u16) -> SocketAddr {
 }
 
 /// Serve `router` on `listener` with `limits` until shutdown, then finish the requests in flight
-/// and close every connection. Each request answered 503 for its request timeout is counted in
-/// `timeouts` (`http_request_timeouts_total`): the routes' own counts never see it, since their
-/// work is dropped unanswered.
+/// and close every connection. Each request to the service's own routes (not `/healthz`,
+/// `/readyz`, `/metrics`) answered 503 for its request timeout is counted in `timeouts`
+/// (`http_request_timeouts_total`): the routes' own counts never see it, since their work is
+/// dropped unanswered.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -89,11 +90,14 @@ pub async fn serve(
     let request_timeout = limits.request_timeout;
     let timed = move |request: axum::extract::Request, next: axum::middleware::Next| {
         let timeouts = timeouts.clone();
+        let health = matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics");
         async move {
             match tokio::time::timeout(request_timeout, next.run(request)).await {
                 Ok(response) => response,
                 Err(_) => {
-                    timeouts.inc();
+                    if !health {
+                        timeouts.inc();
+                    }
                     axum::response::IntoResponse::into_response(StatusCode::SERVICE_UNAVAILABLE)
                 }
             }
