@@ -91,7 +91,10 @@ pub fn start(
         Some(url) => Ok(url.clone()),
         None => beside(own, database),
     };
-    let (inventory, billing) = match (url(&args.books_inventory_url, "inventory"), url(&args.books_billing_url, "billing")) {
+    let (inventory, billing) = match (
+        url(&args.books_inventory_url, "inventory"),
+        url(&args.books_billing_url, "billing"),
+    ) {
         (Ok(inventory), Ok(billing)) => (inventory, billing),
         (Err(error), _) | (_, Err(error)) => {
             // Not a reason to stop taking orders: the check says it cannot run, and pages.

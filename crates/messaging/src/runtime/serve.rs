@@ -23,8 +23,8 @@ use std::{
 };
 
 use axum::{Router, http::StatusCode};
-use prometheus_client::metrics::counter::Counter;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::metrics::counter::Counter;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::TcpListener,
