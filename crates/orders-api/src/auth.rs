@@ -6,8 +6,8 @@
 //!
 //! The token travels only in the `Authorization` header, never a cookie, so that another site
 //! cannot make a browser send it: a cross-site form's POST arrives without one and gets 401. The
-//! reads (`GET /orders/{id}`, `GET /jobs/{id}`) stay open: their ids are unguessable (UUID v7, 74
-//! random bits) and are handed only to whoever placed the order.
+//! reads (`GET /orders/{id}`, `GET /jobs/{id}`) stay open: their ids (UUID v7) are hard to guess,
+//! and are handed only to whoever placed the order (decision 0031 says what that leaves).
 
 use std::{fmt, str::FromStr, sync::Arc};
 
