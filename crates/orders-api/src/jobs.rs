@@ -335,10 +335,9 @@ pub enum Decided {
 /// missing queue). Then it is withdrawn (deleted: an order that has ended needs no placing), and
 /// `order.ended` is sent unordered, since an ordered one would wait at inventory for a place
 /// nothing may fill: the relay may park the placing later, and the job would stay `compensating`
-/// (issue 56, row 7). An `order.placed` not tried yet is left to go, and the end follows it; so is
-/// one the relay holds right now (`SKIP LOCKED`: waiting for it would deadlock with the relay's
-/// own update of this job when the publish is confirmed). Should a withdrawn `order.placed`
-/// arrive after all, inventory's fence makes it take nothing.
+/// (issue 56, row 7). An `order.placed` not tried yet is left to go, and the end follows it.
+/// Should a failed `order.placed` arrive after all (the relay was trying it again as the order
+/// ended), inventory's fence makes it take nothing.
 pub async fn decide(
     tx: &mut PgConnection,
     job_id: Uuid,
@@ -395,30 +394,53 @@ pub async fn decide(
     Ok(decided)
 }
 
-/// Whether the job's `order.placed`, never published, will not be: gone from this outbox, parked
-/// in it, or withdrawn from it now because it has failed at least once. See [`decide`].
+/// Whether the job's `order.placed`, never published, will not be followed: gone from this
+/// outbox, parked in it, or failed at least once (then withdrawn here). See [`decide`].
 ///
-/// A row the relay holds (it is publishing or parking it) is skipped, not waited for: the relay's
-/// confirm updates this job, whose row the caller holds. A parked one still counts as lost; one
-/// being retried is left to go, and the end follows it.
+/// A row the relay holds (it is trying it again right now) is not waited for: the relay's confirm
+/// updates this job, whose row the caller holds, so waiting could deadlock. It is tried again
+/// every [`WITHDRAW_EVERY`] for [`WITHDRAW_FOR`], since the relay lets go of a row it failed
+/// again; a row still held after that counts as lost all the same. Its end then goes unordered
+/// and the row stays: published after all, inventory's fence makes it take nothing; parked, it is
+/// an outbox row parked for an order that has ended (`msgctl outbox discard` deletes it).
 async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "with placed as (
-            select o.id, o.parked_at from jobs j left join outbox o on o.message_id = j.order_placed_message_id
-             where j.id = $1
-         ), withdrawn as (
-            delete from outbox where id in (
-                select id from outbox where id = (select id from placed) and published_at is null
-                   and (parked_at is not null or attempts > 0)
-                   for update skip locked)
-            returning id
-         )
-         select exists (select from placed where id is null or parked_at is not null) or exists (select from withdrawn)",
-    )
-    .bind(job_id)
-    .fetch_one(tx)
-    .await
+    let started = std::time::Instant::now();
+    loop {
+        // Each statement sees the latest commits: a publish the relay confirmed meanwhile makes
+        // the row published, and the end then follows it.
+        let (lost, withdrawn, failed_before): (bool, bool, bool) = sqlx::query_as(
+            "with placed as (
+                select o.id, o.parked_at, o.attempts > 0 and o.published_at is null as failed_before
+                  from jobs j left join outbox o on o.message_id = j.order_placed_message_id
+                 where j.id = $1
+             ), withdrawn as (
+                delete from outbox where id in (
+                    select id from outbox where id = (select id from placed) and published_at is null
+                       and (parked_at is not null or attempts > 0)
+                       for update skip locked)
+                returning id
+             )
+             select exists (select from placed where id is null or parked_at is not null),
+                    exists (select from withdrawn),
+                    coalesce((select failed_before from placed), false)",
+        )
+        .bind(job_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if lost || withdrawn || !failed_before {
+            return Ok(lost || withdrawn);
+        }
+        if started.elapsed() >= WITHDRAW_FOR {
+            return Ok(true);
+        }
+        tokio::time::sleep(WITHDRAW_EVERY).await;
+    }
 }
+
+/// How long [`withdraw_lost_placing`] tries to take a failed placing from a relay that holds it.
+const WITHDRAW_FOR: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often it tries within that.
+const WITHDRAW_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// An answer a compensating job waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
