@@ -123,7 +123,7 @@ pub fn start(
 
 /// The URL of `database` through the `books` role on the server `own` names, with its TLS and
 /// other settings but nothing of the orders role's: not its user, password, client certificate or
-/// session options. None for a URL without a host (a Unix socket given as `?host=`).
+/// session options. Refused for a URL without a host (a Unix socket given as `?host=`).
 fn beside(own: &SecretUrl, database: &str) -> Result<SecretUrl, sqlx::Error> {
     let unparsable = |error: url::ParseError| sqlx::Error::Configuration(format!("DATABASE_URL: {error}").into());
     let mut url = url::Url::parse(own.expose()).map_err(unparsable)?;

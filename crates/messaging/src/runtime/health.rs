@@ -166,12 +166,24 @@ pub struct Health {
     pub broker_reported_only: bool,
 }
 
+/// Liveness: the process runs.
+pub const HEALTHZ: &str = "/healthz";
+/// Readiness, with what fails.
+pub const READYZ: &str = "/readyz";
+/// The metrics, for Prometheus.
+pub const METRICS: &str = "/metrics";
+
+/// Whether `path` is one of the three health routes, which every service serves beside its own.
+pub fn is_health_route(path: &str) -> bool {
+    matches!(path, HEALTHZ | READYZ | METRICS)
+}
+
 /// The three health routes.
 pub fn routes(health: Health) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(HEALTHZ, get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
+        .route(READYZ, get(readyz))
+        .route(METRICS, get(metrics))
         .with_state(health)
 }
 

@@ -90,7 +90,7 @@ pub async fn serve(
     let request_timeout = limits.request_timeout;
     let timed = move |request: axum::extract::Request, next: axum::middleware::Next| {
         let timeouts = timeouts.clone();
-        let health = matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics");
+        let health = crate::runtime::health::is_health_route(request.uri().path());
         async move {
             match tokio::time::timeout(request_timeout, next.run(request)).await {
                 Ok(response) => response,
