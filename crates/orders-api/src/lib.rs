@@ -12,6 +12,7 @@ pub mod overview;
 pub mod problem;
 pub mod responses;
 pub mod status;
+pub mod upgrade;
 pub mod writer;
 
 use std::sync::Arc;
@@ -151,6 +152,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let status = ConsumerSettings::from_args(status::endpoint(), consumer, broker);
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
     books::start(&config.books, database_url, config.order_deadline, pool.clone(), books_metrics, shutdown.clone())?;
+    upgrade::start(pool.clone(), config.order_deadline, shutdown.clone());
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
     let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {
