@@ -117,6 +117,11 @@ impl Process {
         process
     }
 
+    /// From its next start, run `binary` instead (another release's build of the service).
+    pub fn replace_binary(&mut self, binary: PathBuf) {
+        self.binary = binary;
+    }
+
     /// The service's name.
     pub fn name(&self) -> &str {
         &self.name

@@ -65,6 +65,10 @@ pub struct Options {
     /// (`cargo build -p inventory-worker`) left in the target directory fails the test at its
     /// start, with the cause, instead of at its first failpoint.
     pub test_build: bool,
+    /// Where the services' binaries are, if not this build's: another release's, for the upgrade
+    /// suite ([`Shop::upgrade`] moves a service to this build's). Such a shop's build is not
+    /// checked (`test_build`): a release before decision 0025 reports none.
+    pub bin_dir: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -82,6 +86,7 @@ impl Default for Options {
             instances: 1,
             postgres: None,
             test_build: true,
+            bin_dir: None,
         }
     }
 }
@@ -268,7 +273,11 @@ impl Shop {
                 vars.push(("DEMO_CATALOGUE", "true".to_owned()));
             }
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
-            let process = Process::spawn(&instance.to_string(), process::binary(service.binary()), vars, &log_dir);
+            let binary = match &options.bin_dir {
+                Some(dir) => release_binary(dir, service),
+                None => process::binary(service.binary()),
+            };
+            let process = Process::spawn(&instance.to_string(), binary, vars, &log_dir);
             http.insert(instance, format!("http://127.0.0.1:{port}"));
             services.insert(instance, Running { process, database, brokers });
             // Each service migrates its own database; the relay needs those tables to exist.
@@ -288,8 +297,21 @@ impl Shop {
         // Ready on its port is not enough: a service that could not bind it answers nothing, and
         // whatever else holds the port does.
         shop.assert_all_running();
-        shop.assert_build(options.test_build).await;
+        if options.bin_dir.is_none() {
+            shop.assert_build(options.test_build).await;
+        }
         shop
+    }
+
+    /// Upgrade a service instance to this build: stop it (SIGTERM, as a deployment does) and
+    /// start this build's binary with the same settings, plus `extra`. Does not wait until it is
+    /// ready: a relay, say, waits for the migrations of the services it serves.
+    pub async fn upgrade(&mut self, at: impl Into<Instance>, extra: &[(&str, &str)]) {
+        let at = at.into();
+        let process = self.process(at);
+        process.terminate(WAIT).await;
+        process.replace_binary(process::binary(at.service.binary()));
+        process.start_with(extra);
     }
 
     /// Every instance is a test build (`test_build`), or every one a default build.
@@ -505,6 +527,13 @@ impl Drop for Shop {
             let _ = std::fs::remove_dir_all(&self.log_dir);
         }
     }
+}
+
+/// `service`'s binary in another release's directory ([`Options::bin_dir`]).
+fn release_binary(dir: &std::path::Path, service: Service) -> PathBuf {
+    let path = dir.join(service.binary());
+    assert!(path.is_file(), "{} is missing: build the release first (.ci/releases)", path.display());
+    path
 }
 
 async fn wait_ready_at(base: &str, log_dir: &std::path::Path) {
