@@ -3,12 +3,16 @@
 -- 0005 made every reservation `held`. So each order placed before this database took 0010 (the
 -- saga's migration) and not rejected (inventory took nothing for it) is owed something:
 --   `ended`     invoiced: its `order.ended` (invoiced), for inventory to settle its reservation;
---   `deadline`  not ended yet (in flight, or parked and never redriven): its `order.deadline`,
---               which ends it (cancelled, its stock given back) unless it ends first.
+--   `deadline`  not ended yet (in flight, or parked and never redriven): an `order.deadline`,
+--               `ORDER_DEADLINE` from when it is sent, which ends it (cancelled, its stock given
+--               back) unless it ends first.
 -- The orders service sends them at start-up, a batch at a time, deleting each row in the
 -- transaction that writes its message (upgrade.rs). On a database created at or after 0010 the
--- table stays empty. A second announcement is harmless: inventory settles only a held
--- reservation. This reads orders and jobs and writes only its own table: no write waits for it.
+-- table stays empty. Where the database went through a release of the saga first, an order
+-- placed before 0010 and invoiced after it was announced then, and is announced once more:
+-- inventory settles only a held reservation, and every consumer of `order.ended` keys its effect
+-- by the order (shipping's unique `order_id`). This reads orders and jobs and writes only its own
+-- table: no write waits for it.
 create table upgrade_backlog (
     order_id uuid primary key,
     job_id   uuid not null,

@@ -3,18 +3,18 @@
 //! Before the saga (decision 0023) no order was announced at its end and none had a deadline, and
 //! inventory's migration 0005 made every reservation `held`. Migration 0012 lists what each order
 //! placed before the saga is owed, in `upgrade_backlog`: an invoiced one its `order.ended`
-//! (inventory settles its reservation), one not ended yet its `order.deadline` (it ends by then,
-//! or is cancelled and gives its stock back). This task sends them through the outbox, a batch
-//! per transaction that deletes the batch's rows, so that each is sent once whatever number of
-//! instances run it, and stops when the table is empty. On a database created after the saga it
-//! finds nothing at its first look.
+//! (inventory settles its reservation), one not ended yet its `order.deadline`, `ORDER_DEADLINE`
+//! from when it is sent (it ends by then, or is cancelled and gives its stock back). This task
+//! sends them through the outbox, a batch per transaction that deletes the batch's rows, so that
+//! each is sent once whatever number of instances run it, and stops when the table is empty. On a
+//! database created after the saga it finds nothing at its first look.
 //!
-//! It does not flood the relay: while more than [`OUTBOX_AHEAD`] due rows wait to be published,
-//! it waits, so that the orders placed meanwhile are not queued behind a history of announcements.
+//! It does not flood the relay: while more than 1,000 due rows wait to be published, it waits,
+//! so that the orders placed meanwhile are not queued behind a history of announcements.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use messaging::{
     outbox::Outgoing,
     runtime::{backoff::Backoff, shutdown::Shutdown},
@@ -25,10 +25,13 @@ use uuid::Uuid;
 
 /// Rows of `upgrade_backlog` sent in one transaction.
 const BATCH: i64 = 200;
-/// While more outbox rows than this wait to be published, the backlog waits.
+/// While more due outbox rows than this wait to be published, the backlog waits.
 const OUTBOX_AHEAD: i64 = 1_000;
-/// How long the backlog waits for the relay to catch up before it looks again.
-const WAIT_FOR_RELAY: Duration = Duration::from_secs(1);
+/// How long the backlog waits (for the relay, or for another instance's batch) before it looks
+/// again.
+const PAUSE: Duration = Duration::from_secs(1);
+/// How often a wait for the relay is logged while it lasts.
+const LOG_WAIT_EVERY: Duration = Duration::from_secs(60);
 
 /// Send what the backlog owes, in the background, until it is empty or `shutdown`. A failure (the
 /// database away) is retried with backoff; what is left stays in the table for the next try, or
@@ -36,7 +39,7 @@ const WAIT_FOR_RELAY: Duration = Duration::from_secs(1);
 pub fn start(pool: PgPool, order_deadline: Duration, shutdown: Shutdown) {
     tokio::spawn(async move {
         let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
-        let (mut failures, mut sent) = (0u32, Sent::default());
+        let (mut failures, mut sent, mut logged_wait) = (0u32, Sent::default(), None::<Instant>);
         loop {
             let step = tokio::select! {
                 step = step(&pool, order_deadline) => step,
@@ -59,7 +62,17 @@ pub fn start(pool: PgPool, order_deadline: Duration, shutdown: Shutdown) {
                     }
                     return;
                 }
-                Ok(Step::RelayBehind) => WAIT_FOR_RELAY,
+                // Rows another instance is sending; or its batch rolled back (it waits too).
+                Ok(Step::Taken) => PAUSE,
+                Ok(Step::RelayBehind) => {
+                    if logged_wait.is_none_or(|at| at.elapsed() >= LOG_WAIT_EVERY) {
+                        logged_wait = Some(Instant::now());
+                        tracing::info!(
+                            "the upgrade's backlog waits: over {OUTBOX_AHEAD} due outbox rows are unpublished (is a relay running?)"
+                        );
+                    }
+                    PAUSE
+                }
                 Err(error) => {
                     tracing::warn!(%error, "the upgrade's backlog could not be sent; trying again");
                     failures += 1;
@@ -81,7 +94,9 @@ enum Step {
     Sent(Sent),
     /// The backlog is empty.
     Done,
-    /// Too many outbox rows wait for the relay; nothing was sent.
+    /// Every row left is being sent by another instance.
+    Taken,
+    /// Too many due outbox rows wait for the relay; nothing was sent.
     RelayBehind,
 }
 
@@ -92,46 +107,46 @@ struct Sent {
     deadlines: u64,
 }
 
-/// A row of `upgrade_backlog`, with its order's creation.
+/// A row of `upgrade_backlog`.
 #[derive(Debug, sqlx::FromRow)]
 struct Owed {
     order_id: Uuid,
     job_id: Uuid,
     owed: String,
-    created_at: DateTime<Utc>,
 }
 
 async fn step(pool: &PgPool, order_deadline: Duration) -> Result<Step, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let owed: Vec<Owed> = sqlx::query_as(
-        "delete from upgrade_backlog b using orders o
-          where b.order_id = o.id and b.order_id in (
-                select order_id from upgrade_backlog order by order_id limit $1 for update skip locked)
-         returning b.order_id, b.job_id, b.owed, o.created_at",
-    )
-    .bind(BATCH)
-    .fetch_all(&mut *tx)
-    .await?;
-    if owed.is_empty() {
-        // Rows held by another instance are its to send; an empty look is the end for this one.
-        return Ok(Step::Done);
-    }
-    // Due rows only (a scheduled `order.deadline` waits for its time, not for the relay), parked
-    // ones aside; by the index of the relay's claim.
+    // Due rows (a scheduled one whose time has come is claimed like any other), parked ones aside.
     let waiting: i64 = sqlx::query_scalar(
         "select count(*) from (
-            select from outbox where published_at is null and not scheduled and parked_at is null limit $1) w",
+            select from outbox where published_at is null and parked_at is null
+               and (not scheduled or available_at <= now())
+             limit $1) w",
     )
     .bind(OUTBOX_AHEAD + 1)
     .fetch_one(&mut *tx)
     .await?;
     if waiting > OUTBOX_AHEAD {
-        tx.rollback().await?;
         return Ok(Step::RelayBehind);
     }
-    let deadline = chrono::Duration::from_std(order_deadline).unwrap_or(chrono::TimeDelta::MAX);
+    let owed: Vec<Owed> = sqlx::query_as(
+        "delete from upgrade_backlog where order_id in (
+            select order_id from upgrade_backlog order by order_id limit $1 for update skip locked)
+         returning order_id, job_id, owed",
+    )
+    .bind(BATCH)
+    .fetch_all(&mut *tx)
+    .await?;
+    if owed.is_empty() {
+        let left: bool = sqlx::query_scalar("select exists (select from upgrade_backlog)").fetch_one(&mut *tx).await?;
+        return Ok(if left { Step::Taken } else { Step::Done });
+    }
+    // A new order's time, from now: an order in flight across the upgrade (held up by it,
+    // perhaps) or parked long ago gets the time to end that it never had.
+    let at = Utc::now() + chrono::Duration::from_std(order_deadline).unwrap_or(chrono::TimeDelta::MAX);
     let mut sent = Sent::default();
-    for Owed { order_id, job_id, owed, created_at } in owed {
+    for Owed { order_id, job_id, owed } in owed {
         if owed == "ended" {
             // Unordered: the order's `order.placed` went out before ordering per key existed, so
             // inventory has no turn of this key to wait for.
@@ -139,9 +154,6 @@ async fn step(pool: &PgPool, order_deadline: Duration) -> Result<Step, sqlx::Err
             Outgoing::of(&ended, Some(job_id)).enqueue(&mut tx).await?;
             sent.ended += 1;
         } else {
-            // Its deadline as a new order would have it, and never in the past: an order in
-            // flight at the upgrade gets the time it would have had.
-            let at = (created_at.checked_add_signed(deadline).unwrap_or(DateTime::<Utc>::MAX_UTC)).max(Utc::now());
             let body = OrderDeadline { order_id, job_id };
             Outgoing::of(&body, Some(job_id)).at(at).enqueue(&mut tx).await?;
             sent.deadlines += 1;
