@@ -62,7 +62,7 @@ broker-restart:
 # under load, and the migrations' locks on tables of a million rows.
 upgrade:
     cargo build --bins
-    RELEASES_DIR=$(bash .ci/releases) cargo test -p testkit --test upgrade -- --ignored --nocapture
+    RELEASES_DIR=$(bash .ci/releases) cargo test -p testkit --test upgrade -- --ignored --nocapture --test-threads=1
 
 # What CI runs (starts the local servers if they are down).
 ci:

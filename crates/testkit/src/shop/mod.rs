@@ -303,15 +303,20 @@ impl Shop {
         shop
     }
 
-    /// Upgrade a service instance to this build: stop it (SIGTERM, as a deployment does) and
-    /// start this build's binary with the same settings, plus `extra`. Does not wait until it is
-    /// ready: a relay, say, waits for the migrations of the services it serves.
-    pub async fn upgrade(&mut self, at: impl Into<Instance>, extra: &[(&str, &str)]) {
+    /// Upgrade a service instance: stop it (SIGTERM, as a deployment does) and start the binary
+    /// in `bin_dir` (another release's, see [`Options::bin_dir`]), or else this build's, with the
+    /// same settings. Does not wait until it is ready: a relay, say, waits for the migrations of
+    /// the services it serves.
+    pub async fn upgrade(&mut self, at: impl Into<Instance>, bin_dir: Option<&std::path::Path>) {
         let at = at.into();
+        let binary = match bin_dir {
+            Some(dir) => release_binary(dir, at.service),
+            None => process::binary(at.service.binary()),
+        };
         let process = self.process(at);
         process.terminate(WAIT).await;
-        process.replace_binary(process::binary(at.service.binary()));
-        process.start_with(extra);
+        process.replace_binary(binary);
+        process.start();
     }
 
     /// Every instance is a test build (`test_build`), or every one a default build.
