@@ -75,9 +75,9 @@ pub fn cannot_now(code: &str) -> bool {
 /// a writer, exactly like one that is down: nothing is the message's or the request's fault.
 ///
 /// What answered is still there, and may answer read-only for good (a standby behind a stale
-/// address), so [`is_unreachable`] calls [`retire_connections`] on seeing it: every pool then
-/// reconnects, which resolves the address again, instead of handing out the same read-only
-/// sessions.
+/// address), so [`is_unreachable`] calls [`retire_connections`] on seeing it: every pool whose
+/// connections are on such a node then reconnects, which resolves the address again, instead of
+/// handing out the same read-only sessions.
 pub fn is_wrong_node(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("25006"))
 }
@@ -88,24 +88,29 @@ static RETIRED_AT: AtomicU64 = AtomicU64::new(0);
 /// The instant [`RETIRED_AT`] counts from: the first time either is used.
 static ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
 
-/// Have every pool of this process (those made by `messaging::runtime::db::pool_options`, which
-/// asks [`retired`]) close, instead of handing out, each connection opened before now: a node
-/// refused a write ([`is_wrong_node`]), so connections made before may all be on it. Connections opened after this are kept, unless they are refused again.
-/// One flag for the process, not per pool: an error does not say which pool it came from, and a
-/// needless reconnect costs one connect.
+/// A node refused a write ([`is_wrong_node`]): every connection opened before now may be on such
+/// a node. Each pool of this process (those made by `messaging::runtime::db::pool_options`) then
+/// asks one of its connections opened before now whether it is on a node that takes writes, and
+/// only if it is not, closes instead of handing out each of its connections opened before now; a
+/// loop's kept connection asks for itself. So a read-only database in the relay's list retires the
+/// connections to it, not those to the others (issue 56, row 4). An error does not say which
+/// database it came from, which is why the pools ask: one round trip each per refusal.
 pub fn retire_connections() {
     let now = u64::try_from(ORIGIN.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
     RETIRED_AT.fetch_max(now, Ordering::Relaxed);
 }
 
-/// Whether a connection opened `age` ago was opened before the last [`retire_connections`].
-pub fn retired(age: Duration) -> bool {
-    match RETIRED_AT.load(Ordering::Relaxed) {
+/// The last [`retire_connections`], as a mark that only grows (0: none yet).
+pub fn last_retirement() -> u64 {
+    RETIRED_AT.load(Ordering::Relaxed)
+}
+
+/// Whether a connection opened `age` ago was opened before the retirement `mark`
+/// ([`last_retirement`]).
+pub fn opened_before(mark: u64, age: Duration) -> bool {
+    match mark {
         0 => false,
-        at => {
-            let since = ORIGIN.elapsed().saturating_sub(Duration::from_millis(at));
-            age > since
-        }
+        at => age > ORIGIN.elapsed().saturating_sub(Duration::from_millis(at)),
     }
 }
 
@@ -157,7 +162,7 @@ impl StdError for UnreadableFile {}
 
 #[cfg(test)]
 mod tests {
-    use super::{MigrateError, is_unreachable, retire_connections, retired};
+    use super::{MigrateError, is_unreachable, last_retirement, opened_before, retire_connections};
     use std::time::Duration;
 
     #[test]
@@ -186,10 +191,13 @@ mod tests {
     }
 
     #[test]
-    fn connections_opened_before_a_retirement_are_closed_and_later_ones_kept() {
+    fn connections_opened_before_a_retirement_are_suspect_and_later_ones_not() {
         retire_connections();
-        assert!(retired(Duration::from_secs(3600)), "opened an hour ago");
+        let mark = last_retirement();
+        assert!(mark > 0);
+        assert!(opened_before(mark, Duration::from_secs(3600)), "opened an hour ago");
         std::thread::sleep(Duration::from_millis(20));
-        assert!(!retired(Duration::from_millis(5)), "opened after the retirement");
+        assert!(!opened_before(mark, Duration::from_millis(5)), "opened after the retirement");
+        assert!(!opened_before(0, Duration::from_secs(3600)), "no retirement yet");
     }
 }

@@ -1,7 +1,8 @@
 //! `db::Kept`, the connection a loop keeps between its transactions (the consumers', the relay's
 //! claims) instead of handing it back to the pool after each: kept only after clean work, never
-//! with a transaction left open, checked after a second idle (and only then), and let go
-//! when connections are retired. Against a real Postgres, through the pool the services open.
+//! with a transaction left open, checked after a second idle (and only then), and let go when
+//! connections are retired and it is on a node that refuses writes. Against a real Postgres,
+//! through the pool the services open.
 //!
 //! Retiring connections is the process's, and lasts: the test that does it runs alone
 //! ([`RETIREMENT`]), so that it cannot let go of another test's connection mid-way, and each
@@ -170,20 +171,70 @@ async fn a_kept_connection_used_again_within_a_second_is_not_checked_even_on_a_p
     assert_eq!(backend(&mut conn).await, pid, "the kept connection serves the next transaction");
 }
 
+/// Leave `conn`'s session read-only, as a failover leaves the sessions of a demoted node.
+async fn read_only(conn: &mut PgConnection) {
+    sqlx::query("set default_transaction_read_only = on").execute(conn).await.expect("read-only session");
+}
+
 #[tokio::test]
-async fn a_kept_connection_is_let_go_when_connections_are_retired() {
+async fn a_kept_connection_on_a_node_that_refuses_writes_is_let_go_when_connections_are_retired() {
     let _alone = RETIREMENT.write().await;
     let env = TestEnv::new().await;
     let pool = pool(&env).await;
     let kept = Kept::new(pool.clone());
 
-    let (conn, pid) = take(&kept).await;
+    let (mut conn, pid) = take(&kept).await;
+    read_only(&mut conn).await;
     kept.keep(conn);
     // As after a node refused a write: every connection opened before now may be on that node.
     outage::retire_connections();
 
     let mut conn = kept.take().await.expect("take after the retirement");
-    assert_ne!(backend(&mut conn).await, pid, "a retired connection was handed out");
+    assert_ne!(backend(&mut conn).await, pid, "a connection on a node that refuses writes was handed out");
+}
+
+#[tokio::test]
+async fn a_kept_connection_on_a_node_that_writes_stays_when_connections_are_retired() {
+    let _alone = RETIREMENT.write().await;
+    let env = TestEnv::new().await;
+    let kept = Kept::new(pool(&env).await);
+
+    let (conn, pid) = take(&kept).await;
+    kept.keep(conn);
+    outage::retire_connections();
+
+    let mut conn = kept.take().await.expect("take after the retirement");
+    assert_eq!(backend(&mut conn).await, pid, "the retirement was another database's");
+}
+
+/// A retirement closes the connections of the pool whose node refuses writes, not every pool's:
+/// the relay has one pool a database, and one read-only database must not make it reconnect to
+/// the others (issue 56, row 4).
+#[tokio::test]
+async fn a_retirement_closes_only_the_connections_of_a_pool_on_a_node_that_refuses_writes() {
+    let _alone = RETIREMENT.write().await;
+    let (refusing, writing) = (TestEnv::new().await, TestEnv::new().await);
+    let (refusing, writing) = (pool_of(&refusing, 1).await, pool_of(&writing, 1).await);
+    let mut conn = refusing.acquire().await.expect("acquire");
+    let refusing_pid = backend(&mut conn).await;
+    read_only(&mut conn).await;
+    drop(conn);
+    let writing_pid = backend(&mut writing.acquire().await.expect("acquire")).await;
+
+    outage::retire_connections();
+
+    let mut conn = eventually("the read-only connection to be replaced", Duration::from_secs(10), || async {
+        let mut conn = refusing.acquire().await.ok()?;
+        (backend(&mut conn).await != refusing_pid).then_some(conn)
+    })
+    .await;
+    let writes: bool = sqlx::query_scalar("select current_setting('transaction_read_only') = 'off'")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("ask");
+    assert!(writes, "the new connection takes writes");
+    let mut conn = writing.acquire().await.expect("acquire");
+    assert_eq!(backend(&mut conn).await, writing_pid, "the pool whose node writes kept its connection");
 }
 
 /// sqlx counts a transaction only once its `BEGIN` is answered: a `begin` given up before then

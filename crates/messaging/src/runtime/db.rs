@@ -9,7 +9,15 @@
 //! that has gone silent (a black hole, where the server's cancel never arrives and the kernel
 //! would wait about 15 minutes).
 
-use std::{future::Future, str::FromStr, time::Duration};
+use std::{
+    future::Future,
+    str::FromStr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use sqlx::{
     AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Transaction,
@@ -18,7 +26,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 
-use messaging_core::outage::{is_unreachable, retired};
+use messaging_core::outage::{is_unreachable, last_retirement, opened_before};
 
 use crate::runtime::{
     backoff::Backoff, config::SecretUrl, duration::parse_duration, shutdown::Shutdown, startup::StartupError,
@@ -94,8 +102,8 @@ pub const CHECK_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 /// Only a connection whose work ended cleanly is kept ([`Kept::keep`]). One dropped after an
 /// error goes back to the pool as before, whose ping closes it if it is broken; one given up
 /// mid-way (a deadline) is closed ([`Taken::close_on_drop`]). A kept connection is checked after a
-/// second idle ([`Kept::take`]), and let go when it may be on a node that refused a write
-/// (`retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for its
+/// second idle ([`Kept::take`]), and let go when it is on a node that refuses writes (asked after
+/// a `retire_connections`), has been idle for the pool's `idle_timeout`, or out of the pool for its
 /// `max_lifetime`; a loop that stays idle holds it until its next take. Tasks that share one take
 /// turns with it: a task that finds it taken gets another from the pool, and the spare goes back
 /// to the pool when both keep theirs.
@@ -111,6 +119,9 @@ pub struct Taken {
     connection: PoolConnection<Postgres>,
     /// When it left the pool: it was opened before then.
     acquired: std::time::Instant,
+    /// The last retirement (`retire_connections`) it was checked against: by its pool when it
+    /// was handed out, or by [`Kept::take`] since.
+    answered: u64,
     /// Closed when dropped, rather than handed back to the pool.
     closing: bool,
 }
@@ -130,20 +141,28 @@ impl Kept {
     /// a query's), and a check on every take would be one more round trip in each of its
     /// transactions. The check has the pool's acquire timeout: a database that does not answer
     /// within it is an outage (`PoolTimedOut`), as it is when the pool's own check goes
-    /// unanswered. Closed instead, as the pool closes its own: one that failed its check, one
-    /// retired, one idle for the pool's `idle_timeout`, or out of it for its `max_lifetime`
-    /// (counted from when it left the pool, which sqlx does not say).
+    /// unanswered. Closed instead, as the pool closes its own: one that failed its check, one on
+    /// a node that refuses writes (asked, once, after a retirement since it left the pool), one
+    /// idle for the pool's `idle_timeout`, or out of it for its `max_lifetime` (counted from when
+    /// it left the pool, which sqlx does not say).
     pub async fn take(&self) -> Result<Taken, sqlx::Error> {
         let kept = self.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         if let Some((mut taken, idle_since)) = kept {
             let options = self.pool.options();
             let (out_for, idle_for) = (taken.acquired.elapsed(), idle_since.elapsed());
-            if retired(out_for)
+            // A node refused a write since it left the pool: is it on one (`retire_connections`)?
+            let mark = last_retirement();
+            let asked = mark > taken.answered && opened_before(mark, out_for);
+            if asked {
+                taken.answered = mark;
+                taken.closing = !writes(&mut taken.connection).await;
+            }
+            if taken.closing
                 || options.get_max_lifetime().is_some_and(|lifetime| out_for >= lifetime)
                 || options.get_idle_timeout().is_some_and(|timeout| idle_for >= timeout)
             {
                 taken.closing = true;
-            } else if idle_for < CHECK_IF_IDLE_FOR {
+            } else if asked || idle_for < CHECK_IF_IDLE_FOR {
                 return Ok(taken);
             } else {
                 // One that fails is closed: back in the pool, sqlx's round trip on its return
@@ -179,9 +198,10 @@ impl Kept {
 impl Taken {
     /// A connection from `pool`, for work done once (not kept): for [`Taken::begin`].
     pub async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
-        // Before the pool's own checks: a retirement meanwhile then counts against it.
-        let acquired = std::time::Instant::now();
-        Ok(Self { connection: acquire(pool).await?, acquired, closing: false })
+        // Before the pool's own checks, which answer every retirement up to then: a retirement
+        // meanwhile then counts against it.
+        let (acquired, answered) = (std::time::Instant::now(), last_retirement());
+        Ok(Self { connection: acquire(pool).await?, acquired, answered, closing: false })
     }
 
     /// Close the connection when this is dropped, instead of handing it back to the pool: for
@@ -240,33 +260,86 @@ impl std::ops::DerefMut for Taken {
 /// proxy cut it) fails its first statement instead: an error the caller already handles as a lost
 /// database (a retry that spends no attempt, a new relay session), after which sqlx's check on
 /// return closes it (decision 0018).
+///
+/// After a node refused a write (`retire_connections`), the pool asks whether its connections are
+/// on such a node (see `Retirement`), as one is handed out or comes back.
 pub fn pool_options(max_connections: u32, acquire_timeout: Duration, check_each_acquire: bool) -> PgPoolOptions {
-    let options = PgPoolOptions::new()
+    let retirement = Arc::new(Retirement::default());
+    let on_release = Arc::clone(&retirement);
+    PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(acquire_timeout)
-        .test_before_acquire(check_each_acquire);
-    options.before_acquire(move |connection, meta| {
-        Box::pin(async move {
-            // Opened before a node refused a write: maybe on that node. Closed; the pool opens
-            // another (`retire_connections`).
-            if retired(meta.age) {
-                return Ok(false);
-            }
-            if !check_each_acquire && meta.idle_for >= CHECK_IF_IDLE_FOR {
-                connection.ping().await?;
-            }
-            Ok(true)
+        .test_before_acquire(check_each_acquire)
+        .before_acquire(move |connection, meta| {
+            let retirement = Arc::clone(&retirement);
+            Box::pin(async move {
+                // Closed, when it may be on a node that refuses writes; the pool opens another.
+                if !retirement.keeps(connection, meta.age).await {
+                    return Ok(false);
+                }
+                if !check_each_acquire && meta.idle_for >= CHECK_IF_IDLE_FOR {
+                    connection.ping().await?;
+                }
+                Ok(true)
+            })
         })
-    })
+        // The connection that met the refusal comes back first: it answers for its pool.
+        .after_release(move |connection, meta| {
+            let retirement = Arc::clone(&on_release);
+            Box::pin(async move { Ok(retirement.keeps(connection, meta.age).await) })
+        })
+}
+
+/// What one pool knows of the retirements (`retire_connections`: a node refused a write, and
+/// every connection opened before may be on it). The error does not say which database refused,
+/// so each pool asks one of its own connections opened before the retirement whether its node
+/// takes writes ([`takes_writes`]'s question): only a pool whose answer is no closes its
+/// connections opened before then. One round trip a pool a retirement; the relay's pools to the
+/// databases that take writes keep their connections (issue 56, row 4).
+///
+/// A pool whose connections were split between two nodes (opened before and after an address
+/// moved) may answer from one on the node that writes; the other's next write is refused in turn,
+/// and that retirement is answered by it as it comes back.
+#[derive(Debug, Default)]
+struct Retirement {
+    /// The last retirement this pool has answered.
+    answered: AtomicU64,
+    /// The last retirement that found this pool on a node that refuses writes.
+    retired: AtomicU64,
+}
+
+impl Retirement {
+    /// Whether `connection`, opened `age` ago, may stay in the pool: not if it was opened before
+    /// a retirement that found this pool on a node that refuses writes. A retirement not answered
+    /// yet is answered here, by this connection if it was opened before it.
+    async fn keeps(&self, connection: &mut PgConnection, age: Duration) -> bool {
+        let mark = last_retirement();
+        if mark > self.answered.load(Ordering::Relaxed) && opened_before(mark, age) {
+            let writes = writes(connection).await;
+            self.answered.fetch_max(mark, Ordering::Relaxed);
+            if !writes {
+                self.retired.fetch_max(mark, Ordering::Relaxed);
+            }
+        }
+        !opened_before(self.retired.load(Ordering::Relaxed), age)
+    }
+}
+
+/// The question of [`takes_writes`]: a primary (not `pg_is_in_recovery`), and not a session left
+/// read-only (`transaction_read_only`).
+const TAKES_WRITES: &str = "select not pg_is_in_recovery() and current_setting('transaction_read_only') = 'off'";
+
+/// Whether `connection`'s node takes writes ([`TAKES_WRITES`]), answered within two seconds.
+async fn writes(connection: &mut PgConnection) -> bool {
+    let query = sqlx::query_scalar::<_, bool>(TAKES_WRITES);
+    matches!(within(Duration::from_secs(2), query.fetch_one(connection)).await, Ok(true))
 }
 
 /// Whether the database answers within two seconds, as a primary that takes writes: not a standby
 /// (`pg_is_in_recovery`) and not a session left read-only (`transaction_read_only`). A node that
 /// refuses writes is no more use to a service than one that is down ([`is_wrong_node`](messaging_core::outage::is_wrong_node)).
 pub async fn takes_writes(pool: &PgPool) -> bool {
-    let query = sqlx::query_scalar::<_, bool>(
-        "select not pg_is_in_recovery() and current_setting('transaction_read_only') = 'off'",
-    );
+    let query = sqlx::query_scalar::<_, bool>(TAKES_WRITES);
     matches!(within(Duration::from_secs(2), query.fetch_one(pool)).await, Ok(true))
 }
 
