@@ -355,8 +355,9 @@ impl TestEnv {
 }
 
 impl Drop for TestEnv {
-    /// Remove the databases and the vhost. Runs on its own thread and runtime, since `drop`
-    /// cannot await; `WITH (FORCE)` disconnects services still winding down.
+    /// Remove the databases, then the tablespaces and roles named after the test, and the vhost.
+    /// Runs on its own thread and runtime, since `drop` cannot await; `WITH (FORCE)` disconnects
+    /// services still winding down.
     fn drop(&mut self) {
         let servers = self.servers;
         let prefix = format!("t_{}_", self.id);
@@ -384,6 +385,11 @@ impl Drop for TestEnv {
                 };
                 drop_each("select datname::text from pg_database where starts_with(datname, $1)", |name| {
                     format!("drop database if exists \"{name}\" with (force)")
+                })
+                .await;
+                // Tablespaces a test made (`t_<id>_...`: a disk that fills), once empty.
+                drop_each("select spcname::text from pg_tablespace where starts_with(spcname, $1)", |name| {
+                    format!("drop tablespace if exists \"{name}\"")
                 })
                 .await;
                 // The roles of a least-privilege shop (`roles::provision`), once their databases are gone.
