@@ -66,8 +66,8 @@ pub struct Options {
     /// start, with the cause, instead of at its first failpoint.
     pub test_build: bool,
     /// Where the services' binaries are, if not this build's: another release's, for the upgrade
-    /// suite ([`Shop::upgrade`] moves a service to this build's). Such a shop's build is not
-    /// checked (`test_build`): a release before decision 0025 reports none.
+    /// suite ([`Shop::upgrade`] moves a service to a later release's, or to this build's). Such a
+    /// shop's build is not checked (`test_build`): a release before decision 0025 reports none.
     pub bin_dir: Option<PathBuf>,
 }
 
