@@ -273,10 +273,7 @@ impl Shop {
                 vars.push(("DEMO_CATALOGUE", "true".to_owned()));
             }
             let vars = vars.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
-            let binary = match &options.bin_dir {
-                Some(dir) => release_binary(dir, service),
-                None => process::binary(service.binary()),
-            };
+            let binary = service_binary(options.bin_dir.as_deref(), service);
             let process = Process::spawn(&instance.to_string(), binary, vars, &log_dir);
             http.insert(instance, format!("http://127.0.0.1:{port}"));
             services.insert(instance, Running { process, database, brokers });
@@ -309,10 +306,7 @@ impl Shop {
     /// the services it serves.
     pub async fn upgrade(&mut self, at: impl Into<Instance>, bin_dir: Option<&std::path::Path>) {
         let at = at.into();
-        let binary = match bin_dir {
-            Some(dir) => release_binary(dir, at.service),
-            None => process::binary(at.service.binary()),
-        };
+        let binary = service_binary(bin_dir, at.service);
         let process = self.process(at);
         process.terminate(WAIT).await;
         process.replace_binary(binary);
@@ -534,8 +528,10 @@ impl Drop for Shop {
     }
 }
 
-/// `service`'s binary in another release's directory ([`Options::bin_dir`]).
-fn release_binary(dir: &std::path::Path, service: Service) -> PathBuf {
+/// `service`'s binary: in another release's directory ([`Options::bin_dir`]), or else this
+/// build's ([`process::binary`]).
+fn service_binary(bin_dir: Option<&std::path::Path>, service: Service) -> PathBuf {
+    let Some(dir) = bin_dir else { return process::binary(service.binary()) };
     let path = dir.join(service.binary());
     assert!(path.is_file(), "{} is missing: build the release first (.ci/releases)", path.display());
     path
