@@ -420,7 +420,9 @@ async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bo
                        for update skip locked)
                 returning id
              )
-             select exists (select from placed where id is null or parked_at is not null),
+             select exists (select from placed where id is null or parked_at is not null)
+                    -- The relay sends the placing's `job.quarantined` before its park commits.
+                    or exists (select from job_steps where job_id = $1 and endpoint like 'outbox:%' and parked),
                     exists (select from withdrawn),
                     coalesce((select failed_before from placed), false)",
         )
@@ -507,6 +509,44 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
     .execute(tx)
     .await?;
     Ok(ends.map_or(Compensated::Waiting, |state| Compensated::Ended(state, created_at)))
+}
+
+/// The job's `order.placed`, `message_id`, will not be published after all (the relay parked it, or
+/// an operator discarded it) although its end went out ordered behind it: the placing had not yet
+/// failed when [`decide`] looked (the relay was down or behind, or its first failure was one it
+/// does not count: a lookup that erred, a channel that broke, an overdue confirm). That end would
+/// wait at inventory for a place nothing fills until it parks, and the job would stay
+/// `compensating`. So the end goes again, unordered: inventory fences the order and answers, and
+/// the job ends. The ordered copy parks in time as an undo of an ended job (the books find nothing
+/// wrong; `msgctl parked purge --including-undos` clears it). Nothing when `message_id` is not the
+/// job's placing, the job is not compensating, or inventory has answered already; an end that went
+/// unordered in the first place may so go twice, which every consumer of `order.ended` takes.
+/// Whether it went.
+pub async fn placing_lost_after_end(
+    tx: &mut PgConnection,
+    job_id: Uuid,
+    message_id: Uuid,
+) -> Result<bool, sqlx::Error> {
+    let row: Option<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "select order_id, ending, last_error from jobs
+          where id = $1 and order_placed_message_id = $2 and state = $3 and released_at is null
+            and ending is not null
+          for update",
+    )
+    .bind(job_id)
+    .bind(message_id)
+    .bind(JobState::Compensating.as_str())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((order_id, ending, reason)) = row else { return Ok(false) };
+    let end = match ending.as_str() {
+        "declined" => End::Declined,
+        "cancelled" => End::Cancelled,
+        other => return Err(sqlx::Error::Decode(format!("a compensating job's ending {other:?}").into())),
+    };
+    let ended = OrderEnded { order_id, job_id, end, reason };
+    outbox::Outgoing::of(&ended, Some(job_id)).enqueue(tx).await?;
+    Ok(true)
 }
 
 /// An operator abandoned the parked message of the job's step `endpoint` (`job.abandoned`): it is

@@ -233,6 +233,48 @@ async fn an_order_cancelled_while_the_relay_retries_its_placing_ends_with_nothin
     shop.assert_books_balance().await;
 }
 
+/// An order cancelled before the relay ever tried its placing: the end goes out ordered behind it,
+/// since nothing says yet that the placing will not come. The relay then parks the placing (the
+/// broker refuses it for good), and the orders service, hearing of it (`job.quarantined` from
+/// `outbox:orders`), sends the end again unordered: the order ends `cancelled` with nothing taken.
+/// Without that, the ordered end waited at inventory for a place nothing fills and the job stayed
+/// `compensating` (issue 56, row 7: "a first failure the relay does not count" is the same case,
+/// the placing untried as far as `decide` can see).
+#[tokio::test]
+async fn an_order_cancelled_before_its_placing_was_tried_ends_when_the_relay_parks_the_placing() {
+    let relay_env = [("RELAY_MAX_ATTEMPTS", "2"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
+    let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
+    let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
+    shop.kill(Service::Relay).await;
+    let job_id = shop.place(&[("SKU-3", 2)]).await;
+    let placed = shop.refuse_placing(job_id).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    let ordered: bool = sqlx::query_scalar(
+        "select headers ? 'ordering_key' from outbox where message_type = 'order.ended' and payload->>'jobId' = $1::text",
+    )
+    .bind(job_id)
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the order's end");
+    assert!(ordered, "the end goes out behind a placing never tried");
+
+    shop.restart(Service::Relay).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    let parked: bool = sqlx::query_scalar("select parked_at is not null from outbox where message_id = $1")
+        .bind(placed)
+        .fetch_one(&shop.orders)
+        .await
+        .expect("the placing");
+    assert!(parked, "the relay parked the placing");
+    assert_eq!(stock(&shop, "SKU-3").await.1, 0, "nothing held");
+    // The operator's part: the parked placing of an ended order goes (`msgctl outbox stuck` lists it).
+    let discarded = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
+    assert!(discarded.status.success(), "{discarded:?}");
+    let ledger = shop.assert_books_balance().await;
+    assert_eq!((ledger.cancelled, ledger.quarantined), (1, 0), "{ledger}");
+}
+
 #[tokio::test]
 async fn a_cancel_between_reservation_and_invoice_voids_the_invoice_billing_makes_late() {
     let mut shop = Shop::start(Options::default()).await;
