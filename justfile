@@ -64,6 +64,12 @@ upgrade:
     cargo build --bins
     RELEASES_DIR=$(bash .ci/releases) cargo test -p testkit --test upgrade -- --ignored --nocapture --test-threads=1
 
+# Inventory's database read-only past the alerts' setting (about six minutes): a real Prometheus
+# (Debian's `prometheus`, or PROMETHEUS) with ops/prometheus/alerts.yml pages, and resolves after.
+stall-alerts:
+    cargo build --bins
+    cargo test -p testkit --test stall_alerts -- --ignored --nocapture
+
 # What CI runs (starts the local servers if they are down).
 ci:
     bash .ci/run
