@@ -422,6 +422,9 @@ async fn withdraw_lost_placing(tx: &mut PgConnection, job_id: Uuid) -> Result<bo
              )
              select exists (select from placed where id is null or parked_at is not null)
                     -- The relay sends the placing's `job.quarantined` before its park commits.
+                    -- Broader than that (any of the job's rows the relay parked, and after a
+                    -- `msgctl outbox retry` too), and safe: a placing that comes after all
+                    -- finds the order fenced and takes nothing.
                     or exists (select from job_steps where job_id = $1 and endpoint like 'outbox:%' and parked),
                     exists (select from withdrawn),
                     coalesce((select failed_before from placed), false)",

@@ -206,8 +206,11 @@ impl Handle<JobQuarantined> for JobStatus {
 impl Handle<JobAbandoned> for JobStatus {
     async fn handle(&self, event: JobAbandoned, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let reason = format!("abandoned by an operator: {}", event.reason);
-        // First: an end decided before, sent ordered behind this placing, must not wait for it.
-        jobs::placing_lost_after_end(tx, event.job_id, event.message_id).await?;
+        // First: an end decided before, sent ordered behind this placing (discarded from the
+        // outbox: `msgctl outbox discard`), must not wait for it.
+        if event.endpoint.starts_with("outbox:") {
+            jobs::placing_lost_after_end(tx, event.job_id, event.message_id).await?;
+        }
         self.decide(tx, event.job_id, End::Cancelled, Some(&reason), None).await?;
         jobs::step_abandoned(tx, event.job_id, &event.endpoint).await?;
         Ok(())

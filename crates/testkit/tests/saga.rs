@@ -275,6 +275,45 @@ async fn an_order_cancelled_before_its_placing_was_tried_ends_when_the_relay_par
     assert_eq!((ledger.cancelled, ledger.quarantined), (1, 0), "{ledger}");
 }
 
+/// The state an earlier release left behind (before issue 56 mended it): an order's end sent
+/// ordered behind a placing the relay parked, the job `compensating` for good. The operator's
+/// `msgctl outbox discard` of the parked placing ends it: its `job.abandoned` sends the end again,
+/// unordered, and the order ends `cancelled` with nothing taken.
+#[tokio::test]
+async fn a_job_left_compensating_behind_a_parked_placing_is_ended_by_discarding_it() {
+    let mut shop = Shop::start(Options::default()).await;
+    shop.kill(Service::Relay).await;
+    let job_id = shop.place(&[("SKU-3", 2)]).await;
+    let placed = shop.refuse_placing(job_id).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    // Parked as the relay parks a refused row, but with no `job.quarantined` heard of it.
+    sqlx::query("update outbox set parked_at = now(), attempts = 1, last_error = 'refused' where message_id = $1")
+        .bind(placed)
+        .execute(&shop.orders)
+        .await
+        .expect("park the placing");
+    shop.restart(Service::Relay).await;
+    // Billing voids (it waits for no placing); inventory holds the ordered end behind the placing.
+    eventually("billing to answer", WAIT, || async {
+        let voided: bool = sqlx::query_scalar("select voided_at is not null from jobs where id = $1")
+            .bind(job_id)
+            .fetch_one(&shop.orders)
+            .await
+            .expect("the job");
+        voided.then_some(())
+    })
+    .await;
+    assert_eq!(shop.job(job_id).await["state"], "compensating", "stuck behind the parked placing");
+
+    let discarded = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
+    assert!(discarded.status.success(), "{discarded:?}");
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_eq!(stock(&shop, "SKU-3").await.1, 0, "nothing held");
+    let ledger = shop.assert_books_balance().await;
+    assert_eq!((ledger.cancelled, ledger.quarantined), (1, 0), "{ledger}");
+}
+
 #[tokio::test]
 async fn a_cancel_between_reservation_and_invoice_voids_the_invoice_billing_makes_late() {
     let mut shop = Shop::start(Options::default()).await;

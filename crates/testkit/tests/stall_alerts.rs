@@ -37,7 +37,7 @@ const FIRES_WITHIN: Duration = Duration::from_secs(60);
 /// A Prometheus of the test's own, in its own directory, killed when dropped.
 struct Prometheus {
     url: String,
-    _process: tokio::process::Child,
+    process: tokio::process::Child,
 }
 
 impl Prometheus {
@@ -77,13 +77,20 @@ impl Prometheus {
                      or name the binary in PROMETHEUS"
                 )
             });
-        let prometheus = Self { url: format!("http://{address}"), _process: process };
-        eventually("Prometheus to be ready", WAIT, || async {
+        let mut prometheus = Self { url: format!("http://{address}"), process };
+        let log = dir.join("prometheus.log");
+        let deadline = Instant::now() + WAIT;
+        loop {
             let ready = http::request("GET", &format!("{}/-/ready", prometheus.url), &[], None).await;
-            ready.is_ok_and(|response| response.status == 200).then_some(())
-        })
-        .await;
-        prometheus
+            if ready.is_ok_and(|response| response.status == 200) {
+                return prometheus;
+            }
+            if let Some(status) = prometheus.process.try_wait().expect("Prometheus's status") {
+                panic!("Prometheus exited ({status}) before it was ready: see {}", log.display());
+            }
+            assert!(Instant::now() < deadline, "Prometheus not ready after {WAIT:?}: see {}", log.display());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// `GET /api/v1/{path}`'s `data`.
