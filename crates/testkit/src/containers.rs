@@ -49,14 +49,15 @@ pub(super) async fn start() -> Result<super::Servers, String> {
             // lacks `drop database ... with (force)`; RabbitMQ 3.8 lacks quorum-queue TTLs).
             let postgres = || {
                 Postgres::default()
+                    .with_password(POSTGRES_PASSWORD)
                     .with_tag(super::POSTGRES_TAG)
-                    .with_container_name(format!("reliable-orders-test-postgres-{}", super::POSTGRES_TAG))
+                    .with_container_name(postgres_name())
                     .with_reuse(ReuseDirective::Always)
             };
             let rabbitmq = || {
                 RabbitMq::default()
                     .with_tag(super::RABBITMQ_TAG)
-                    .with_container_name(format!("reliable-orders-test-rabbitmq-{}", super::RABBITMQ_TAG))
+                    .with_container_name(rabbitmq_name())
                     .with_reuse(ReuseDirective::Always)
             };
             Ok::<_, String>((start_or_reuse(postgres).await?, start_or_reuse(rabbitmq).await?))
@@ -66,9 +67,11 @@ pub(super) async fn start() -> Result<super::Servers, String> {
     let amqp_port = rabbitmq.get_host_port_ipv4(5672).await.map_err(|e| e.to_string())?;
     let http_port = rabbitmq.get_host_port_ipv4(15672).await.map_err(|e| e.to_string())?;
     let servers = super::Servers {
-        postgres: format!("postgres://postgres:postgres@127.0.0.1:{pg_port}"),
+        postgres: format!("postgres://postgres:{POSTGRES_PASSWORD}@127.0.0.1:{pg_port}"),
         amqp: vec![format!("amqp://guest:guest@127.0.0.1:{amqp_port}")],
         management: format!("http://guest:guest@127.0.0.1:{http_port}"),
+        rabbitmqctl: Some(format!("docker exec {} rabbitmqctl", rabbitmq_name())),
+        postgres_exec: Some(format!("docker exec -i {}", postgres_name())),
     };
     // A reused container was started by another test process and may not be up yet (only a
     // fresh start waits for its log line): a vhost created before the management API answers
@@ -85,6 +88,21 @@ pub(super) async fn start() -> Result<super::Servers, String> {
     })
     .await;
     Ok(servers)
+}
+
+/// The Postgres container's password: one no default or help text holds (`settings`' secret-file
+/// test takes it for the secret that must never be printed; the image's default, `postgres`, is in
+/// every default URL). A change needs a new container name: a reused container keeps its password.
+const POSTGRES_PASSWORD: &str = "testkit-c0ntainer-pw";
+
+/// The Postgres container's name: its tag, and the password's generation.
+fn postgres_name() -> String {
+    format!("reliable-orders-test-postgres-{}-pw2", super::POSTGRES_TAG)
+}
+
+/// The RabbitMQ container's name, which `docker exec` reaches it by.
+fn rabbitmq_name() -> String {
+    format!("reliable-orders-test-rabbitmq-{}", super::RABBITMQ_TAG)
 }
 
 /// How long a reused container may take to answer after another process started it.

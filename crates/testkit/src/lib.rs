@@ -12,7 +12,8 @@
 //!
 //! `RABBITMQCTL` names the `rabbitmqctl` command for that broker (words split on spaces), for a
 //! broker that is not the machine's own node: `.ci/rabbitmq4 4.3 env` sets it for the RabbitMQ 4.3
-//! in its chroot. Default `rabbitmqctl`.
+//! in its chroot. Default `rabbitmqctl`. With the test kit's containers it is always `docker exec`
+//! of it in the RabbitMQ container (the memory and disk alarms, `max_message_size`, a restart).
 
 pub mod auth;
 pub mod cli;
@@ -49,6 +50,12 @@ pub struct Servers {
     amqp: Vec<String>,
     /// `http://user:pass@host:port[?query]` of the management API.
     management: String,
+    /// The broker's `rabbitmqctl` command line when it is not the host's (the container's, run
+    /// through `docker exec`); `RABBITMQCTL` comes first.
+    rabbitmqctl: Option<String>,
+    /// How to run a command beside Postgres when it is the test kit's container (`docker exec -i
+    /// NAME`): `psql` then needs no client on the host, and reaches the server by its socket.
+    postgres_exec: Option<String>,
 }
 
 static SERVERS: OnceCell<Servers> = OnceCell::const_new();
@@ -79,7 +86,7 @@ async fn locate_servers() -> Servers {
         let management = env(&["TEST_RABBITMQ_MANAGEMENT_URL"])
             .or_else(|| messaging::runtime::http::management_url_of(&amqp[0]))
             .expect("AMQP URL");
-        return Servers { postgres: origin(&postgres), amqp, management };
+        return Servers { postgres: origin(&postgres), amqp, management, rabbitmqctl: None, postgres_exec: None };
     }
     containers::start().await.unwrap_or_else(|error| {
         panic!(
@@ -118,7 +125,7 @@ impl TestEnv {
     /// [`TestEnv::new`] with its databases on the Postgres at `postgres` (`postgres://user@host:port`,
     /// e.g. [`patroni::Patroni::url`]) rather than the run's.
     pub async fn with_postgres(postgres: &str) -> Self {
-        let servers = Servers { postgres: origin(postgres), ..servers().await.clone() };
+        let servers = Servers { postgres: origin(postgres), postgres_exec: None, ..servers().await.clone() };
         // One per test that asks, for the test's life: a few bytes.
         Self::on(Box::leak(Box::new(servers))).await
     }
@@ -128,6 +135,41 @@ impl TestEnv {
         let vhost = format!("t-{id}");
         create_vhost(servers, &vhost).await;
         Self { id, servers, vhost }
+    }
+
+    /// Run `script` (SQL) with `psql` as the server's superuser on `database`, with `variables`
+    /// (`-v NAME=VALUE`), stopping at its first error; its output. The host's `psql`, or with the
+    /// test kit's containers the Postgres container's own, so that the host needs no client.
+    pub async fn psql(&self, database: &str, variables: &[(&str, &str)], script: &str) -> std::process::Output {
+        use tokio::io::AsyncWriteExt;
+        let mut command = match &self.servers.postgres_exec {
+            Some(exec) => {
+                let mut words = exec.split_whitespace();
+                let mut command = tokio::process::Command::new(words.next().expect("a command"));
+                command.args(words).args(["psql", "-U", "postgres", "-d", database]);
+                command
+            }
+            None => {
+                let mut command = tokio::process::Command::new("psql");
+                command.arg(http::join(&self.servers.postgres, &format!("/{database}")));
+                command
+            }
+        };
+        command.args(["-q", "-v", "ON_ERROR_STOP=1"]);
+        for (name, value) in variables {
+            command.arg("-v").arg(format!("{name}={value}"));
+        }
+        command.args(["-f", "-"]).stdin(std::process::Stdio::piped());
+        command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let shown = format!("{:?}", command.as_std().get_program());
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|error| panic!("run {shown} (psql: the postgresql-client package): {error}"));
+        let mut stdin = child.stdin.take().expect("psql's stdin");
+        // A psql that exits early (a refused connection) is reported by its status and stderr.
+        let _ = stdin.write_all(script.as_bytes()).await;
+        drop(stdin);
+        child.wait_with_output().await.expect("psql's output")
     }
 
     /// Run the real `msgctl` with `args` against this test's servers: its broker (`AMQP_URL`, the
@@ -447,14 +489,20 @@ async fn delete_vhost(servers: &Servers, vhost: &str) {
     }
 }
 
-/// `rabbitmqctl ARGS` for the broker under test (`RABBITMQCTL`, default `rabbitmqctl`).
+/// `rabbitmqctl ARGS` for the broker under test: the test kit's container's, through `docker exec`
+/// (once its servers are located); else `RABBITMQCTL`; default `rabbitmqctl`.
 pub fn rabbitmqctl_command(args: &[&str]) -> tokio::process::Command {
     tokio::process::Command::from(rabbitmqctl_blocking(args))
 }
 
 /// [`rabbitmqctl_command`], to be run without a runtime (from a `Drop`, say).
 pub fn rabbitmqctl_blocking(args: &[&str]) -> std::process::Command {
-    let configured = env(&["RABBITMQCTL"]).unwrap_or_else(|| "rabbitmqctl".to_owned());
+    // The container's first: with no URLs, a `RABBITMQCTL` left in the environment names another broker.
+    let configured = SERVERS
+        .get()
+        .and_then(|servers| servers.rabbitmqctl.clone())
+        .or_else(|| env(&["RABBITMQCTL"]))
+        .unwrap_or_else(|| "rabbitmqctl".to_owned());
     let mut words = configured.split_whitespace();
     let mut command = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
     command.args(words).args(args);
@@ -524,11 +572,9 @@ where
 
 #[cfg(test)]
 mod tests {
-    /// The files that pin the server images the suite and the demo run on.
-    const PINNING: [(&str, &str); 2] = [
-        ("compose.yaml", include_str!("../../../compose.yaml")),
-        (".github/workflows/ci.yml", include_str!("../../../.github/workflows/ci.yml")),
-    ];
+    /// The files that pin the server images the suite and the demo run on (the workflow runs the
+    /// test command bare, on the test kit's containers: it pins none of its own).
+    const PINNING: [(&str, &str); 1] = [("compose.yaml", include_str!("../../../compose.yaml"))];
 
     /// Every `image: NAME:TAG` of `file` for image `name`, as `TAG`s.
     fn tags_of(file: &str, name: &str) -> Vec<String> {
@@ -537,7 +583,7 @@ mod tests {
     }
 
     #[test]
-    fn the_pinned_versions_agree_between_compose_the_workflow_and_the_container_fallback() {
+    fn the_pinned_versions_agree_between_compose_and_the_container_fallback() {
         for (path, file) in PINNING {
             for (name, tag) in [("postgres", super::POSTGRES_TAG), ("rabbitmq", super::RABBITMQ_TAG)] {
                 assert_eq!(tags_of(file, name), [tag], "{path} pins {name} other than testkit's {name}:{tag}");

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::{TestEnv, http, services::Service};
+use crate::{TestEnv, services::Service};
 
 /// The scripts, from the repository's root.
 fn script(path: &str) -> PathBuf {
@@ -99,21 +99,20 @@ impl Accounts {
 /// Make the roles, the databases and the broker users of `env`'s shop with the DBA's scripts.
 pub async fn provision(env: &TestEnv) -> Accounts {
     let accounts = Accounts::of(env);
-    let admin = http::join(&env.servers.postgres, "/postgres");
+    let roles_sql = std::fs::read_to_string(script("ops/postgres/roles.sql")).expect("ops/postgres/roles.sql");
     for database in ["orders", "inventory", "billing"] {
         let service = accounts.runtime_role(database);
-        let (owner, relay) = (accounts.owner_role(database), accounts.relay_role());
-        let output = tokio::process::Command::new("psql")
-            .arg(&admin)
-            .args(["-q", "-v", &format!("service={service}"), "-v", &format!("owner_password={owner}")])
-            .args(["-v", &format!("runtime_password={service}"), "-v", &format!("relay={relay}")])
-            .args(["-v", &format!("relay_password={relay}"), "-v", &format!("books={}", accounts.books_role())])
-            .args(["-v", &format!("books_password={}", accounts.books_role())])
-            .arg("-f")
-            .arg(script("ops/postgres/roles.sql"))
-            .output()
-            .await
-            .expect("run psql (the postgresql-client package)");
+        let (owner, relay, books) = (accounts.owner_role(database), accounts.relay_role(), accounts.books_role());
+        let variables = [
+            ("service", service.as_str()),
+            ("owner_password", owner.as_str()),
+            ("runtime_password", service.as_str()),
+            ("relay", relay.as_str()),
+            ("relay_password", relay.as_str()),
+            ("books", books.as_str()),
+            ("books_password", books.as_str()),
+        ];
+        let output = env.psql("postgres", &variables, &roles_sql).await;
         assert!(output.status.success(), "roles.sql for {database}: {}", String::from_utf8_lossy(&output.stderr));
     }
     // users.sh speaks to the management API with curl: the URL without our query, its CA apart.
