@@ -245,11 +245,7 @@ async fn an_order_cancelled_before_its_placing_was_tried_ends_when_the_relay_par
     let relay_env = [("RELAY_MAX_ATTEMPTS", "2"), ("RELAY_RETRY_INITIAL", "50ms"), ("RELAY_RETRY_MAX", "200ms")];
     let relay_env = relay_env.iter().map(|(name, value)| (*name, (*value).to_owned())).collect();
     let mut shop = Shop::start(Options { relay_env, ..Options::default() }).await;
-    shop.kill(Service::Relay).await;
-    let job_id = shop.place(&[("SKU-3", 2)]).await;
-    let placed = shop.refuse_placing(job_id).await;
-    let order_id = order_id(&shop.job(job_id).await);
-    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    let (job_id, placed) = cancelled_behind_a_refused_placing(&mut shop).await;
     let ordered: bool = sqlx::query_scalar(
         "select headers ? 'ordering_key' from outbox where message_type = 'order.ended' and payload->>'jobId' = $1::text",
     )
@@ -269,10 +265,8 @@ async fn an_order_cancelled_before_its_placing_was_tried_ends_when_the_relay_par
     assert!(parked, "the relay parked the placing");
     assert_eq!(stock(&shop, "SKU-3").await.1, 0, "nothing held");
     // The operator's part: the parked placing of an ended order goes (`msgctl outbox stuck` lists it).
-    let discarded = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
-    assert!(discarded.status.success(), "{discarded:?}");
-    let ledger = shop.assert_books_balance().await;
-    assert_eq!((ledger.cancelled, ledger.quarantined), (1, 0), "{ledger}");
+    discard(&shop, placed).await;
+    assert_one_cancelled(&mut shop).await;
 }
 
 /// The state an earlier release left behind (before issue 56 mended it): an order's end sent
@@ -282,11 +276,7 @@ async fn an_order_cancelled_before_its_placing_was_tried_ends_when_the_relay_par
 #[tokio::test]
 async fn a_job_left_compensating_behind_a_parked_placing_is_ended_by_discarding_it() {
     let mut shop = Shop::start(Options::default()).await;
-    shop.kill(Service::Relay).await;
-    let job_id = shop.place(&[("SKU-3", 2)]).await;
-    let placed = shop.refuse_placing(job_id).await;
-    let order_id = order_id(&shop.job(job_id).await);
-    assert_eq!(cancel(&shop, &order_id.to_string()).await.0, 202);
+    let (job_id, placed) = cancelled_behind_a_refused_placing(&mut shop).await;
     // Parked as the relay parks a refused row, but with no `job.quarantined` heard of it.
     sqlx::query("update outbox set parked_at = now(), attempts = 1, last_error = 'refused' where message_id = $1")
         .bind(placed)
@@ -306,10 +296,32 @@ async fn a_job_left_compensating_behind_a_parked_placing_is_ended_by_discarding_
     .await;
     assert_eq!(shop.job(job_id).await["state"], "compensating", "stuck behind the parked placing");
 
-    let discarded = shop.env.msgctl(&["outbox", "discard", &placed.to_string()]).await;
-    assert!(discarded.status.success(), "{discarded:?}");
+    discard(&shop, placed).await;
     shop.wait_for_state(job_id, "cancelled").await;
     assert_eq!(stock(&shop, "SKU-3").await.1, 0, "nothing held");
+    assert_one_cancelled(&mut shop).await;
+}
+
+/// With the relay stopped, an order of two SKU-3 whose `order.placed` the broker will refuse
+/// ([`Shop::refuse_placing`]), cancelled before the relay ever tries it (202): its end goes out
+/// ordered behind the placing. The job and the placing's message id.
+async fn cancelled_behind_a_refused_placing(shop: &mut Shop) -> (Uuid, Uuid) {
+    shop.kill(Service::Relay).await;
+    let job_id = shop.place(&[("SKU-3", 2)]).await;
+    let placed = shop.refuse_placing(job_id).await;
+    let order_id = order_id(&shop.job(job_id).await);
+    assert_eq!(cancel(shop, &order_id.to_string()).await.0, 202);
+    (job_id, placed)
+}
+
+/// `msgctl outbox discard` of a parked row, which must succeed.
+async fn discard(shop: &Shop, message_id: Uuid) {
+    let discarded = shop.env.msgctl(&["outbox", "discard", &message_id.to_string()]).await;
+    assert!(discarded.status.success(), "{discarded:?}");
+}
+
+/// The books balance, with the one order cancelled and nothing quarantined.
+async fn assert_one_cancelled(shop: &mut Shop) {
     let ledger = shop.assert_books_balance().await;
     assert_eq!((ledger.cancelled, ledger.quarantined), (1, 0), "{ledger}");
 }
