@@ -50,8 +50,8 @@ pub struct Servers {
     amqp: Vec<String>,
     /// `http://user:pass@host:port[?query]` of the management API.
     management: String,
-    /// The broker's `rabbitmqctl` command line when it is not the host's (the container's, run
-    /// through `docker exec`); `RABBITMQCTL` comes first.
+    /// The broker's `rabbitmqctl` command line when it is the test kit's container (run through
+    /// `docker exec`); it comes before `RABBITMQCTL`.
     rabbitmqctl: Option<String>,
     /// How to run a command beside Postgres when it is the test kit's container (`docker exec -i
     /// NAME`): `psql` then needs no client on the host, and reaches the server by its socket.
@@ -99,11 +99,9 @@ async fn locate_servers() -> Servers {
     })
 }
 
-/// The Postgres image tag of the testcontainers fallback: the one `compose.yaml` and
-/// `.github/workflows/ci.yml` pin.
+/// The Postgres image tag of the testcontainers fallback: the one `compose.yaml` pins.
 pub const POSTGRES_TAG: &str = "17.12";
-/// The RabbitMQ image tag of the testcontainers fallback: the one `compose.yaml` and
-/// `.github/workflows/ci.yml` pin.
+/// The RabbitMQ image tag of the testcontainers fallback: the one `compose.yaml` pins.
 pub const RABBITMQ_TAG: &str = "4.3.6-management";
 
 mod containers;
