@@ -350,6 +350,28 @@ impl TestEnv {
         names.as_array().expect("a list").iter().filter_map(|queue| queue["name"].as_str().map(str::to_owned)).collect()
     }
 
+    /// This test's database for `service` refuses writes from now on (`on`: its sessions ended, as
+    /// a failover ends them, so that whoever uses it reconnects into read-only sessions), or takes
+    /// them again (the sessions opened meanwhile stay read-only, as after a failover back).
+    pub async fn read_only(&self, service: &str, on: bool) {
+        let server = http::join(&self.servers.postgres, "/postgres");
+        let mut admin =
+            <sqlx::PgConnection as sqlx::Connection>::connect(&server).await.expect("connect to the server");
+        let name = format!("t_{}_{service}", self.id);
+        let setting = if on { "set default_transaction_read_only = on" } else { "reset default_transaction_read_only" };
+        // An identifier made by the test kit, never input.
+        let alter = format!("alter database \"{name}\" {setting}");
+        sqlx::query(AssertSqlSafe(alter)).execute(&mut admin).await.expect("alter database");
+        if on {
+            sqlx::query("select pg_terminate_backend(pid) from pg_stat_activity where datname = $1")
+                .bind(&name)
+                .execute(&mut admin)
+                .await
+                .expect("end the database's sessions");
+        }
+        let _ = sqlx::Connection::close(admin).await;
+    }
+
     /// Whether this test's database for `service` exists (without creating it).
     pub async fn database_exists(&self, service: &str) -> bool {
         let server = http::join(&self.servers.postgres, "/postgres");

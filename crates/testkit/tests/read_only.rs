@@ -13,7 +13,6 @@
 
 use std::time::Duration;
 
-use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 use testkit::shop::{Options, Shop};
 
 const DATABASES: [&str; 3] = ["orders", "inventory", "billing"];
@@ -21,35 +20,17 @@ const DATABASES: [&str; 3] = ["orders", "inventory", "billing"];
 /// How long the databases refuse writes.
 const READ_ONLY_FOR: Duration = Duration::from_secs(10);
 
-/// A connection to the server's `postgres` database, to change the test's databases from outside.
-async fn admin(shop: &Shop) -> PgConnection {
-    let options: PgConnectOptions = shop.env.database_url("orders").parse().expect("database url");
-    PgConnection::connect_with(&options.database("postgres")).await.expect("connect to the postgres database")
-}
-
 /// Each of the shop's databases refuses writes from now on (`on`) or takes them again (`off`,
 /// leaving the sessions opened meanwhile read-only, as a failover back would).
-async fn read_only(shop: &Shop, admin: &mut PgConnection, on: bool) {
+async fn read_only(shop: &Shop, on: bool) {
     for service in DATABASES {
-        let name = format!("t_{}_{service}", shop.env.id());
-        // An identifier made by the test kit, never input.
-        let setting = if on { "set default_transaction_read_only = on" } else { "reset default_transaction_read_only" };
-        let alter = format!("alter database \"{name}\" {setting}");
-        sqlx::query(sqlx::AssertSqlSafe(alter)).execute(&mut *admin).await.expect("alter database");
-        if on {
-            sqlx::query("select pg_terminate_backend(pid) from pg_stat_activity where datname = $1")
-                .bind(&name)
-                .execute(&mut *admin)
-                .await
-                .expect("end the database's sessions");
-        }
+        shop.env.read_only(service, on).await;
     }
 }
 
 #[tokio::test]
 async fn a_database_that_refuses_writes_for_ten_seconds_mid_load_is_an_outage_not_a_failure() {
     let mut shop = Shop::start(Options::default()).await;
-    let mut admin = admin(&shop).await;
     shop.place_burst(20).await;
 
     // Orders keep coming (about 20 a second) while the databases refuse writes, and after.
@@ -60,11 +41,11 @@ async fn a_database_that_refuses_writes_for_ten_seconds_mid_load_is_an_outage_no
     let (mut refused, mut accepted_while_read_only) = (0, 0);
     while start.elapsed() < end {
         if !on && start.elapsed() >= switch_on {
-            read_only(&shop, &mut admin, true).await;
+            read_only(&shop, true).await;
             on = true;
         }
         if on && !off && start.elapsed() >= switch_off {
-            read_only(&shop, &mut admin, false).await;
+            read_only(&shop, false).await;
             off = true;
         }
         let response = shop.try_place(&[("SKU-1", 1), ("SKU-2", 1)]).await.expect("the API answers");

@@ -19,7 +19,6 @@ use std::{
 };
 
 use serde_json::Value;
-use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 use testkit::{
     eventually, http,
     process::free_port,
@@ -115,25 +114,6 @@ fn rules_file() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/prometheus/alerts.yml").canonicalize().expect("alerts.yml")
 }
 
-/// Inventory's database refuses writes from now on (`on`: its sessions ended, as a failover ends
-/// them, so that the services reconnect into read-only sessions) or takes them again.
-async fn inventory_read_only(shop: &Shop, on: bool) {
-    let options: PgConnectOptions = shop.env.database_url("inventory").parse().expect("database url");
-    let mut admin = PgConnection::connect_with(&options.database("postgres")).await.expect("connect");
-    let name = format!("t_{}_inventory", shop.env.id());
-    let setting = if on { "set default_transaction_read_only = on" } else { "reset default_transaction_read_only" };
-    // An identifier made by the test kit, never input.
-    let alter = format!("alter database \"{name}\" {setting}");
-    sqlx::query(sqlx::AssertSqlSafe(alter)).execute(&mut admin).await.expect("alter database");
-    if on {
-        sqlx::query("select pg_terminate_backend(pid) from pg_stat_activity where datname = $1")
-            .bind(&name)
-            .execute(&mut admin)
-            .await
-            .expect("end the database's sessions");
-    }
-}
-
 /// Each firing alert as `name instance label`, the label being the one it is about (`check`,
 /// `endpoint`), so that a failure shows every alert at once.
 fn described(firing: &[Value]) -> BTreeSet<String> {
@@ -168,7 +148,7 @@ async fn a_database_read_only_past_the_alerts_setting_pages_and_every_order_ends
 
     // Taken before the stall begins, so that no page can come sooner than the setting after it.
     let stalled_at = Instant::now();
-    inventory_read_only(&shop, true).await;
+    shop.env.read_only("inventory", true).await;
     // Orders are still taken (the API's database takes writes); inventory holds their deliveries.
     let mut jobs = Vec::new();
     for _ in 0..5 {
@@ -216,7 +196,7 @@ async fn a_database_read_only_past_the_alerts_setting_pages_and_every_order_ends
     }
 
     // Writes again: every order ends, and the pages resolve by themselves.
-    inventory_read_only(&shop, false).await;
+    shop.env.read_only("inventory", false).await;
     for &job in &jobs {
         shop.wait_for_state(job, "succeeded").await;
     }
