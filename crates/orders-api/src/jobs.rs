@@ -515,21 +515,27 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
 }
 
 /// The job's `order.placed`, `message_id`, will not be published after all (the relay parked it, or
-/// an operator discarded it) although its end went out ordered behind it: the placing had not yet
-/// failed when [`decide`] looked (the relay was down or behind, or its first failure was one it
-/// does not count: a lookup that erred, a channel that broke, an overdue confirm). That end would
-/// wait at inventory for a place nothing fills until it parks, and the job would stay
-/// `compensating`. So the end goes again, unordered: inventory fences the order and answers, and
-/// the job ends. The ordered copy parks in time as an undo of an ended job (the books find nothing
-/// wrong; `msgctl parked purge --including-undos` clears it). Nothing when `message_id` is not the
-/// job's placing, the job is not compensating, or inventory has answered already; an end that went
-/// unordered in the first place may so go twice, which every consumer of `order.ended` takes.
+/// an operator discarded it: an event of `endpoint` `outbox:…`) although its end went out ordered
+/// behind it: the placing had not yet failed when [`decide`] looked (the relay was down or behind,
+/// or its first failure was one it does not count: a lookup that erred, a channel that broke, an
+/// overdue confirm). That end would wait at inventory for a place nothing fills until it parks, and
+/// the job would stay `compensating`. So the end goes again, unordered: inventory fences the order
+/// and answers, and the job ends. The ordered copy parks in time as an undo of an ended job (the
+/// books find nothing wrong; `msgctl parked purge --yes --including-undos` deletes it). Nothing when
+/// `endpoint` is a consumer's (its parking gives up the message's place, so an end behind it goes
+/// on), when `message_id` is not the job's placing, the job is not compensating, or inventory has
+/// answered already; an end that went unordered in the first place may so go twice, which every
+/// consumer of `order.ended` takes.
 /// Whether it went.
 pub async fn placing_lost_after_end(
     tx: &mut PgConnection,
     job_id: Uuid,
+    endpoint: &str,
     message_id: Uuid,
 ) -> Result<bool, sqlx::Error> {
+    if !endpoint.starts_with("outbox:") {
+        return Ok(false);
+    }
     let row: Option<(Uuid, String, Option<String>)> = sqlx::query_as(
         "select order_id, ending, last_error from jobs
           where id = $1 and order_placed_message_id = $2 and state = $3 and released_at is null

@@ -192,10 +192,9 @@ impl Handle<JobQuarantined> for JobStatus {
         let ended = known(event.job_id, applied)?;
         self.ended(JobState::Quarantined, ended);
         jobs::move_order_of(tx, event.job_id, OrderStatus::Failed).await?;
-        // The relay parked the order's placing (a consumer's parking gives up the message's place,
-        // so an end behind it goes on).
-        if let Some(message_id) = event.message_id.filter(|_| event.endpoint.starts_with("outbox:")) {
-            jobs::placing_lost_after_end(tx, event.job_id, message_id).await?;
+        // The relay parked the order's placing?
+        if let Some(message_id) = event.message_id {
+            jobs::placing_lost_after_end(tx, event.job_id, &event.endpoint, message_id).await?;
         }
         Ok(())
     }
@@ -208,9 +207,7 @@ impl Handle<JobAbandoned> for JobStatus {
         let reason = format!("abandoned by an operator: {}", event.reason);
         // First: an end decided before, sent ordered behind this placing (discarded from the
         // outbox: `msgctl outbox discard`), must not wait for it.
-        if event.endpoint.starts_with("outbox:") {
-            jobs::placing_lost_after_end(tx, event.job_id, event.message_id).await?;
-        }
+        jobs::placing_lost_after_end(tx, event.job_id, &event.endpoint, event.message_id).await?;
         self.decide(tx, event.job_id, End::Cancelled, Some(&reason), None).await?;
         jobs::step_abandoned(tx, event.job_id, &event.endpoint).await?;
         Ok(())
