@@ -140,8 +140,11 @@ async fn a_redrive_killed_between_publish_and_ack_leaves_every_message_parked_or
         shop.wait_for_state(job, "quarantined").await;
     }
     let before = parked_jobs(&shop.env).await;
-    // Nobody consumes the work queue: what is redriven stays there to be counted.
-    shop.kill(Service::Inventory).await;
+    // Nobody consumes the work queue: what is redriven stays there to be counted. A graceful stop,
+    // not `kill -9`: a job reads `quarantined` once its event is confirmed, a moment before its
+    // original is acked, and a kill in that moment puts the original back in the work queue.
+    let stopped = shop.process(Service::Inventory).terminate(WAIT).await;
+    assert!(stopped.is_some_and(|status| status.success()), "inventory stops cleanly: {stopped:?}");
 
     redrive_killed_at(&shop.env, "msgctl.after-redrive-publish").await;
 
