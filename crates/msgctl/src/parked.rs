@@ -7,7 +7,7 @@
 //! copy in the work queue: killed in between, it is in both (the inbox absorbs the second), never
 //! in neither.
 
-use std::{cell::RefCell, collections::HashSet, str::FromStr, time::Duration};
+use std::{cell::RefCell, collections::HashSet, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lapin::{
@@ -324,19 +324,13 @@ async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Res
     if !named.is_empty() {
         return Ok(named);
     }
-    let vhost = lapin::uri::AMQPUri::from_str(node.expose())
-        .map_err(|error| Failure::Described(format!("{node}: {error}")))?
-        .vhost;
     let management = match &broker.management_url {
         Some(url) => url.clone(),
         None => http::management_url_of(node.expose())
             .map(SecretUrl::new)
             .ok_or_else(|| Failure::Described(format!("{node}: no host to find the management API on")))?,
     };
-    let path = format!(
-        "/api/queues/{}?columns=name",
-        percent_encoding::utf8_percent_encode(&vhost, percent_encoding::NON_ALPHANUMERIC)
-    );
+    let path = format!("{}?columns=name", broker.amqp_url.management_queues_path());
     let unreachable = |why: String| {
         Failure::Described(format!(
             "cannot list the parking queues through the management API at {management} ({why}): name them with \
@@ -355,7 +349,10 @@ async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Res
         queues.iter().filter_map(|queue| queue["name"].as_str()?.strip_suffix(".parking").map(str::to_owned)).collect();
     found.sort();
     if found.is_empty() {
-        return Err(Failure::Described(format!("no parking queue (`<endpoint>.parking`) in vhost `{vhost}`")));
+        return Err(Failure::Described(format!(
+            "no parking queue (`<endpoint>.parking`) in vhost `{}`",
+            broker.amqp_url.vhost()
+        )));
     }
     Ok(found)
 }

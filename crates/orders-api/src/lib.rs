@@ -160,7 +160,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             pool.clone(),
             health.clone(),
             config.shop_metrics_urls.iter().filter(|url| !url.is_empty()).cloned().collect(),
-            config.rabbitmq_management_url.clone(),
+            config.rabbitmq_management_url.clone().map(|url| (url, broker.amqp_url.management_queues_path())),
             auth.clone(),
         )
     });

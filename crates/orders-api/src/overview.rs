@@ -25,7 +25,7 @@ pub struct Sources {
     pool: PgPool,
     health: Health,
     metrics: Vec<String>,
-    management: Option<SecretUrl>,
+    management: Option<(SecretUrl, String)>,
     auth: Auth,
 }
 
@@ -37,9 +37,16 @@ impl axum::extract::FromRef<Sources> for Auth {
 
 impl Sources {
     /// The page's sources: this service's pool and health, the other services' `/metrics` URLs,
-    /// and the RabbitMQ management API (`http://user:password@host:port`), if any; its data is
-    /// for the operators `auth` accepts.
-    pub fn new(pool: PgPool, health: Health, metrics: Vec<String>, management: Option<SecretUrl>, auth: Auth) -> Self {
+    /// and the RabbitMQ management API (`http://user:password@host:port`), if any, with the path
+    /// of the service's vhost's queues (`BrokerNodes::management_queues_path`); its data is for
+    /// the operators `auth` accepts.
+    pub fn new(
+        pool: PgPool,
+        health: Health,
+        metrics: Vec<String>,
+        management: Option<(SecretUrl, String)>,
+        auth: Auth,
+    ) -> Self {
         Self { pool, health, metrics, management, auth }
     }
 
@@ -156,8 +163,8 @@ async fn overview(State(sources): State<Sources>, caller: Caller) -> Result<Json
         }
     }
     let mut parking = Vec::new();
-    if let Some(management) = &sources.management {
-        let url = messaging::runtime::http::join(management.expose(), "/api/queues/%2f?columns=name,messages");
+    if let Some((management, queues)) = &sources.management {
+        let url = messaging::runtime::http::join(management.expose(), &format!("{queues}?columns=name,messages"));
         match sources
             .get(&url)
             .await

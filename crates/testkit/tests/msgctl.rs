@@ -8,7 +8,7 @@ use lapin::types::AMQPValue;
 use messaging::{envelope, runtime::failpoint};
 use serde_json::Value;
 use testkit::{
-    TestEnv, eventually, process,
+    TestEnv, eventually, http, process,
     shop::{Options, Service, Shop, WAIT},
 };
 use uuid::Uuid;
@@ -53,6 +53,16 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     // Without --endpoint, every parking queue of the vhost (found through the management API):
     // the same three, billing's and the status consumer's being empty.
     assert_eq!(listed_jobs(&shop.env, &["parked", "list", "--json"]).await, before);
+    // The live page counts them in the shop's vhost (it read `/`'s, whatever AMQP_URL named).
+    let operator = testkit::auth::bearer(&testkit::auth::operator());
+    eventually("the live page to count the parked messages", WAIT, || async {
+        let url = format!("{}/overview", shop.front());
+        let overview = http::request("GET", &url, &[("Authorization", &operator)], None).await.expect("GET").json();
+        let parking = overview["parking"].as_array().cloned().unwrap_or_default();
+        let depth = parking.iter().find(|queue| queue["queue"] == format!("{INVENTORY}.parking"));
+        (depth.map(|queue| queue["messages"].clone()) == Some(Value::from(3))).then_some(())
+    })
+    .await;
     let output = tokio::process::Command::new(process::binary("msgctl"))
         .env("AMQP_URL", shop.env.amqp_url())
         .env("RABBITMQ_MANAGEMENT_URL", "http://guest:guest@127.0.0.1:9")

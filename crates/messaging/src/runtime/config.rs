@@ -79,6 +79,9 @@ impl fmt::Debug for SecretUrl {
 /// let nodes: BrokerNodes = "amqp://shop:secret@rabbit-1:5672/shop,amqp://shop:secret@rabbit-2:5672/shop".parse()?;
 /// assert_eq!(nodes.len(), 2);
 /// assert_eq!(nodes.address(1), "rabbit-2:5672");
+/// assert_eq!((nodes.vhost(), nodes.management_queues_path().as_str()), ("shop", "/api/queues/shop"));
+/// let default: BrokerNodes = "amqp://guest:guest@localhost:5672".parse()?;
+/// assert_eq!(default.management_queues_path(), "/api/queues/%2F");
 /// assert_eq!(nodes.to_string(), "amqp://shop:***@rabbit-1:5672/shop,amqp://shop:***@rabbit-2:5672/shop");
 ///
 /// let refused = "amqp://shop:secret@rabbit-1/shop,amqp://shop:secret@rabbit-2/billing".parse::<BrokerNodes>();
@@ -89,6 +92,7 @@ impl fmt::Debug for SecretUrl {
 pub struct BrokerNodes {
     urls: Vec<SecretUrl>,
     addresses: Vec<String>,
+    vhost: String,
 }
 
 impl BrokerNodes {
@@ -110,6 +114,19 @@ impl BrokerNodes {
     /// Node `index`'s `host:port`, as `/readyz` reports it (indices wrap around).
     pub fn address(&self, index: usize) -> &str {
         &self.addresses[index % self.addresses.len()]
+    }
+
+    /// The vhost every node's URL names (`/` for none), decoded.
+    pub fn vhost(&self) -> &str {
+        &self.vhost
+    }
+
+    /// The management API's path of this vhost's queues (`/api/queues/<vhost, encoded>`).
+    pub fn management_queues_path(&self) -> String {
+        format!(
+            "/api/queues/{}",
+            percent_encoding::utf8_percent_encode(&self.vhost, percent_encoding::NON_ALPHANUMERIC)
+        )
     }
 }
 
@@ -156,7 +173,8 @@ impl FromStr for BrokerNodes {
             addresses.push(format!("{host}:{}", parsed.port().unwrap_or(default_port)));
             urls.push(SecretUrl::new(entry));
         }
-        Ok(Self { urls, addresses })
+        let vhost = first.map(|(_, vhost)| vhost).unwrap_or_else(|| "/".to_owned());
+        Ok(Self { urls, addresses, vhost })
     }
 }
 
