@@ -1,6 +1,7 @@
 // The live page in a real headless Chromium (Debian's), driven by playwright-core: click FLAKY-1 and
-// see its job reach `succeeded`, click POISON-1 and see it reach `quarantined` and appear under
-// parking. Every state the page shows is compared with what `GET /jobs/{id}` says at that moment,
+// see its job reach `succeeded`, click its row and see its story (its four retries included), click
+// POISON-1 and see it reach `quarantined` and appear under parking, its story ending parked. Every
+// story shown is compared with `GET /jobs/{id}/events`, and every state the page shows is compared with what `GET /jobs/{id}` says at that moment,
 // so the test fails if the page shows anything but the job's real state; and it proves it can
 // fail: the same check against the page fed a tampered `/overview` must fail.
 //
@@ -48,6 +49,29 @@ async function expectState(page, jobId, state, timeout) {
   }
 }
 
+// Click the job's row; wait until the page shows exactly the API's story, holding the `expected`
+// kinds, the first and the last in their place. (The relay's mark of `published` and inventory's first
+// failure are recorded by two services at once: their order is not fixed.)
+async function expectStory(page, jobId, expected, timeout) {
+  const sorted = (kinds) => [...kinds].sort().join();
+  await page.click(`tr[data-job="${jobId}"] td:first-child`);
+  const deadline = Date.now() + timeout;
+  for (;;) {
+    const title = await page.locator("#story-title").textContent();
+    const shown = await page.locator("#story li").evaluateAll((items) => items.map((item) => item.dataset.kind));
+    const response = await fetch(`${api}/jobs/${jobId}/events`);
+    if (!response.ok) throw new Error(`GET /jobs/${jobId}/events: ${response.status}`);
+    const real = (await response.json()).events.map((event) => event.kind);
+    const same = (a, b) => a.length === b.length && a.every((kind, i) => kind === b[i]);
+    const ends = shown[0] === expected[0] && shown.at(-1) === expected.at(-1);
+    if (title.includes(jobId) && same(shown, real) && sorted(shown) === sorted(expected) && ends) return;
+    if (Date.now() > deadline) {
+      throw new Error(`job ${jobId}'s story: page shows [${shown}], API says [${real}], expected [${expected}]`);
+    }
+    await page.waitForTimeout(200);
+  }
+}
+
 async function main() {
   const browser = await chromium.launch({ executablePath, args: ["--no-sandbox", "--disable-dev-shm-usage"] });
   try {
@@ -64,13 +88,25 @@ async function main() {
     const flaky = await place(page, "FLAKY-1");
     await expectState(page, flaky, "succeeded", 30000);
     console.log(`page: FLAKY-1 job ${flaky} shown succeeded`);
+    // Two failed tries at inventory, and two at billing (compose's MAX_ATTEMPTS=3), then through.
+    const retries = ["retry_scheduled", "retry_scheduled"];
+    const flakyStory = ["accepted", "published", ...retries, "reserved", ...retries, "invoiced", "ended"];
+    await expectStory(page, flaky, flakyStory, 10000);
+    console.log(`page: FLAKY-1's story shown: ${flakyStory.join(", ")}`);
 
     const poison = await place(page, "POISON-1");
     await expectState(page, poison, "quarantined", 30000);
     await page.locator(`#quarantined li[data-job="${poison}"]`).waitFor({ timeout: 5000 });
-    const parked = await page.locator('tr[data-queue="inventory.order-placed.parking"] td.num').textContent();
+    // The management API counts queues every few seconds: the depth follows the park.
+    const depth = 'tr[data-queue="inventory.order-placed.parking"] td.num';
+    const counted = (selector) => Number(document.querySelector(selector)?.textContent) >= 1;
+    await page.waitForFunction(counted, depth, { timeout: 15000 }).catch(() => {});
+    const parked = await page.locator(depth).textContent();
     if (!(Number(parked) >= 1)) throw new Error(`parking shows ${parked} messages`);
     console.log(`page: POISON-1 job ${poison} shown quarantined, under parking (${parked} parked)`);
+    const poisonStory = ["accepted", "published", ...retries, "parked"];
+    await expectStory(page, poison, poisonStory, 10000);
+    console.log(`page: POISON-1's story shown: ${poisonStory.join(", ")}`);
     if (screenshot) {
       await page.screenshot({ path: screenshot, fullPage: true });
       console.log(`page: screenshot in ${screenshot}`);

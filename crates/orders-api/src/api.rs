@@ -27,6 +27,7 @@ use crate::{
     jobs,
     order::{Accepted, CustomerId, IdempotencyKey, Line, OrderStatus, Quantity, Sku, ValidOrder},
     problem::{ApiError, Problem},
+    story,
     writer::{Claim, NewOrder, Writers},
 };
 
@@ -59,6 +60,7 @@ pub fn router(pool: PgPool, writers: Writers, limits: Limits, auth: Auth) -> Rou
         .route("/orders/{order_id}", get(get_order))
         .route("/orders/{order_id}/cancel", post(cancel_order))
         .route("/jobs/{job_id}", get(get_job))
+        .route("/jobs/{job_id}/events", get(get_job_events))
         .with_state(ApiState { pool, writers, limits, auth })
 }
 
@@ -362,6 +364,27 @@ pub(crate) async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<Strin
     Ok(Json(job))
 }
 
+/// A job's story: every step the orders service has learned of, oldest first (accepted,
+/// published, each step's failed attempt and wait tier, a park with its reason, a redrive or an
+/// abandon, the results, the end decided and its compensation, the end), with when, where, why and
+/// the trace each happened in. Open, as `GET /jobs/{jobId}` is (decision 0031).
+#[utoipa::path(
+    get,
+    path = "/jobs/{jobId}/events",
+    tag = "orders",
+    params(("jobId" = uuid::Uuid, Path, description = "From the `202` of `POST /orders`.")),
+    responses((status = 200, description = "The job's story.", body = story::Story), LookupFailure)
+)]
+pub(crate) async fn get_job_events(
+    State(pool): State<PgPool>,
+    Path(job_id): Path<String>,
+) -> Result<Json<story::Story>, ApiError> {
+    let job_id = parse_id("job", &job_id)?;
+    let story = db::within(QUERY_DEADLINE, story::read(&pool, job_id)).await?;
+    let story = story.ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
+    Ok(Json(story))
+}
+
 /// `GET /orders/{orderId}`.
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -453,9 +476,28 @@ pub(crate) async fn cancel_order(
     State(pool): State<PgPool>,
     caller: Caller,
     Path(order_id): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let order_id = parse_id("order", &order_id)?;
-    let accepted = db::within(QUERY_DEADLINE, cancel(&pool, &caller, order_id)).await?;
+    // The cancel is a trace of its own (or the caller's), as `POST /orders` is: its `order.ended`
+    // and the compensation it causes follow it, and the job's story names it.
+    let context = TraceContext::continuing(headers.get(TRACEPARENT).and_then(|value| value.to_str().ok()));
+    let span = tracing::info_span!(
+        "POST /orders/{orderId}/cancel",
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = "POST",
+        http.route = "/orders/{orderId}/cancel",
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        parent_id = tracing::field::Empty,
+        sampled = tracing::field::Empty,
+    );
+    context.record_on(&span);
+    let cancelled = db::within(QUERY_DEADLINE, cancel(&pool, &caller, order_id)).instrument(span.clone());
+    let accepted = trace::scope(context, cancelled).await.inspect_err(|_| {
+        span.record("otel.status_code", "error");
+    })?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }

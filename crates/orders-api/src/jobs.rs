@@ -23,6 +23,9 @@
 //! `docs/model/saga.pml` the ends and their compensations. The
 //! move to `published` made by the broker's confirm is the outbox trigger of migration 0007 (one
 //! UPDATE of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
+//!
+//! An end decided, a job ended and an end sent again are also written into the job's story
+//! ([`crate::story`]), in the same transaction as the move.
 
 use chrono::{DateTime, Utc};
 use messaging::{contracts::JobRetryScheduled, outbox};
@@ -31,7 +34,10 @@ use shop::{End, OrderEnded};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::order::OrderStatus;
+use crate::{
+    order::OrderStatus,
+    story::{self, Kind, Step},
+};
 
 /// The state of a job (the README's HTTP API, decision 0023).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -306,8 +312,12 @@ pub async fn rejected(
     .bind(order_id)
     .bind(order.as_str())
     .bind(order.moves_from_names())
-    .fetch_one(tx)
+    .fetch_one(&mut *tx)
     .await?;
+    if ended.is_some() {
+        let step = Step { detail: Some(JobState::Rejected.as_str()), ..Step::default() };
+        story::record(tx, job_id, Kind::Ended, step).await?;
+    }
     Ok(Applied::known(known, ended))
 }
 
@@ -385,6 +395,11 @@ pub async fn decide(
         (true, Some((created_at, order_id))) => Decided::Now(created_at, order_id),
     };
     if let Decided::Now(_, order_id) = decided {
+        let (kind, detail) = match end {
+            End::Invoiced => (Kind::Ended, Some(JobState::Succeeded.as_str())),
+            End::Declined | End::Cancelled => (Kind::Compensating, reason),
+        };
+        story::record(tx, job_id, kind, Step { detail, ..Step::default() }).await?;
         let placed_lost = never_published && withdraw_lost_placing(tx, job_id).await?;
         let ended = OrderEnded { order_id, job_id, end, reason: reason.map(str::to_owned) };
         let ended = outbox::Outgoing::of(&ended, Some(job_id));
@@ -509,8 +524,11 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
     .bind(ends.map(JobState::as_str))
     .bind(released)
     .bind(voided)
-    .execute(tx)
+    .execute(&mut *tx)
     .await?;
+    if let Some(state) = ends {
+        story::record(tx, job_id, Kind::Ended, Step { detail: Some(state.as_str()), ..Step::default() }).await?;
+    }
     Ok(ends.map_or(Compensated::Waiting, |state| Compensated::Ended(state, created_at)))
 }
 
@@ -554,7 +572,10 @@ pub async fn placing_lost_after_end(
         other => return Err(sqlx::Error::Decode(format!("a compensating job's ending {other:?}").into())),
     };
     let ended = OrderEnded { order_id, job_id, end, reason };
-    outbox::Outgoing::of(&ended, Some(job_id)).enqueue(tx).await?;
+    outbox::Outgoing::of(&ended, Some(job_id)).enqueue(&mut *tx).await?;
+    let detail = format!("its order.placed {message_id} will not be published");
+    let step = Step { endpoint: Some(endpoint), detail: Some(&detail), ..Step::default() };
+    story::record(tx, job_id, Kind::EndResent, step).await?;
     Ok(true)
 }
 

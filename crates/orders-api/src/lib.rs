@@ -12,6 +12,7 @@ pub mod overview;
 pub mod problem;
 pub mod responses;
 pub mod status;
+pub mod story;
 pub mod upgrade;
 pub mod writer;
 

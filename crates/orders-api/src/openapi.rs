@@ -9,7 +9,7 @@
 use axum::{Json, Router, routing::get};
 use utoipa::OpenApi;
 
-use crate::{api, jobs, order, overview, problem};
+use crate::{api, jobs, order, overview, problem, story};
 
 /// The document.
 #[derive(OpenApi)]
@@ -22,6 +22,7 @@ use crate::{api, jobs, order, overview, problem};
     paths(
         api::place_order,
         api::get_job,
+        api::get_job_events,
         api::get_order,
         api::cancel_order,
         overview_page,
@@ -39,6 +40,9 @@ use crate::{api, jobs, order, overview, problem};
         api::Job,
         api::Order,
         jobs::JobState,
+        story::Story,
+        story::Event,
+        story::Kind,
         problem::Problem,
         overview::Overview,
         overview::JobRow,

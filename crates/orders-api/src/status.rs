@@ -22,6 +22,7 @@ use uuid::Uuid;
 use crate::{
     jobs::{self, Applied, Compensated, Decided, JobState, OrderMove, Undone},
     order::OrderStatus,
+    story::{self, Kind, Step},
 };
 
 /// The endpoint of inventory's step ([`shop::topology::inventory`]).
@@ -113,6 +114,19 @@ fn known(job_id: uuid::Uuid, applied: Applied) -> Result<jobs::Ended, HandlerErr
     }
 }
 
+/// Record in the job's story that its event `kind` came, first (what it causes follows).
+async fn heard(
+    tx: &mut PgConnection,
+    context: &Context,
+    job_id: Uuid,
+    kind: Kind,
+    step: Step<'_>,
+) -> Result<(), HandlerError> {
+    let step = Step { message_id: Some(context.message_id), ..step };
+    story::record(tx, job_id, kind, step).await?;
+    Ok(())
+}
+
 fn unknown_job(job_id: uuid::Uuid) -> HandlerError {
     HandlerError::Permanent(
         format!(
@@ -127,7 +141,9 @@ fn unknown_job(job_id: uuid::Uuid) -> HandlerError {
 // overtook the relay's own mark; and inventory's step is done, so a job waiting on its retry is not
 // waiting any more.
 impl Handle<InventoryReserved> for JobStatus {
-    async fn handle(&self, event: InventoryReserved, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: InventoryReserved, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        heard(tx, cx, event.job_id, Kind::Reserved, Step { endpoint: Some(INVENTORY_ENDPOINT), ..Step::default() })
+            .await?;
         let order = OrderMove { order_id: event.order_id, to: OrderStatus::Reserved };
         known(event.job_id, jobs::step_succeeded(tx, event.job_id, INVENTORY_ENDPOINT, order).await?)?;
         Ok(())
@@ -135,7 +151,9 @@ impl Handle<InventoryReserved> for JobStatus {
 }
 
 impl Handle<InventoryRejected> for JobStatus {
-    async fn handle(&self, event: InventoryRejected, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: InventoryRejected, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let step = Step { endpoint: Some(INVENTORY_ENDPOINT), detail: Some(&event.reason), ..Step::default() };
+        heard(tx, cx, event.job_id, Kind::Rejected, step).await?;
         let applied = jobs::rejected(tx, event.job_id, event.order_id, &event.reason).await?;
         let ended = known(event.job_id, applied)?;
         self.ended(JobState::Rejected, ended);
@@ -146,46 +164,66 @@ impl Handle<InventoryRejected> for JobStatus {
 // The invoice decides the order's end, unless it has one: an order cancelled meanwhile stays
 // cancelled, and billing voids the invoice when it gets the order's `order.ended`.
 impl Handle<InvoiceCreated> for JobStatus {
-    async fn handle(&self, event: InvoiceCreated, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: InvoiceCreated, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let invoice_id = event.invoice_id.to_string();
+        heard(tx, cx, event.job_id, Kind::Invoiced, Step { detail: Some(&invoice_id), ..Step::default() }).await?;
         self.decide(tx, event.job_id, End::Invoiced, None, Some(&invoice_id)).await
     }
 }
 
 impl Handle<PaymentDeclined> for JobStatus {
-    async fn handle(&self, event: PaymentDeclined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: PaymentDeclined, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        heard(tx, cx, event.job_id, Kind::Declined, Step { detail: Some(&event.reason), ..Step::default() }).await?;
         self.decide(tx, event.job_id, End::Declined, Some(&event.reason), None).await
     }
 }
 
 // A deadline that comes after the order ended finds it decided, and does nothing.
 impl Handle<OrderDeadline> for JobStatus {
-    async fn handle(&self, event: OrderDeadline, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: OrderDeadline, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        heard(tx, cx, event.job_id, Kind::DeadlineCame, Step::default()).await?;
         self.decide(tx, event.job_id, End::Cancelled, Some(DEADLINE_REASON), None).await
     }
 }
 
 impl Handle<InventoryReleased> for JobStatus {
-    async fn handle(&self, event: InventoryReleased, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: InventoryReleased, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        heard(tx, cx, event.job_id, Kind::Released, Step::default()).await?;
         self.compensated(tx, event.job_id, Undone::Released).await
     }
 }
 
 impl Handle<InvoiceVoided> for JobStatus {
-    async fn handle(&self, event: InvoiceVoided, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: InvoiceVoided, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        heard(tx, cx, event.job_id, Kind::Voided, Step::default()).await?;
         self.compensated(tx, event.job_id, Undone::Voided).await
     }
 }
 
 impl Handle<JobRetryScheduled> for JobStatus {
-    async fn handle(&self, event: JobRetryScheduled, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: JobRetryScheduled, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let step = Step {
+            endpoint: Some(&event.endpoint),
+            attempt: Some(event.attempt),
+            due_at: Some(event.next_attempt_at),
+            detail: Some(&event.error),
+            ..Step::default()
+        };
+        heard(tx, cx, event.job_id, Kind::RetryScheduled, step).await?;
         known(event.job_id, jobs::retry_scheduled(tx, &event, INVENTORY_ENDPOINT).await?)?;
         Ok(())
     }
 }
 
 impl Handle<JobQuarantined> for JobStatus {
-    async fn handle(&self, event: JobQuarantined, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: JobQuarantined, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let step = Step {
+            endpoint: Some(&event.endpoint),
+            attempt: Some(event.attempt),
+            detail: Some(&event.error),
+            ..Step::default()
+        };
+        heard(tx, cx, event.job_id, Kind::Parked, step).await?;
         let applied =
             jobs::quarantined(tx, event.job_id, &event.endpoint, event.attempt, &event.error, event.redrive_count)
                 .await?;
@@ -203,7 +241,9 @@ impl Handle<JobQuarantined> for JobStatus {
 // An operator gave up on the job's parked message: the order is cancelled (unless it ended) and
 // compensated, and the step's message is no longer parked (it was acked after this was confirmed).
 impl Handle<JobAbandoned> for JobStatus {
-    async fn handle(&self, event: JobAbandoned, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: JobAbandoned, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let step = Step { endpoint: Some(&event.endpoint), detail: Some(&event.reason), ..Step::default() };
+        heard(tx, cx, event.job_id, Kind::Abandoned, step).await?;
         let reason = format!("abandoned by an operator: {}", event.reason);
         // First: an end decided before, sent ordered behind this placing (discarded from the
         // outbox: `msgctl outbox discard`), must not wait for it.
@@ -215,7 +255,10 @@ impl Handle<JobAbandoned> for JobStatus {
 }
 
 impl Handle<JobRedriven> for JobStatus {
-    async fn handle(&self, event: JobRedriven, _: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+    async fn handle(&self, event: JobRedriven, cx: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let detail = format!("redrive {}", event.redrive_count);
+        let step = Step { endpoint: Some(&event.endpoint), detail: Some(&detail), ..Step::default() };
+        heard(tx, cx, event.job_id, Kind::Redriven, step).await?;
         // The order starts over from `accepted`: the redriven step's result moves it on.
         match jobs::redriven(tx, event.job_id, &event.endpoint, event.redrive_count).await? {
             Some(true) => jobs::move_order_of(tx, event.job_id, OrderStatus::Accepted).await?,

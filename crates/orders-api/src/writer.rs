@@ -172,7 +172,8 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
         ") as line (order_id, line_no, sku, quantity)
              where line.order_id in (select order_id from go)
          ), new_jobs as (
-             insert into jobs (id, order_id, order_placed_message_id) select job_id, order_id, message_id from go
+             insert into jobs (id, order_id, order_placed_message_id, trace_id)
+             select job_id, order_id, message_id, nullif(split_part(headers ->> 'traceparent', '-', 2), '') from go
          ), new_messages as (
              ",
     );

@@ -102,6 +102,27 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     let others: Vec<Uuid> = before.iter().copied().filter(|job| *job != flaky).collect();
     assert_eq!(parked_jobs(&shop.env).await, others, "the other parked messages stay, in their order");
     assert_eq!(shop.job(first).await["state"], "quarantined");
+
+    // Its story: the failed try and its wait, the park and why, the redrive, then through.
+    let story = shop.wait_for_story(flaky, "ended").await;
+    let events = story["events"].as_array().expect("events");
+    let step = |kind: &str| -> &Value {
+        let mut found = events.iter().filter(|event| event["kind"] == kind);
+        let event = found.next().unwrap_or_else(|| panic!("no {kind}: {story}"));
+        assert!(found.next().is_none(), "one {kind}: {story}");
+        event
+    };
+    let retry = step("retry_scheduled");
+    assert_eq!((&retry["endpoint"], &retry["attempt"]), (&Value::from(INVENTORY), &Value::from(1)), "{story}");
+    let time = |value: &Value| value.as_str().and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok());
+    assert!(time(&retry["dueAt"]) > time(&retry["at"]) && retry["detail"].is_string(), "{story}");
+    let parked = step("parked");
+    assert_eq!((&parked["endpoint"], &parked["attempt"]), (&Value::from(INVENTORY), &Value::from(2)), "{story}");
+    assert_eq!(step("redriven")["detail"], "redrive 1");
+    assert_eq!(step("ended")["detail"], "succeeded");
+    let kinds: Vec<&str> = events.iter().filter_map(|event| event["kind"].as_str()).collect();
+    let after_publish: Vec<&str> = kinds.iter().copied().filter(|kind| *kind != "published").collect();
+    assert_eq!(after_publish, ["accepted", "retry_scheduled", "parked", "redriven", "reserved", "invoiced", "ended"]);
 }
 
 /// The headers the runtime gives a message it parks at `endpoint` for `reason`, parked now.

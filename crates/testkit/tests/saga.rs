@@ -349,6 +349,32 @@ async fn a_cancel_between_reservation_and_invoice_voids_the_invoice_billing_make
     assert_given_back(&mut shop, &["SKU-4"]).await;
     let invoices = invoices(&shop, order_id).await;
     assert!(matches!(invoices.as_slice(), [(state, _)] if state == "void"), "{invoices:?}");
+
+    // Its story (`GET /jobs/{id}/events`) tells all of it: the order's steps in the order's trace,
+    // the cancel and its compensation in the cancel's.
+    let story = shop.wait_for_story(job_id, "ended").await;
+    let events = story["events"].as_array().expect("events");
+    let kinds: Vec<&str> = events.iter().map(|event| event["kind"].as_str().expect("kind")).collect();
+    let mut sorted = kinds.clone();
+    sorted.sort_unstable();
+    let whole = ["accepted", "compensating", "ended", "invoiced", "published", "released", "reserved", "voided"];
+    assert_eq!(sorted, whole, "{story}");
+    let at = |kind: &str| kinds.iter().position(|k| *k == kind).expect("kind");
+    assert_eq!((at("accepted"), at("ended")), (0, kinds.len() - 1), "{story}");
+    assert!(at("reserved") < at("compensating") && at("compensating") < at("released"), "{story}");
+    let event = |kind: &str| &events[at(kind)];
+    assert_eq!(event("compensating")["detail"], "cancelled by the customer");
+    assert_eq!(event("ended")["detail"], "cancelled");
+    assert_eq!(event("reserved")["endpoint"], "inventory.order-placed");
+    let order_trace = story["traceId"].as_str().expect("the order's trace");
+    for kind in ["accepted", "published", "reserved", "invoiced"] {
+        assert_eq!(event(kind)["traceId"], order_trace, "{kind} is in the order's trace: {story}");
+    }
+    let cancel_trace = event("compensating")["traceId"].as_str().expect("the cancel's trace");
+    assert_ne!(cancel_trace, order_trace);
+    for kind in ["released", "voided", "ended"] {
+        assert_eq!(event(kind)["traceId"], cancel_trace, "{kind} is in the cancel's trace: {story}");
+    }
 }
 
 #[tokio::test]

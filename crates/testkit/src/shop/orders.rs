@@ -24,6 +24,24 @@ impl Shop {
         response.json()
     }
 
+    /// `GET /jobs/{job_id}/events`: the job's story.
+    pub async fn job_events(&self, job_id: Uuid) -> Value {
+        let url = format!("{}/jobs/{job_id}/events", self.front());
+        let response = http::request("GET", &url, &[], None).await.expect("GET /jobs/{id}/events");
+        assert_eq!(response.status, 200, "GET /jobs/{job_id}/events: {}", String::from_utf8_lossy(&response.body));
+        response.json()
+    }
+
+    /// The kinds of the job's story, oldest first, once its last is `last` (its story only grows).
+    pub async fn wait_for_story(&self, job_id: Uuid, last: &str) -> Value {
+        eventually(&format!("job {job_id}'s story to reach {last}"), WAIT, || async {
+            let story = self.job_events(job_id).await;
+            let reached = story["events"].as_array().and_then(|events| events.last()).map(|e| e["kind"] == last);
+            reached.unwrap_or(false).then_some(story)
+        })
+        .await
+    }
+
     /// Panic if any service exited by itself.
     pub fn assert_all_running(&mut self) {
         let Run::Processes(services) = &mut self.run else { return };

@@ -1,0 +1,230 @@
+//! One job's story (`GET /jobs/{id}/events`, the live page's timeline): every step the orders
+//! database learns of, in the order it learns them, with when, where, why and under which trace.
+//!
+//! A step is written in the transaction that applies it ([`record`]), so it is there exactly when
+//! its effect is: the status consumer's events ([`crate::status`]), an order's end decided
+//! ([`crate::jobs::decide`]) and the relay's mark of `order.placed` (the outbox trigger, migration
+//! 0013). Being accepted is read from the job's row ([`read`]): `POST /orders` writes nothing more
+//! for it. A job from before migration 0013 shows its acceptance and what came after the upgrade.
+
+use chrono::{DateTime, Utc};
+use messaging::trace;
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::jobs::JobState;
+
+/// What happened to a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// `POST /orders` took the order.
+    Accepted,
+    /// The broker confirmed the order's `order.placed` (the relay's mark).
+    Published,
+    /// A step's `attempt` failed; its message waits in a retry tier until `dueAt`.
+    RetryScheduled,
+    /// A step's message was parked after its `attempt`, for the reason in `detail`: the job is
+    /// quarantined until an operator redrives or abandons it, or the order ends.
+    Parked,
+    /// An operator sent a step's parked message back to its work queue (`detail`: its redrive count).
+    Redriven,
+    /// An operator gave up on a step's parked message (`detail`: why).
+    Abandoned,
+    /// Inventory reserved the stock.
+    Reserved,
+    /// Inventory refused the order (`detail`: why).
+    Rejected,
+    /// Billing invoiced the order (`detail`: the invoice).
+    Invoiced,
+    /// Billing refused the payment (`detail`: why).
+    Declined,
+    /// The order's deadline came.
+    DeadlineCame,
+    /// The order's end was decided otherwise than invoiced (`detail`: why), and `order.ended` sent:
+    /// inventory and billing undo what they did.
+    Compensating,
+    /// `order.ended` went again, unordered: the order's `order.placed` will never be published
+    /// (parked in the outbox, or discarded), and an end ordered behind it would wait for good.
+    EndResent,
+    /// Inventory gave back what the order held (or found nothing to give back).
+    Released,
+    /// Billing voided the order's invoice (or found none).
+    Voided,
+    /// The job took its final state (`detail`).
+    Ended,
+}
+
+impl Kind {
+    /// Every kind.
+    pub const ALL: [Self; 16] = [
+        Self::Accepted,
+        Self::Published,
+        Self::RetryScheduled,
+        Self::Parked,
+        Self::Redriven,
+        Self::Abandoned,
+        Self::Reserved,
+        Self::Rejected,
+        Self::Invoiced,
+        Self::Declined,
+        Self::DeadlineCame,
+        Self::Compensating,
+        Self::EndResent,
+        Self::Released,
+        Self::Voided,
+        Self::Ended,
+    ];
+
+    /// The name stored in `job_events.kind` and shown by the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Accepted => "accepted",
+            Self::Published => "published",
+            Self::RetryScheduled => "retry_scheduled",
+            Self::Parked => "parked",
+            Self::Redriven => "redriven",
+            Self::Abandoned => "abandoned",
+            Self::Reserved => "reserved",
+            Self::Rejected => "rejected",
+            Self::Invoiced => "invoiced",
+            Self::Declined => "declined",
+            Self::DeadlineCame => "deadline_came",
+            Self::Compensating => "compensating",
+            Self::EndResent => "end_resent",
+            Self::Released => "released",
+            Self::Voided => "voided",
+            Self::Ended => "ended",
+        }
+    }
+}
+
+impl TryFrom<String> for Kind {
+    type Error = String;
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        Self::ALL.into_iter().find(|kind| kind.as_str() == name).ok_or_else(|| format!("unknown job event `{name}`"))
+    }
+}
+
+/// Where, why and what: the parts of a step that some kinds have.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Step<'a> {
+    /// The step's endpoint, where it is one step's.
+    pub endpoint: Option<&'a str>,
+    /// The attempt that failed or was parked.
+    pub attempt: Option<u32>,
+    /// A retry's next attempt is due then.
+    pub due_at: Option<DateTime<Utc>>,
+    /// The reason, error or result.
+    pub detail: Option<&'a str>,
+    /// The message applied.
+    pub message_id: Option<Uuid>,
+}
+
+/// Record that `kind` happened to `job_id`, in `tx`, under the current trace ([`trace::current`]):
+/// the delivery's or the request's. Nothing for a job this database does not have: the caller
+/// finds that out and answers for it (an event for an unknown job is parked).
+pub async fn record(tx: &mut PgConnection, job_id: Uuid, kind: Kind, step: Step<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "insert into job_events (job_id, kind, endpoint, attempt, due_at, detail, trace_id, message_id)
+         select id, $2, $3, $4, $5, $6, $7, $8 from jobs where id = $1",
+    )
+    .bind(job_id)
+    .bind(kind.as_str())
+    .bind(step.endpoint)
+    .bind(step.attempt.map(|attempt| i32::try_from(attempt).unwrap_or(i32::MAX)))
+    .bind(step.due_at)
+    .bind(step.detail)
+    .bind(trace::current().map(|context| context.trace_hex()))
+    .bind(step.message_id)
+    .execute(tx)
+    .await
+    .map(drop)
+}
+
+/// `GET /jobs/{jobId}/events`: a job's story.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Story {
+    /// The job.
+    pub job_id: Uuid,
+    /// Its order.
+    pub order_id: Uuid,
+    /// Its state now.
+    pub state: JobState,
+    /// The order's trace (32 hex digits): one trace from the request through every service.
+    /// Absent for a job accepted before the trace was kept (migration 0013).
+    pub trace_id: Option<String>,
+    /// What happened, oldest first.
+    pub events: Vec<Event>,
+}
+
+/// One thing that happened to a job.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Event {
+    /// When the orders database learned it.
+    pub at: DateTime<Utc>,
+    /// What.
+    #[sqlx(try_from = "String")]
+    pub kind: Kind,
+    /// The step's endpoint (a consumer's work queue, or `outbox:<type>` for the relay).
+    pub endpoint: Option<String>,
+    /// The attempt that failed or was parked.
+    pub attempt: Option<i32>,
+    /// A retry's next attempt is due then.
+    pub due_at: Option<DateTime<Utc>>,
+    /// The reason, error or result.
+    pub detail: Option<String>,
+    /// The trace it happened in (32 hex digits): the order's, or a cancel's own.
+    pub trace_id: Option<String>,
+    /// The message applied.
+    pub message_id: Option<Uuid>,
+}
+
+/// The story of `job_id`; `None` if there is no such job.
+pub async fn read(pool: &PgPool, job_id: Uuid) -> Result<Option<Story>, sqlx::Error> {
+    // One snapshot for the job and its events.
+    let mut tx = pool.begin().await?;
+    sqlx::query("set transaction isolation level repeatable read, read only").execute(&mut *tx).await?;
+    let job: Option<(Uuid, String, Option<String>)> =
+        sqlx::query_as("select order_id, state, trace_id from jobs where id = $1")
+            .bind(job_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some((order_id, state, trace_id)) = job else { return Ok(None) };
+    let state = JobState::try_from(state).map_err(|e| sqlx::Error::Decode(e.into()))?;
+    let events = sqlx::query_as(
+        "select at, kind, endpoint, attempt, due_at, detail, trace_id, message_id from (
+            select 0 as n, 0::bigint as id, created_at as at, $2 as kind, null::text as endpoint,
+                   null::integer as attempt, null::timestamptz as due_at, null::text as detail, trace_id,
+                   null::uuid as message_id
+              from jobs where id = $1
+            union all
+            select 1, id, at, kind, endpoint, attempt, due_at, detail, trace_id, message_id
+              from job_events where job_id = $1
+         ) as story
+         order by n, at, id",
+    )
+    .bind(job_id)
+    .bind(Kind::Accepted.as_str())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Some(Story { job_id, order_id, state, trace_id, events }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_round_trip_through_their_names_and_the_api() {
+        for kind in Kind::ALL {
+            assert_eq!(Kind::try_from(kind.as_str().to_owned()), Ok(kind));
+            assert_eq!(serde_json::to_value(kind).expect("json"), kind.as_str());
+        }
+        assert!(Kind::try_from("happened".to_owned()).is_err());
+    }
+}
