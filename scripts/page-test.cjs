@@ -8,12 +8,19 @@
 // The page's data is an operator's (decision 0031): without a token the page shows the 401 and no
 // job; with DEMO_OPERATOR_TOKEN in its address (`/#token=…`) it works.
 //
+// The console of parked messages: POISON-1's message is read with its headers and body, and a dry
+// run says its consumer's inbox has it not (`will apply`) and moves nothing. With `--redrive`, once
+// the demo has lifted the fault: the last POISON-1 message parked (this test's) is redriven from
+// the page, and its job succeeds, its story naming the redrive.
+//
 //   DEMO_OPERATOR_TOKEN=… NODE_PATH=<dir with playwright-core> node scripts/page-test.cjs http://127.0.0.1:8080 [screenshot.png]
+//   DEMO_OPERATOR_TOKEN=… NODE_PATH=… node scripts/page-test.cjs --redrive http://127.0.0.1:8080
 "use strict";
 const { chromium } = require("playwright-core");
 
-const api = process.argv[2] || "http://127.0.0.1:8080";
-const screenshot = process.argv[3];
+const redriving = process.argv[2] === "--redrive";
+const [apiArgument, screenshot] = process.argv.slice(redriving ? 3 : 2);
+const api = apiArgument || "http://127.0.0.1:8080";
 const executablePath = process.env.CHROMIUM || "/usr/bin/chromium";
 const token = process.env.DEMO_OPERATOR_TOKEN;
 if (!token) throw new Error("DEMO_OPERATOR_TOKEN is not set: source ops/demo-tokens.env");
@@ -72,8 +79,61 @@ async function expectStory(page, jobId, expected, timeout) {
   }
 }
 
+async function story(jobId) {
+  const response = await fetch(`${api}/jobs/${jobId}/events`);
+  if (!response.ok) throw new Error(`GET /jobs/${jobId}/events: ${response.status}`);
+  return (await response.json()).events.map((event) => event.kind);
+}
+
+// Read the console; the row of a parked message of `job` (the last POISON-1 message parked, if
+// `job` is null).
+async function parkedRow(page, job) {
+  await page.click("#parked-read");
+  const row = job
+    ? page.locator(`#parked-groups tr[data-job="${job}"]`)
+    : page.locator('#parked-groups .group[data-endpoint="inventory.order-placed"]', { hasText: "POISON-1" })
+        .locator("tr[data-job]").last();
+  await row.waitFor({ timeout: 15000 });
+  return row;
+}
+
+// A dry run of the row's message: the page says what the API's inbox read says, and nothing moves.
+async function dryRun(page, row, verdict) {
+  const message = await row.getAttribute("data-message");
+  const job = await row.getAttribute("data-job");
+  await row.locator('button[data-act="dry run"]').click();
+  const said = `#parked-done li[data-message="${message}"][data-action="would redrive"][data-verdict="${verdict}"]`;
+  await page.locator(said).waitFor({ timeout: 10000 });
+  if ((await jobState(job)) !== "quarantined") throw new Error(`a dry run moved job ${job}`);
+  return { message, job };
+}
+
+async function redrive(browser) {
+  const page = await browser.newPage({ viewport: { width: 1200, height: 900 } });
+  await page.goto(`${api}/#token=${token}`);
+  const row = await parkedRow(page, null);
+  const { message, job } = await dryRun(page, row, "will_apply");
+  await row.locator('button[data-act="redrive"]').click();
+  await page.locator(`#parked-done li[data-message="${message}"][data-action="redriven"]`).waitFor({ timeout: 10000 });
+  const deadline = Date.now() + 30000;
+  while ((await jobState(job)) !== "succeeded") {
+    if (Date.now() > deadline) throw new Error(`job ${job} did not succeed after its redrive: ${await jobState(job)}`);
+    await page.waitForTimeout(300);
+  }
+  const kinds = await story(job);
+  if (!kinds.includes("redriven") || kinds.at(-1) !== "ended") throw new Error(`job ${job}'s story: ${kinds}`);
+  console.log(`page: POISON-1 job ${job} redriven from the console, succeeded (story: ${kinds.join(", ")})`);
+}
+
 async function main() {
   const browser = await chromium.launch({ executablePath, args: ["--no-sandbox", "--disable-dev-shm-usage"] });
+  if (redriving) {
+    try {
+      return await redrive(browser);
+    } finally {
+      await browser.close();
+    }
+  }
   try {
     // Without a token: the status line says 401, and no job is listed.
     const anonymous = await browser.newPage();
@@ -107,6 +167,15 @@ async function main() {
     const poisonStory = ["accepted", "published", ...retries, "parked"];
     await expectStory(page, poison, poisonStory, 10000);
     console.log(`page: POISON-1's story shown: ${poisonStory.join(", ")}`);
+
+    // The console: its message, what it carries, and a dry run that reads inventory's inbox.
+    const row = await parkedRow(page, poison);
+    await row.locator("summary").click();
+    const [headers, body] = [await row.locator("pre.headers").textContent(), await row.locator("pre.body").textContent()];
+    if (!headers.includes("last-error: ") || !headers.includes("POISON-1")) throw new Error(`headers shown: ${headers}`);
+    if (!body.includes(poison) || !body.includes("POISON-1")) throw new Error(`body shown: ${body}`);
+    await dryRun(page, row, "will_apply");
+    console.log(`page: the console shows POISON-1's parked message, and a dry run says it will apply`);
     if (screenshot) {
       await page.screenshot({ path: screenshot, fullPage: true });
       console.log(`page: screenshot in ${screenshot}`);

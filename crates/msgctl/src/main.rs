@@ -9,7 +9,6 @@
 
 mod books;
 mod outbox;
-mod parked;
 mod topology;
 
 use std::{process::ExitCode, time::Duration};
@@ -19,6 +18,7 @@ use messaging::runtime::{
     config::{BrokerArgs, SecretUrl},
     duration::parse_duration,
 };
+use msgctl::{Failure, parked};
 
 /// Operate messaging: parked messages and stuck outbox rows.
 #[derive(Debug, Parser)]
@@ -29,6 +29,11 @@ struct Cli {
     /// Outbox databases for the `outbox` commands, comma-separated (the relay's list).
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true, value_delimiter = ',')]
     database_urls: Vec<SecretUrl>,
+    /// The consumers' databases, comma-separated, as a role that may read `inbox`: `parked
+    /// redrive` says of each message whether its consumer applied it already. Default: the
+    /// `--database-url` list (which the relay's role, limited to the outbox, cannot read).
+    #[arg(long = "inbox-database-url", env = "INBOX_DATABASE_URL", hide_env_values = true, value_delimiter = ',')]
+    inbox_database_urls: Vec<SecretUrl>,
     /// The RabbitMQ management API (`http://user:pass@host:15672`), used only to find the parking
     /// queues when no `--endpoint` is given. Default: the AMQP URL's host and user on port 15672.
     #[arg(long, env = "RABBITMQ_MANAGEMENT_URL", hide_env_values = true)]
@@ -63,23 +68,6 @@ enum Command {
     },
 }
 
-/// Why a command failed, reported as one line.
-#[derive(Debug, thiserror::Error)]
-enum Failure {
-    /// In this tool's words, naming the server, endpoint or message it concerns.
-    #[error("{0}")]
-    Described(String),
-    /// The broker refused or dropped a call.
-    #[error("broker: {0}")]
-    Broker(#[from] lapin::Error),
-    /// A database call failed.
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
-    /// An event could not be encoded.
-    #[error("cannot encode: {0}")]
-    Encode(#[from] serde_json::Error),
-}
-
 fn main() -> ExitCode {
     // Its settings may be given as files too (DATABASE_URL_FILE, AMQP_URL_FILE, ...).
     let cli = Cli::parse_from(messaging::service::command_line(&Cli::command()));
@@ -97,7 +85,10 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Parked { action } => {
                 let broker = parked::Broker { amqp_url: cli.broker.amqp_url, management_url: cli.management_url };
-                parked::run(action, &broker, cli.inbox_retention).await
+                let inboxes =
+                    if cli.inbox_database_urls.is_empty() { &cli.database_urls } else { &cli.inbox_database_urls };
+                let inboxes = parked::Inboxes::connect_lazy(inboxes)?;
+                parked::run(action, &broker, &inboxes, cli.inbox_retention).await
             }
             Command::Outbox { action } => outbox::run(action, &cli.database_urls, &cli.broker.amqp_url).await,
             Command::Books(args) => books::run(args).await,

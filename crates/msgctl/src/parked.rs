@@ -1,4 +1,5 @@
-//! `msgctl parked …`: what is in `<endpoint>.parking`, and sending it back or away.
+//! `msgctl parked …` and the live page's console: what is in `<endpoint>.parking`, what the
+//! consumer's inbox says of each message, and sending it back or away.
 //!
 //! Every command reads the whole parking queue unacked (`basic.get`, in queue order), acts on the
 //! selected messages one at a time, and returns every message it did not ack with one
@@ -7,13 +8,18 @@
 //! copy in the work queue: killed in between, it is in both (the inbox absorbs the second), never
 //! in neither.
 
-use std::{cell::RefCell, collections::HashSet, time::Duration};
+use std::{
+    collections::{BTreeMap, HashSet},
+    sync::{Mutex, PoisonError},
+    time::Duration,
+};
 
 use chrono::{DateTime, Utc};
 use lapin::{
-    BasicProperties, Channel, Connection,
+    Channel, Connection,
     message::Delivery,
     options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions},
+    types::AMQPValue,
     types::FieldTable,
 };
 use messaging::{
@@ -29,9 +35,14 @@ use messaging::{
     topology,
 };
 use regex::Regex;
+use serde::Serialize;
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::Failure;
+
+/// The broker connection the commands take (`Broker::connect`).
+pub use lapin::Connection as BrokerConnection;
 
 /// Failpoint: a redriven message's copy and its `job.redriven` are confirmed, the parked message
 /// not yet acked.
@@ -41,10 +52,12 @@ pub const AFTER_REDRIVE_PUBLISH: &str = "msgctl.after-redrive-publish";
 /// sent.
 pub const BETWEEN_REDRIVE_SENDS: &str = "msgctl.between-redrive-sends";
 
+/// `msgctl parked`'s commands.
 #[derive(Debug, clap::Subcommand)]
 pub enum Action {
     /// List parked messages: message id, type, job id, attempts, parked at, reason.
     List {
+        /// Which messages.
         #[command(flatten)]
         filter: Filter,
         /// One JSON object per message, one per line.
@@ -63,9 +76,12 @@ pub enum Action {
     /// `redrive-count` header, and a `job.redriven` event for their job; each leaves parking once
     /// its copy is confirmed. Messages parked before the inbox's horizon are refused unless --force.
     Redrive {
+        /// Which messages.
         #[command(flatten)]
         filter: Filter,
-        /// Say what would be redriven; change nothing.
+        /// Say what would be redriven and what each message's consumer's inbox says of it
+        /// (`already applied: will be skipped`, `will apply`, `inbox row gone: needs --force`);
+        /// change nothing. The inboxes are read through INBOX_DATABASE_URL.
         #[arg(long)]
         dry_run: bool,
         /// Redrive messages parked longer ago than INBOX_RETENTION too: their inbox rows may be
@@ -78,6 +94,7 @@ pub enum Action {
     /// nothing, if it selects an undo (`order.ended`, `inventory.released`, `invoice.voided`),
     /// unless --including-undos.
     Purge {
+        /// Which messages.
         #[command(flatten)]
         filter: Filter,
         /// Yes, delete them.
@@ -130,6 +147,179 @@ pub struct Filter {
     /// Only messages of this job (their correlation id).
     #[arg(long)]
     job: Option<Uuid>,
+    /// Only these messages (their message id); repeat for several.
+    #[arg(long = "message-id")]
+    message_ids: Vec<Uuid>,
+}
+
+/// A parked message, as `list` shows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    /// The endpoint whose parking queue holds it.
+    pub endpoint: String,
+    /// Its id (the inbox key), when it has a readable one.
+    pub message_id: Option<Uuid>,
+    /// Its type (`order.placed`), when it has one.
+    #[serde(rename = "type")]
+    pub message_type: Option<String>,
+    /// Its job (correlation id).
+    pub job_id: Option<Uuid>,
+    /// Attempts made before it was parked.
+    pub attempts: u32,
+    /// How many times it was redriven before.
+    pub redrive_count: u32,
+    /// When it was parked.
+    pub parked_at: Option<DateTime<Utc>>,
+    /// Why.
+    pub reason: String,
+}
+
+/// What a parked message carries, as `show` shows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Details {
+    /// Its headers, as text.
+    pub headers: BTreeMap<String, String>,
+    /// Its body: pretty JSON, or its bytes as text.
+    pub body: String,
+}
+
+/// What a redrive of a message would do, from its consumer's inbox ([`Inboxes::verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Its consumer's inbox has it: applied already; a copy is skipped.
+    AlreadyApplied,
+    /// Its consumer's inbox has it not, and would still have it had it been applied: a copy applies.
+    WillApply,
+    /// Parked longer ago than the inbox's retention: its row may be gone, so a copy could apply a
+    /// second time. A redrive refuses it without `--force`.
+    InboxRowGone,
+    /// No inbox was read (no database given for it, or none answered).
+    InboxNotRead,
+}
+
+impl Verdict {
+    /// In words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::AlreadyApplied => "already applied: will be skipped",
+            Self::WillApply => "will apply",
+            Self::InboxRowGone => "inbox row gone: needs --force",
+            Self::InboxNotRead => "inbox not read",
+        }
+    }
+}
+
+/// The consumers' databases, read for their inbox rows (`INBOX_DATABASE_URL`: a role that may
+/// read `inbox`). Which database an endpoint's inbox is in need not be known: a row names its
+/// endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct Inboxes {
+    pools: Vec<PgPool>,
+}
+
+impl Inboxes {
+    /// Pools that connect when first used, one connection each.
+    pub fn connect_lazy(urls: &[SecretUrl]) -> Result<Self, Failure> {
+        let options = sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5));
+        let pools = urls
+            .iter()
+            .map(|url| {
+                options
+                    .clone()
+                    .connect_lazy(url.expose())
+                    .map_err(|error| Failure::Described(format!("inbox database {url}: {error}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { pools })
+    }
+
+    /// The consumers' inboxes, through pools of the caller's.
+    pub fn of_pools(pools: Vec<PgPool>) -> Self {
+        Self { pools }
+    }
+
+    /// What redriving `parked` would do: whether its consumer's inbox has it, and if not whether
+    /// it would still have it (parked within `retention`).
+    pub async fn verdict(&self, parked: &Summary, retention: Duration) -> Verdict {
+        let (endpoint, parked_at) = (&parked.endpoint, parked.parked_at);
+        let Some(message_id) = parked.message_id else { return Verdict::InboxNotRead };
+        let mut read = false;
+        for pool in &self.pools {
+            let found: Result<bool, sqlx::Error> =
+                sqlx::query_scalar("select exists (select from inbox where message_id = $1 and endpoint = $2)")
+                    .bind(message_id)
+                    .bind(endpoint)
+                    .fetch_one(pool)
+                    .await;
+            match found {
+                Ok(true) => return Verdict::AlreadyApplied,
+                Ok(false) => read = true,
+                Err(_) => {}
+            }
+        }
+        if !read {
+            return Verdict::InboxNotRead;
+        }
+        if older_than(parked_at, retention, Utc::now()) { Verdict::InboxRowGone } else { Verdict::WillApply }
+    }
+}
+
+/// What a command did, or would do, with one parked message.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Done {
+    /// `redriven`, `would redrive`, `refused`, `purged`, `abandoned`.
+    pub action: String,
+    /// The message.
+    pub message: Summary,
+    /// For a redrive, what its consumer's inbox says.
+    pub verdict: Option<Verdict>,
+    /// Why it was refused.
+    pub note: Option<String>,
+}
+
+/// What a command did, message by message, in order.
+#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
+pub struct Report {
+    /// Each message acted on (or, in a dry run, that would be).
+    pub done: Vec<Done>,
+}
+
+impl Report {
+    fn add(&mut self, action: &str, endpoint: &str, parked: &Parked, verdict: Option<Verdict>, note: Option<String>) {
+        self.done.push(Done { action: action.to_owned(), message: parked.summary(endpoint), verdict, note });
+    }
+
+    /// How many messages had `action`.
+    pub fn count(&self, action: &str) -> usize {
+        self.done.iter().filter(|done| done.action == action).count()
+    }
+
+    /// One line per message, as the command line prints them.
+    pub fn lines(&self) -> impl Iterator<Item = String> + '_ {
+        self.done.iter().map(|done| {
+            let verdict = done.verdict.map(|verdict| format!("  [{}]", verdict.describe())).unwrap_or_default();
+            let note = done.note.as_ref().map(|note| format!(": {note}")).unwrap_or_default();
+            format!("{} {}  {}{verdict}{note}", done.action, done.message.endpoint, done.message.line())
+        })
+    }
+}
+
+impl Summary {
+    fn line(&self) -> String {
+        let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
+        format!(
+            "{}  {}  job {}  attempts {}  parked {}  {}",
+            or_dash(self.message_id.map(|id| id.to_string())),
+            or_dash(self.message_type.clone()),
+            or_dash(self.job_id.map(|id| id.to_string())),
+            self.attempts,
+            or_dash(self.parked_at.map(|at| at.to_rfc3339())),
+            self.reason
+        )
+    }
 }
 
 /// A parked message, read from its delivery.
@@ -164,17 +354,34 @@ impl Parked {
         }
     }
 
-    fn json(&self, endpoint: &str) -> serde_json::Value {
-        serde_json::json!({
-            "endpoint": endpoint,
-            "messageId": self.message_id,
-            "type": self.message_type,
-            "jobId": self.job_id,
-            "attempts": self.attempts,
-            "redriveCount": self.redrive_count,
-            "parkedAt": self.parked_at.map(|at| at.to_rfc3339()),
-            "reason": self.reason,
-        })
+    fn summary(&self, endpoint: &str) -> Summary {
+        Summary {
+            endpoint: endpoint.to_owned(),
+            message_id: self.message_id,
+            message_type: self.message_type.clone(),
+            job_id: self.job_id,
+            attempts: self.attempts,
+            redrive_count: self.redrive_count,
+            parked_at: self.parked_at,
+            reason: self.reason.clone(),
+        }
+    }
+
+    /// Its headers as text, and its body (pretty JSON, or the bytes as text).
+    fn details(&self) -> Details {
+        let properties = &self.delivery.properties;
+        let mut headers = BTreeMap::new();
+        if let Some(table) = properties.headers() {
+            for (key, value) in table.inner() {
+                headers.insert(key.to_string(), shown(value));
+            }
+        }
+        let body = &self.delivery.data;
+        let body = match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(json) => serde_json::to_string_pretty(&json).unwrap_or_default(),
+            Err(_) => format!("({} bytes, not JSON) {}", body.len(), String::from_utf8_lossy(body)),
+        };
+        Details { headers, body }
     }
 
     /// Whether it undoes an order's steps ([`shop::is_undo`]): never purged nor abandoned.
@@ -183,27 +390,79 @@ impl Parked {
     }
 
     fn line(&self) -> String {
-        let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
-        format!(
-            "{}  {}  job {}  attempts {}  parked {}  {}",
-            or_dash(self.message_id.map(|id| id.to_string())),
-            or_dash(self.message_type.clone()),
-            or_dash(self.job_id.map(|id| id.to_string())),
-            self.attempts,
-            or_dash(self.parked_at.map(|at| at.to_rfc3339())),
-            self.reason
-        )
+        self.summary("").line()
     }
+}
+
+/// A header's value as people read it.
+fn shown(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::ShortString(text) => text.to_string(),
+        AMQPValue::Boolean(flag) => flag.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::FieldTable(table) => {
+            let entries: Vec<String> =
+                table.inner().iter().map(|(key, value)| format!("{key}: {}", shown(value))).collect();
+            format!("{{{}}}", entries.join(", "))
+        }
+        AMQPValue::FieldArray(array) => {
+            let items: Vec<String> = array.as_slice().iter().map(shown).collect();
+            format!("[{}]", items.join(", "))
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// How long before `now` a message was parked at `parked_at`, if known.
+fn age(parked_at: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Option<Duration> {
+    parked_at.map(|at| now.signed_duration_since(at).to_std().unwrap_or_default())
+}
+
+/// Whether a message parked at `parked_at` was parked longer than `span` before `now` (or at an
+/// unknown time).
+fn older_than(parked_at: Option<DateTime<Utc>>, span: Duration, now: DateTime<Utc>) -> bool {
+    age(parked_at, now).is_none_or(|age| age > span)
 }
 
 impl Filter {
     /// Every message of `job` at `endpoint`.
     fn of_job(job: Uuid, endpoint: Vec<String>) -> Self {
-        Self { endpoint, message_type: None, reason: None, since: None, limit: None, job: Some(job) }
+        Self { job: Some(job), ..Self::of_endpoints(endpoint) }
+    }
+
+    /// Every message at each of `endpoints`.
+    pub fn of_endpoints(endpoints: Vec<String>) -> Self {
+        Self {
+            endpoint: endpoints,
+            message_type: None,
+            reason: None,
+            since: None,
+            limit: None,
+            job: None,
+            message_ids: Vec::new(),
+        }
+    }
+
+    /// The messages `message_ids` at `endpoint` (the console's selection).
+    pub fn of_messages(endpoint: String, message_ids: Vec<Uuid>) -> Self {
+        Self { message_ids, ..Self::of_endpoints(vec![endpoint]) }
+    }
+
+    /// The endpoints it reads.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoint
     }
 
     fn matches(&self, parked: &Parked, now: DateTime<Utc>) -> bool {
         self.message_type.as_ref().is_none_or(|wanted| parked.message_type.as_ref() == Some(wanted))
+            && (self.message_ids.is_empty() || parked.message_id.is_some_and(|id| self.message_ids.contains(&id)))
             && self.job.is_none_or(|job| parked.job_id == Some(job))
             && self.reason.as_ref().is_none_or(|reason| reason.is_match(&parked.reason))
             && self.since.is_none_or(|since| {
@@ -218,7 +477,7 @@ struct Held {
     channel: Channel,
     messages: Vec<Parked>,
     /// Delivery tags acked so far.
-    acked: RefCell<HashSet<u64>>,
+    acked: Mutex<HashSet<u64>>,
 }
 
 impl Held {
@@ -237,7 +496,7 @@ impl Held {
         while let Some(message) = channel.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false }).await? {
             messages.push(Parked::read(message.delivery));
         }
-        Ok(Self { endpoint: endpoint.to_owned(), channel, messages, acked: RefCell::default() })
+        Ok(Self { endpoint: endpoint.to_owned(), channel, messages, acked: Mutex::default() })
     }
 
     /// The messages `filter` selects, in parking order, at most `limit`.
@@ -250,13 +509,13 @@ impl Held {
     async fn ack(&self, index: usize) -> Result<(), Failure> {
         let tag = self.messages[index].delivery.delivery_tag;
         self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
-        self.acked.borrow_mut().insert(tag);
+        self.acked.lock().unwrap_or_else(PoisonError::into_inner).insert(tag);
         Ok(())
     }
 
     /// Put back every message not acked, in its order: one nack of them all, up to the last one.
     async fn give_back(self) -> Result<(), Failure> {
-        let acked = self.acked.borrow().clone();
+        let acked = self.acked.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let last =
             self.messages.iter().map(|parked| parked.delivery.delivery_tag).filter(|tag| !acked.contains(tag)).max();
         if let Some(last) = last {
@@ -273,7 +532,7 @@ fn passive() -> QueueDeclareOptions {
 }
 
 /// Where the broker is: AMQP for the messages, the management API to find the parking queues.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Broker {
     /// The broker's nodes, one AMQP URL each (its path is the vhost).
     pub amqp_url: BrokerNodes,
@@ -281,34 +540,87 @@ pub struct Broker {
     pub management_url: Option<SecretUrl>,
 }
 
-pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> Result<(), Failure> {
-    let nodes = &broker.amqp_url;
-    let (connection, node) = broker::connect_any(nodes, 0, "msgctl")
-        .await
-        .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
+impl Broker {
+    /// A connection to a node that answers, and that node's URL.
+    pub async fn connect(&self, name: &str) -> Result<(Connection, &SecretUrl), Failure> {
+        let nodes = &self.amqp_url;
+        let (connection, node) = broker::connect_any(nodes, 0, name)
+            .await
+            .map_err(|error| Failure::Described(format!("cannot reach the broker at {nodes}: {error}")))?;
+        Ok((connection, nodes.url(node)))
+    }
+}
+
+/// Run `msgctl parked <action>`, printing what it does.
+pub async fn run(action: Action, broker: &Broker, inboxes: &Inboxes, inbox_retention: Duration) -> Result<(), Failure> {
+    let (connection, node) = broker.connect("msgctl").await?;
     // The management API is asked on the node that answered.
-    let node = nodes.url(node);
     let outcome = async {
         match action {
             Action::List { mut filter, json } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                list(&connection, &filter, json).await
+                let listed = list(&connection, &filter).await?;
+                for (summary, _) in &listed {
+                    if json {
+                        println!("{}", serde_json::to_string(summary)?);
+                    } else {
+                        println!("{}  {}", summary.endpoint, summary.line());
+                    }
+                }
+                if !json {
+                    println!("{} parked message(s) selected", listed.len());
+                }
+                Ok(())
             }
             Action::Show { message_id, endpoint } => {
-                show(&connection, message_id, &endpoints(broker, node, endpoint).await?).await
+                let (summary, details) =
+                    show(&connection, message_id, &endpoints(broker, node, endpoint).await?).await?;
+                println!("endpoint: {}", summary.endpoint);
+                println!("message id: {message_id}");
+                println!("type: {}", summary.message_type.as_deref().unwrap_or("-"));
+                println!("correlation id (job): {}", summary.job_id.map_or("-".into(), |id| id.to_string()));
+                println!("headers:");
+                for (key, value) in &details.headers {
+                    println!("  {key}: {value}");
+                }
+                println!("body:\n{}", details.body);
+                Ok(())
             }
             Action::Redrive { mut filter, dry_run, force } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                let horizon = if force { None } else { Some(inbox_retention) };
-                redrive(&connection, &filter, dry_run, horizon).await
+                let how = Redrive { dry_run, force, inbox_retention };
+                let mut report = Report::default();
+                let outcome = redrive(&connection, &filter, how, inboxes, &mut report).await;
+                report.lines().for_each(|line| println!("{line}"));
+                outcome?;
+                let (redriven, refused) = (report.count(how.verb()), report.count(REFUSED));
+                println!(
+                    "{redriven} message(s) {}, {refused} refused",
+                    if dry_run { "would be redriven" } else { "redriven" }
+                );
+                match (redriven, refused) {
+                    (_, refused) if refused > 0 => {
+                        Err(Failure::Described(format!("{refused} message(s) refused (see above)")))
+                    }
+                    (0, _) => Err(Failure::Described("nothing selected".into())),
+                    _ => Ok(()),
+                }
             }
             Action::Purge { mut filter, yes, including_undos } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                end_parked(&connection, &filter, Ending::Purge { yes, including_undos }).await
+                let mut report = Report::default();
+                let ending = Ending::Purge { yes, including_undos };
+                let outcome = end_parked(&connection, &filter, ending, &mut report).await;
+                print_ended(&report, ending);
+                outcome
             }
             Action::Abandon { job, endpoint, note } => {
                 let filter = Filter::of_job(job, endpoints(broker, node, endpoint).await?);
-                end_parked(&connection, &filter, Ending::Abandon { note: &note }).await
+                let mut report = Report::default();
+                let ending = Ending::Abandon { note: &note };
+                let outcome = end_parked(&connection, &filter, ending, &mut report).await;
+                print_ended(&report, ending);
+                outcome
             }
         }
     }
@@ -317,10 +629,18 @@ pub async fn run(action: Action, broker: &Broker, inbox_retention: Duration) -> 
     outcome
 }
 
+/// Print what a purge or an abandon ended, and how many.
+fn print_ended(report: &Report, ending: Ending<'_>) {
+    report.lines().for_each(|line| println!("{line}"));
+    if !report.done.is_empty() {
+        println!("{} message(s) {}", report.done.len(), ending.verb());
+    }
+}
+
 /// The endpoints named, or else every endpoint that has a parking queue (`<endpoint>.parking`) in
 /// the AMQP URL's vhost, by name. AMQP cannot list queues: the management API can (the one given,
-/// or that of `node`, the broker node msgctl is connected to).
-async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Result<Vec<String>, Failure> {
+/// or that of `node`, the broker node connected to).
+pub async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Result<Vec<String>, Failure> {
     if !named.is_empty() {
         return Ok(named);
     }
@@ -357,117 +677,106 @@ async fn endpoints(broker: &Broker, node: &SecretUrl, named: Vec<String>) -> Res
     Ok(found)
 }
 
-async fn list(connection: &Connection, filter: &Filter, json: bool) -> Result<(), Failure> {
-    let mut total = 0;
+/// The messages `filter` selects, endpoint by endpoint, in parking order, with what they carry.
+pub async fn list(connection: &Connection, filter: &Filter) -> Result<Vec<(Summary, Details)>, Failure> {
+    let mut listed = Vec::new();
     for endpoint in &filter.endpoint {
         let held = Held::read(connection, endpoint).await?;
         for index in held.selected(filter) {
             let parked = &held.messages[index];
-            if json {
-                println!("{}", parked.json(endpoint));
-            } else {
-                println!("{endpoint}  {}", parked.line());
-            }
-            total += 1;
+            listed.push((parked.summary(endpoint), parked.details()));
         }
         held.give_back().await?;
     }
-    if !json {
-        println!("{total} parked message(s) selected");
-    }
-    Ok(())
+    Ok(listed)
 }
 
-async fn show(connection: &Connection, message_id: Uuid, endpoints: &[String]) -> Result<(), Failure> {
+/// The parked message `message_id`, found in the first of `endpoints` that holds it.
+pub async fn show(
+    connection: &Connection,
+    message_id: Uuid,
+    endpoints: &[String],
+) -> Result<(Summary, Details), Failure> {
     for endpoint in endpoints {
         let held = Held::read(connection, endpoint).await?;
         let found = held.messages.iter().find(|parked| parked.message_id == Some(message_id));
-        if let Some(parked) = found {
-            println!("endpoint: {endpoint}");
-            print_properties(&parked.delivery.properties);
-            let body = &parked.delivery.data;
-            match serde_json::from_slice::<serde_json::Value>(body) {
-                Ok(json) => println!("body:\n{}", serde_json::to_string_pretty(&json)?),
-                Err(_) => println!("body ({} bytes, not JSON):\n{}", body.len(), String::from_utf8_lossy(body)),
-            }
-        }
-        let shown = found.is_some();
+        let shown = found.map(|parked| (parked.summary(endpoint), parked.details()));
         held.give_back().await?;
-        if shown {
-            return Ok(());
+        if let Some(shown) = shown {
+            return Ok(shown);
         }
     }
     Err(Failure::Described(format!("no parked message {message_id} in {}", endpoints.join(", "))))
 }
 
-fn print_properties(properties: &BasicProperties) {
-    let text = |value: &Option<lapin::types::ShortString>| value.as_ref().map_or("-".into(), ToString::to_string);
-    println!("message id: {}", text(properties.message_id()));
-    println!("type: {}", text(properties.kind()));
-    println!("correlation id (job): {}", text(properties.correlation_id()));
-    println!("headers:");
-    if let Some(headers) = properties.headers() {
-        for (key, value) in headers.inner() {
-            let value = envelope::header_text(headers, key.as_str()).unwrap_or_else(|| format!("{value:?}"));
-            println!("  {key}: {value}");
-        }
+/// What [`Report`] says of a message a redrive refused.
+pub const REFUSED: &str = "refused";
+
+/// How to redrive.
+#[derive(Debug, Clone, Copy)]
+pub struct Redrive {
+    /// Say what would be redriven, and what each message's inbox says; change nothing.
+    pub dry_run: bool,
+    /// Redrive messages parked longer ago than `inbox_retention` too.
+    pub force: bool,
+    /// The consumers' INBOX_RETENTION: a message parked longer ago may have been applied and
+    /// forgotten.
+    pub inbox_retention: Duration,
+}
+
+impl Redrive {
+    /// What [`Report`] says of a message redriven (or that would be).
+    pub fn verb(self) -> &'static str {
+        if self.dry_run { "would redrive" } else { "redriven" }
     }
 }
 
-/// Redrive, refusing messages parked before `horizon` ago (`None`: `--force`).
-async fn redrive(
+/// Redrive what `filter` selects, as `how` says, judging each message against `inboxes`; what was
+/// done goes to `report`, also when it fails part way.
+pub async fn redrive(
     connection: &Connection,
     filter: &Filter,
-    dry_run: bool,
-    horizon: Option<Duration>,
+    how: Redrive,
+    inboxes: &Inboxes,
+    report: &mut Report,
 ) -> Result<(), Failure> {
     let publisher = Publisher::open(connection).await?;
-    let (mut redriven, mut refused) = (0, 0);
     for endpoint in &filter.endpoint {
         let held = Held::read(connection, endpoint).await?;
-        let outcome = redrive_held(&held, filter, dry_run, horizon, &publisher, (&mut redriven, &mut refused)).await;
+        let outcome = redrive_held(&held, filter, how, inboxes, &publisher, report).await;
         // Whatever happened, the rest goes back in its order.
         held.give_back().await?;
         outcome?;
     }
     publisher.close().await;
-    let verb = if dry_run { "would be redriven" } else { "redriven" };
-    println!("{redriven} message(s) {verb}, {refused} refused");
-    match (redriven, refused) {
-        (_, refused) if refused > 0 => Err(Failure::Described(format!("{refused} message(s) refused (see above)"))),
-        (0, _) => Err(Failure::Described("nothing selected".into())),
-        _ => Ok(()),
-    }
+    Ok(())
 }
 
 async fn redrive_held(
     held: &Held,
     filter: &Filter,
-    dry_run: bool,
-    horizon: Option<Duration>,
+    how: Redrive,
+    inboxes: &Inboxes,
     publisher: &Publisher,
-    (redriven, refused): (&mut usize, &mut usize),
+    report: &mut Report,
 ) -> Result<(), Failure> {
     let now = Utc::now();
     for index in held.selected(filter) {
         let parked = &held.messages[index];
-        if let Some(horizon) = horizon {
-            let age = parked.parked_at.map(|at| now.signed_duration_since(at).to_std().unwrap_or_default());
-            if age.is_none_or(|age| age > horizon) {
-                let when = age.map_or("at an unknown time".into(), |age| format!("{} ago", format_duration(age)));
-                println!(
-                    "refused {}: parked {when}, beyond the inbox retention of {} (INBOX_RETENTION): its inbox row may \
-                     be gone, so it could be applied twice; --force redrives it anyway",
-                    parked.line(),
-                    format_duration(horizon)
-                );
-                *refused += 1;
-                continue;
-            }
+        let verdict = inboxes.verdict(&parked.summary(&held.endpoint), how.inbox_retention).await;
+        if !how.force && older_than(parked.parked_at, how.inbox_retention, now) {
+            let when = age(parked.parked_at, now)
+                .map_or("at an unknown time".into(), |age| format!("{} ago", format_duration(age)));
+            let note = format!(
+                "parked {when}, beyond the inbox retention of {} (INBOX_RETENTION): its inbox row may be gone, so \
+                 it could be applied twice; --force redrives it anyway",
+                format_duration(how.inbox_retention)
+            );
+            report.add(REFUSED, &held.endpoint, parked, Some(verdict), Some(note));
+            continue;
         }
-        if dry_run {
-            println!("would redrive {}  {}", held.endpoint, parked.line());
-            *redriven += 1;
+        if how.dry_run {
+            report.add(how.verb(), &held.endpoint, parked, Some(verdict), None);
             continue;
         }
         let redrive_count = parked.redrive_count + 1;
@@ -492,15 +801,14 @@ async fn redrive_held(
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
-        println!("redriven {}  {}", held.endpoint, parked.line());
-        *redriven += 1;
+        report.add(how.verb(), &held.endpoint, parked, Some(verdict), None);
     }
     Ok(())
 }
 
 /// Publish a job event (confirmed). One that reaches no queue (no status consumer bound) is a
 /// warning or a failure, as `unroutable` says.
-pub(crate) async fn send_job_event<C: JobEvent>(
+pub async fn send_job_event<C: JobEvent>(
     publisher: &Publisher,
     event: &C,
     unroutable: Unroutable,
@@ -524,17 +832,25 @@ pub(crate) async fn send_job_event<C: JobEvent>(
 
 /// How `purge` and `abandon` end the parked messages they select.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ending<'a> {
+pub enum Ending<'a> {
     /// Delete them (only with `yes`; an undo only with `including_undos`); a message of a job
     /// abandons the job first.
-    Purge { yes: bool, including_undos: bool },
+    Purge {
+        /// Confirmed: without it, nothing is deleted.
+        yes: bool,
+        /// Undo messages are deleted too, rather than refused.
+        including_undos: bool,
+    },
     /// Abandon the job of each (with the operator's note), then delete it.
-    Abandon { note: &'a str },
+    Abandon {
+        /// Why, for the job's record.
+        note: &'a str,
+    },
 }
 
 impl Ending<'_> {
     /// What is said of each message ended.
-    fn verb(self) -> &'static str {
+    pub fn verb(self) -> &'static str {
         match self {
             Self::Purge { .. } => "purged",
             Self::Abandon { .. } => "abandoned",
@@ -556,10 +872,16 @@ impl Ending<'_> {
     }
 }
 
-/// End the messages `filter` selects, endpoint by endpoint, as `ending` says. Refused, with
-/// nothing ended, if it selects an undo ([`refuse_undos`]); an undo parked after that check is
-/// kept, and the command fails saying so once the rest is ended.
-async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>) -> Result<(), Failure> {
+/// End the messages `filter` selects, endpoint by endpoint, as `ending` says; what was ended goes
+/// to `report`, also when it fails part way. Refused, with nothing ended, if it selects an undo
+/// (`refuse_undos`); an undo parked after that check is kept, and the command fails saying so
+/// once the rest is ended.
+pub async fn end_parked(
+    connection: &Connection,
+    filter: &Filter,
+    ending: Ending<'_>,
+    report: &mut Report,
+) -> Result<(), Failure> {
     if !ending.ends_undos() {
         refuse_undos(connection, filter, ending).await?;
     }
@@ -576,7 +898,7 @@ async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>
                 selected.len()
             )));
         }
-        let outcome = end_held(&held, &selected, ending, &publisher, &mut kept).await;
+        let outcome = end_held(&held, &selected, ending, &publisher, &mut kept, report).await;
         held.give_back().await?;
         ended += outcome?;
     }
@@ -592,10 +914,7 @@ async fn end_parked(connection: &Connection, filter: &Filter, ending: Ending<'_>
     match (ended, ending) {
         (0, Ending::Purge { .. }) => Err(Failure::Described("nothing selected".into())),
         (0, Ending::Abandon { .. }) => Err(Failure::Described("no parked message of this job".into())),
-        (ended, ending) => {
-            println!("{ended} message(s) {}", ending.verb());
-            Ok(())
-        }
+        _ => Ok(()),
     }
 }
 
@@ -637,7 +956,7 @@ async fn refuse_undos(connection: &Connection, filter: &Filter, ending: Ending<'
 
 /// What to do when a job event reaches no queue (no status consumer is bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Unroutable {
+pub enum Unroutable {
     /// Warn, and go on (`redrive`: the copy is sent; `purge`: the message is deleted anyway).
     Warn,
     /// Fail: the message stays parked (`abandon`: nothing would end its job).
@@ -655,6 +974,7 @@ async fn end_held(
     ending: Ending<'_>,
     publisher: &Publisher,
     kept: &mut Vec<String>,
+    report: &mut Report,
 ) -> Result<usize, Failure> {
     let note = match ending {
         Ending::Purge { .. } => "purged with msgctl",
@@ -678,7 +998,7 @@ async fn end_held(
             continue;
         }
         held.ack(index).await?;
-        println!("{} {}  {}", ending.verb(), held.endpoint, parked.line());
+        report.add(ending.verb(), &held.endpoint, parked, None, None);
         ended += 1;
     }
     Ok(ended)

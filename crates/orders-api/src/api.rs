@@ -256,7 +256,7 @@ pub(crate) async fn place_order(
 }
 
 /// Check the content type, read at most [`MAX_BODY_BYTES`], parse.
-async fn read_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+pub(crate) async fn read_json<T: serde::de::DeserializeOwned>(headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let essence = content_type.split(';').next().unwrap_or("").trim();
     if !essence.eq_ignore_ascii_case("application/json") {

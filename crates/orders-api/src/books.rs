@@ -87,16 +87,9 @@ pub fn start(
         tracing::info!("the books are not checked (BOOKS_CHECK=off)");
         return Ok(());
     }
-    let url = |named: &Option<SecretUrl>, database: &str| match named {
-        Some(url) => Ok(url.clone()),
-        None => beside(own, database),
-    };
-    let (inventory, billing) = match (
-        url(&args.books_inventory_url, "inventory"),
-        url(&args.books_billing_url, "billing"),
-    ) {
-        (Ok(inventory), Ok(billing)) => (inventory, billing),
-        (Err(error), _) | (_, Err(error)) => {
+    let (inventory, billing) = match reader_urls(args, own) {
+        Ok(urls) => urls,
+        Err(error) => {
             // Not a reason to stop taking orders: the check says it cannot run, and pages.
             tracing::warn!(%error, "cannot check the books: set BOOKS_INVENTORY_URL and BOOKS_BILLING_URL, or BOOKS_CHECK=off");
             metrics.up.get_or_create(&Vec::new()).set(0);
@@ -119,6 +112,16 @@ pub fn start(
         }
     });
     Ok(())
+}
+
+/// The inventory and billing databases through a read-only role: as named, or else guessed beside
+/// `own`, the orders database's URL, through the `books` role.
+pub fn reader_urls(args: &BooksArgs, own: &SecretUrl) -> Result<(SecretUrl, SecretUrl), sqlx::Error> {
+    let url = |named: &Option<SecretUrl>, database: &str| match named {
+        Some(url) => Ok(url.clone()),
+        None => beside(own, database),
+    };
+    Ok((url(&args.books_inventory_url, "inventory")?, url(&args.books_billing_url, "billing")?))
 }
 
 /// The URL of `database` through the `books` role on the server `own` names, with its TLS and

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod auth;
 pub mod books;
+pub mod console;
 pub mod jobs;
 pub mod openapi;
 pub mod order;
@@ -81,6 +82,9 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub auth: auth::AuthArgs,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub console: console::ConsoleArgs,
 }
 
 impl BinarySettings for Config {
@@ -90,6 +94,16 @@ impl BinarySettings for Config {
 
     fn check(&self) -> Result<(), String> {
         self.common.consumer.check()?;
+        if let Some(console) = &self.console.console_amqp_url {
+            let own = self.common.service.broker.amqp_url.vhost();
+            if console.vhost() != own {
+                return Err(format!(
+                    "CONSOLE_AMQP_URL names vhost `{}`, but AMQP_URL vhost `{own}`: the console acts on this \
+                     service's vhost",
+                    console.vhost()
+                ));
+            }
+        }
         self.auth.auth().map(drop)
     }
 }
@@ -116,6 +130,28 @@ pub fn app(
         // health routes, merged by the service runtime, are outside both layers: a 503 from
         // /readyz is a state, logged when it changes, `Readiness::set`.)
         .layer(TraceLayer::new_for_http().on_failure(()))
+}
+
+/// The console of parked messages, if `CONSOLE_AMQP_URL` is set. It reads the inboxes of this
+/// database and, through the books' read-only role, of inventory's and billing's: where those
+/// cannot be reached, their messages' verdicts say the inbox was not read.
+fn console(config: &Config, orders: &PgPool, auth: &auth::Auth) -> Option<console::Console> {
+    let amqp_url = config.console.console_amqp_url.clone()?;
+    let mut inboxes = vec![orders.clone()];
+    match books::reader_urls(&config.books, &config.common.database_url) {
+        Ok(urls) => {
+            for url in [urls.0, urls.1] {
+                match shop::books::read_only(url.expose(), std::time::Duration::from_secs(5)) {
+                    Ok(pool) => inboxes.push(pool),
+                    Err(error) => tracing::warn!(%url, %error, "the console cannot read this inbox"),
+                }
+            }
+        }
+        Err(error) => tracing::warn!(%error, "the console reads no other service's inbox (BOOKS_*_URL)"),
+    }
+    let retention = config.common.consumer.inbox_retention;
+    let inboxes = msgctl::parked::Inboxes::of_pools(inboxes);
+    Some(console::Console::new(amqp_url, config.rabbitmq_management_url.clone(), inboxes, retention, auth.clone()))
 }
 
 /// Run the API on `listener` and the status consumer until `shutdown`.
@@ -164,6 +200,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
             config.rabbitmq_management_url.clone().map(|url| (url, broker.amqp_url.management_queues_path())),
             auth.clone(),
         )
+        .with_console(console(&config, &pool, &auth))
     });
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let limits =

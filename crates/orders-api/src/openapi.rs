@@ -9,7 +9,7 @@
 use axum::{Json, Router, routing::get};
 use utoipa::OpenApi;
 
-use crate::{api, jobs, order, overview, problem, story};
+use crate::{api, console, jobs, order, overview, problem, story};
 
 /// The document.
 #[derive(OpenApi)]
@@ -27,6 +27,10 @@ use crate::{api, jobs, order, overview, problem, story};
         api::cancel_order,
         overview_page,
         overview_data,
+        console::list,
+        console::redrive,
+        console::abandon,
+        console::purge,
         healthz,
         readyz,
         metrics,
@@ -49,6 +53,16 @@ use crate::{api, jobs, order, overview, problem, story};
         overview::EndpointCounts,
         overview::OutboxBacklog,
         overview::ParkingQueue,
+        console::Parked,
+        console::Group,
+        console::Message,
+        console::Selection,
+        console::RedriveRequest,
+        console::Outcome,
+        msgctl::parked::Summary,
+        msgctl::parked::Details,
+        msgctl::parked::Verdict,
+        msgctl::parked::Done,
         Liveness,
         Readiness,
     )),

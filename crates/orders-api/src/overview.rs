@@ -27,6 +27,7 @@ pub struct Sources {
     metrics: Vec<String>,
     management: Option<(SecretUrl, String)>,
     auth: Auth,
+    console: Option<crate::console::Console>,
 }
 
 impl axum::extract::FromRef<Sources> for Auth {
@@ -47,7 +48,12 @@ impl Sources {
         management: Option<(SecretUrl, String)>,
         auth: Auth,
     ) -> Self {
-        Self { pool, health, metrics, management, auth }
+        Self { pool, health, metrics, management, auth, console: None }
+    }
+
+    /// With the console of parked messages (`/parked`), which is off without one.
+    pub fn with_console(self, console: Option<crate::console::Console>) -> Self {
+        Self { console, ..self }
     }
 
     /// `GET url` (basic auth from its user info; `https://` as [`messaging::runtime::http`] does it), its
@@ -67,10 +73,12 @@ impl Sources {
 
 /// `GET /` and `GET /overview`.
 pub fn routes(sources: Sources) -> Router {
+    let console = crate::console::routes(sources.console.clone(), sources.auth.clone());
     Router::new()
         .route("/", get(|| async { Html(include_str!("page.html")) }))
         .route("/overview", get(overview))
         .with_state(sources)
+        .merge(console)
 }
 
 /// What `GET /overview` answers.

@@ -171,13 +171,15 @@ impl TestEnv {
     }
 
     /// Run the real `msgctl` with `args` against this test's servers: its broker (`AMQP_URL`, the
-    /// management API), the orders outbox (`DATABASE_URL`) and the three databases of the books
-    /// (`BOOKS_*_URL`).
+    /// management API), the orders outbox (`DATABASE_URL`), the three services' inboxes
+    /// (`INBOX_DATABASE_URL`) and the three databases of the books (`BOOKS_*_URL`).
     pub async fn msgctl(&self, args: &[&str]) -> std::process::Output {
+        let inboxes = ["orders", "inventory", "billing"].map(|service| self.database_url(service)).join(",");
         tokio::process::Command::new(process::binary("msgctl"))
             .env("AMQP_URL", self.amqp_url())
             .env("RABBITMQ_MANAGEMENT_URL", self.management_url())
             .env("DATABASE_URL", self.database_url("orders"))
+            .env("INBOX_DATABASE_URL", inboxes)
             .env("BOOKS_ORDERS_URL", self.database_url("orders"))
             .env("BOOKS_INVENTORY_URL", self.database_url("inventory"))
             .env("BOOKS_BILLING_URL", self.database_url("billing"))

@@ -81,7 +81,10 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     let output =
         shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY, "--reason", "FLAKY", "--dry-run"]).await;
     assert!(output.status.success(), "{output:?}");
-    assert!(String::from_utf8_lossy(&output.stdout).contains("1 message(s) would be redriven"), "{output:?}");
+    let said = String::from_utf8_lossy(&output.stdout);
+    assert!(said.contains("1 message(s) would be redriven"), "{output:?}");
+    // Its consumer's inbox has it not: a copy would apply.
+    assert!(said.contains(&format!("would redrive {INVENTORY}  ")) && said.contains("[will apply]"), "{said}");
     assert_eq!(parked_jobs(&shop.env).await, before, "a dry run moves nothing");
     assert_eq!(shop.job(flaky).await["state"], "quarantined");
 
@@ -125,6 +128,74 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
     assert_eq!(after_publish, ["accepted", "retry_scheduled", "parked", "redriven", "reserved", "invoiced", "ended"]);
 }
 
+/// The live page's console (`/parked`) runs msgctl's implementation over HTTP: for operators
+/// only; a selection of nothing refused, nothing changed; a dry run that reads inventory's inbox
+/// and moves nothing; once the fault is lifted, a redrive, and the job succeeds.
+#[tokio::test]
+async fn the_console_lists_judges_and_redrives_a_parked_message_for_operators_only() {
+    let options = Options { demo_faults: true, max_attempts: 1, ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let job = shop.place(&[("POISON-1", 1)]).await;
+    shop.wait_for_state(job, "quarantined").await;
+    let operator = testkit::auth::bearer(&testkit::auth::operator());
+    let customer = testkit::auth::bearer(&testkit::auth::customer("chaos"));
+    let front = shop.front();
+    let console = |method: &'static str, path: &'static str, token: Option<String>, body: Option<String>| {
+        let url = format!("{front}{path}");
+        async move {
+            let mut headers = vec![("Content-Type", "application/json".to_owned())];
+            headers.extend(token.map(|token| ("Authorization", token)));
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(name, value)| (*name, value.as_str())).collect();
+            http::request(method, &url, &headers, body.as_deref()).await.expect("the console answers")
+        }
+    };
+    assert_eq!(console("GET", "/parked", None, None).await.status, 401);
+    assert_eq!(console("GET", "/parked", Some(customer.clone()), None).await.status, 403);
+
+    let parked = console("GET", "/parked", Some(operator.clone()), None).await;
+    assert_eq!(parked.status, 200, "{}", String::from_utf8_lossy(&parked.body));
+    let parked = parked.json();
+    let groups = parked["groups"].as_array().expect("groups");
+    let [group] = groups.as_slice() else { panic!("one group: {parked}") };
+    assert_eq!(group["endpoint"], INVENTORY);
+    let [message] = group["messages"].as_array().expect("messages").as_slice() else { panic!("one: {parked}") };
+    assert_eq!(message["summary"]["jobId"], job.to_string());
+    assert_eq!(message["verdict"], "will_apply", "inventory's inbox has it not");
+    assert!(message["details"]["body"].as_str().is_some_and(|body| body.contains("POISON-1")), "{message}");
+    let message_id = message["summary"]["messageId"].as_str().expect("messageId").to_owned();
+
+    let selection = |ids: &str, extra: &str| format!(r#"{{"endpoint":"{INVENTORY}","messageIds":[{ids}]{extra}}}"#);
+    let quoted = format!("\"{message_id}\"");
+    for bad in [selection("", ""), selection(&quoted, r#","dryRun":"yes""#), selection(&quoted, r#","typo":1"#)] {
+        let refused = console("POST", "/parked/redrive", Some(operator.clone()), Some(bad.clone())).await;
+        assert_eq!(refused.status, 400, "{bad}: {}", String::from_utf8_lossy(&refused.body));
+    }
+    let refused = console("POST", "/parked/purge", Some(customer), Some(selection(&quoted, ""))).await;
+    assert_eq!(refused.status, 403);
+    assert_eq!(parked_jobs(&shop.env).await, [job], "nothing changed");
+
+    let dry = console("POST", "/parked/redrive", Some(operator.clone()), Some(selection(&quoted, r#","dryRun":true"#)));
+    let dry = dry.await.json();
+    assert_eq!(
+        (&dry["done"][0]["action"], &dry["done"][0]["verdict"]),
+        (&Value::from("would redrive"), &Value::from("will_apply")),
+        "{dry}"
+    );
+    assert_eq!(dry["error"], Value::Null, "{dry}");
+    assert_eq!(parked_jobs(&shop.env).await, [job], "a dry run moves nothing");
+    assert_eq!(shop.job(job).await["state"], "quarantined");
+
+    for service in [Service::Inventory, Service::Billing] {
+        shop.kill(service).await;
+        shop.restart_with(service, &[("DEMO_FAULTS", "false")]).await;
+    }
+    let done = console("POST", "/parked/redrive", Some(operator.clone()), Some(selection(&quoted, ""))).await.json();
+    assert_eq!(done["done"][0]["action"], "redriven", "{done}");
+    shop.wait_for_state(job, "succeeded").await;
+    let parked = console("GET", "/parked", Some(operator), None).await.json();
+    assert_eq!(parked["groups"], serde_json::json!([]), "{parked}");
+}
+
 /// The headers the runtime gives a message it parks at `endpoint` for `reason`, parked now.
 fn parking_headers(endpoint: &str, reason: &str) -> [(&'static str, AMQPValue); 4] {
     [
@@ -148,6 +219,12 @@ async fn a_parked_copy_of_an_applied_message_is_redriven_and_skipped_by_the_inbo
     let job = shop.place(&[("SKU-2", 3)]).await;
     shop.wait_for_state(job, "succeeded").await;
     park_a_copy(&shop, job).await;
+
+    // The dry run reads inventory's inbox: applied, so the copy will be skipped.
+    let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY, "--dry-run"]).await;
+    assert!(output.status.success(), "{output:?}");
+    let said = String::from_utf8_lossy(&output.stdout);
+    assert!(said.contains("[already applied: will be skipped]"), "{said}");
 
     let output = shop.env.msgctl(&["parked", "redrive", "--endpoint", INVENTORY]).await;
     assert!(output.status.success(), "{output:?}");

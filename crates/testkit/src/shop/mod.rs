@@ -255,8 +255,10 @@ impl Shop {
             }
             if service == Service::Api {
                 vars.push(("AUTH_JWT_KEY", crate::auth::KEY.to_owned()));
-                // The live page's parking depths, of the test's own vhost.
+                // The live page's parking depths, of the test's own vhost, and its console of
+                // parked messages, as the test's (administrator's) broker user.
                 vars.push(("RABBITMQ_MANAGEMENT_URL", env.management_url().to_owned()));
+                vars.push(("CONSOLE_AMQP_URL", env.amqp_url()));
                 // The books checked as in production, through the read-only role where there is one;
                 // by the first API only (each would check the same books, with connections of its
                 // own, and the test servers' connection slots are few).
