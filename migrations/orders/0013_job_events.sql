@@ -1,12 +1,15 @@
 -- One job's story (issue 57, `GET /jobs/{id}/events`): every step the orders database learns of,
 -- in the order it learns them. Written in the transaction of what it records (the status
--- consumer's event, a cancel), so a row exists exactly when its step was applied, and never
--- updated. Being accepted and published are read from the job's own row (`created_at`,
--- `published_at`), so the hot path of `POST /orders` and the relay's mark write nothing here, and a
--- job from before this migration still shows both.
+-- consumer's event, an end decided by a cancel or an event, the relay's mark of `order.placed`:
+-- the trigger below), so a row exists exactly when its step was applied, and never updated. Being
+-- accepted is read from the job's own row (`created_at`): `POST /orders` writes nothing more, and
+-- a job from before this migration still shows it.
 create table job_events (
     id          bigint      generated always as identity primary key,
-    job_id      uuid        not null references jobs (id),
+    -- No foreign key: its check would take a KEY SHARE lock on the job's row before the status
+    -- consumer's FOR UPDATE of it, and two events of one job applied at once would deadlock. Rows
+    -- are written only for a job that exists (`story::record`), and jobs are never deleted.
+    job_id      uuid        not null,
     at          timestamptz not null default clock_timestamp(),
     -- What happened (`orders_api::story::Kind`).
     kind        text        not null,

@@ -87,8 +87,7 @@ fn main() -> ExitCode {
                 let broker = parked::Broker { amqp_url: cli.broker.amqp_url, management_url: cli.management_url };
                 let inboxes =
                     if cli.inbox_database_urls.is_empty() { &cli.database_urls } else { &cli.inbox_database_urls };
-                let inboxes = parked::Inboxes::connect_lazy(inboxes)?;
-                parked::run(action, &broker, &inboxes, cli.inbox_retention).await
+                parked::run(action, &broker, inboxes, cli.inbox_retention).await
             }
             Command::Outbox { action } => outbox::run(action, &cli.database_urls, &cli.broker.amqp_url).await,
             Command::Books(args) => books::run(args).await,

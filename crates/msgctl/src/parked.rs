@@ -184,7 +184,7 @@ pub struct Details {
     pub body: String,
 }
 
-/// What a redrive of a message would do, from its consumer's inbox ([`Inboxes::verdict`]).
+/// What a redrive of a message would do, from its consumer's inbox ([`Inboxes::verdicts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Verdict {
@@ -195,7 +195,8 @@ pub enum Verdict {
     /// Parked longer ago than the inbox's retention: its row may be gone, so a copy could apply a
     /// second time. A redrive refuses it without `--force`.
     InboxRowGone,
-    /// No inbox was read (no database given for it, or none answered).
+    /// Its inbox was not read: no database was given, or one did not answer (it may be the one
+    /// holding the row).
     InboxNotRead,
 }
 
@@ -240,31 +241,53 @@ impl Inboxes {
         Self { pools }
     }
 
-    /// What redriving `parked` would do: whether its consumer's inbox has it, and if not whether
-    /// it would still have it (parked within `retention`).
-    pub async fn verdict(&self, parked: &Summary, retention: Duration) -> Verdict {
-        let (endpoint, parked_at) = (&parked.endpoint, parked.parked_at);
-        let Some(message_id) = parked.message_id else { return Verdict::InboxNotRead };
-        let mut read = false;
-        for pool in &self.pools {
-            let found: Result<bool, sqlx::Error> =
-                sqlx::query_scalar("select exists (select from inbox where message_id = $1 and endpoint = $2)")
-                    .bind(message_id)
-                    .bind(endpoint)
-                    .fetch_one(pool)
-                    .await;
-            match found {
-                Ok(true) => return Verdict::AlreadyApplied,
-                Ok(false) => read = true,
-                Err(_) => {}
+    /// What redriving each of `parked` would do, in their order: whether its consumer's inbox
+    /// has it, and if not whether it would still have it (parked within `retention`). One query
+    /// per database and endpoint, each given [`INBOX_QUERY_DEADLINE`]; a database that does not
+    /// answer in time is not read.
+    pub async fn verdicts(&self, parked: &[Summary], retention: Duration) -> Vec<Verdict> {
+        let mut by_endpoint: BTreeMap<&str, Vec<Uuid>> = BTreeMap::new();
+        for message in parked {
+            if let Some(id) = message.message_id {
+                by_endpoint.entry(message.endpoint.as_str()).or_default().push(id);
             }
         }
-        if !read {
-            return Verdict::InboxNotRead;
+        // Which database holds an endpoint's inbox is not known here: an endpoint counts as read
+        // only if every database answered (one that did not may be the one that has the row).
+        let (mut applied, mut unread) = (HashSet::new(), HashSet::new());
+        for (endpoint, ids) in &by_endpoint {
+            if self.pools.is_empty() {
+                unread.insert(*endpoint);
+            }
+            for pool in &self.pools {
+                let query = sqlx::query_scalar::<_, Uuid>(
+                    "select message_id from inbox where endpoint = $1 and message_id = any($2)",
+                )
+                .bind(endpoint)
+                .bind(ids)
+                .fetch_all(pool);
+                match tokio::time::timeout(INBOX_QUERY_DEADLINE, query).await {
+                    Ok(Ok(found)) => applied.extend(found.into_iter().map(|id| (*endpoint, id))),
+                    _ => {
+                        unread.insert(*endpoint);
+                    }
+                }
+            }
         }
-        if older_than(parked_at, retention, Utc::now()) { Verdict::InboxRowGone } else { Verdict::WillApply }
+        let now = Utc::now();
+        let verdict = |message: &Summary| match message.message_id {
+            None => Verdict::InboxNotRead,
+            Some(id) if applied.contains(&(message.endpoint.as_str(), id)) => Verdict::AlreadyApplied,
+            Some(_) if unread.contains(message.endpoint.as_str()) => Verdict::InboxNotRead,
+            Some(_) if older_than(message.parked_at, retention, now) => Verdict::InboxRowGone,
+            Some(_) => Verdict::WillApply,
+        };
+        parked.iter().map(verdict).collect()
     }
 }
+
+/// How long one inbox query may take ([`Inboxes::verdicts`]).
+pub const INBOX_QUERY_DEADLINE: Duration = Duration::from_secs(5);
 
 /// What a command did, or would do, with one parked message.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -285,11 +308,24 @@ pub struct Done {
 pub struct Report {
     /// Each message acted on (or, in a dry run, that would be).
     pub done: Vec<Done>,
+    /// Print each line as it is added (the command line: a command killed part way has said
+    /// what it did).
+    #[serde(skip)]
+    echo: bool,
 }
 
 impl Report {
+    /// A report that prints each message's line as it is added ([`Report::lines`]).
+    pub fn printing() -> Self {
+        Self { echo: true, ..Self::default() }
+    }
+
     fn add(&mut self, action: &str, endpoint: &str, parked: &Parked, verdict: Option<Verdict>, note: Option<String>) {
-        self.done.push(Done { action: action.to_owned(), message: parked.summary(endpoint), verdict, note });
+        let done = Done { action: action.to_owned(), message: parked.summary(endpoint), verdict, note };
+        if self.echo {
+            println!("{}", done.line());
+        }
+        self.done.push(done);
     }
 
     /// How many messages had `action`.
@@ -299,11 +335,16 @@ impl Report {
 
     /// One line per message, as the command line prints them.
     pub fn lines(&self) -> impl Iterator<Item = String> + '_ {
-        self.done.iter().map(|done| {
-            let verdict = done.verdict.map(|verdict| format!("  [{}]", verdict.describe())).unwrap_or_default();
-            let note = done.note.as_ref().map(|note| format!(": {note}")).unwrap_or_default();
-            format!("{} {}  {}{verdict}{note}", done.action, done.message.endpoint, done.message.line())
-        })
+        self.done.iter().map(Done::line)
+    }
+}
+
+impl Done {
+    /// What was done, to which message, and why (the command line's line).
+    pub fn line(&self) -> String {
+        let verdict = self.verdict.map(|verdict| format!("  [{}]", verdict.describe())).unwrap_or_default();
+        let note = self.note.as_ref().map(|note| format!(": {note}")).unwrap_or_default();
+        format!("{} {}  {}{verdict}{note}", self.action, self.message.endpoint, self.message.line())
     }
 }
 
@@ -551,8 +592,14 @@ impl Broker {
     }
 }
 
-/// Run `msgctl parked <action>`, printing what it does.
-pub async fn run(action: Action, broker: &Broker, inboxes: &Inboxes, inbox_retention: Duration) -> Result<(), Failure> {
+/// Run `msgctl parked <action>`, printing what it does; a redrive reads the inboxes of
+/// `inbox_urls` ([`Inboxes`]).
+pub async fn run(
+    action: Action,
+    broker: &Broker,
+    inbox_urls: &[SecretUrl],
+    inbox_retention: Duration,
+) -> Result<(), Failure> {
     let (connection, node) = broker.connect("msgctl").await?;
     // The management API is asked on the node that answered.
     let outcome = async {
@@ -589,10 +636,9 @@ pub async fn run(action: Action, broker: &Broker, inboxes: &Inboxes, inbox_reten
             Action::Redrive { mut filter, dry_run, force } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
                 let how = Redrive { dry_run, force, inbox_retention };
-                let mut report = Report::default();
-                let outcome = redrive(&connection, &filter, how, inboxes, &mut report).await;
-                report.lines().for_each(|line| println!("{line}"));
-                outcome?;
+                let inboxes = Inboxes::connect_lazy(inbox_urls)?;
+                let mut report = Report::printing();
+                redrive(&connection, &filter, how, &inboxes, &mut report).await?;
                 let (redriven, refused) = (report.count(how.verb()), report.count(REFUSED));
                 println!(
                     "{redriven} message(s) {}, {refused} refused",
@@ -608,33 +654,25 @@ pub async fn run(action: Action, broker: &Broker, inboxes: &Inboxes, inbox_reten
             }
             Action::Purge { mut filter, yes, including_undos } => {
                 filter.endpoint = endpoints(broker, node, filter.endpoint).await?;
-                let mut report = Report::default();
-                let ending = Ending::Purge { yes, including_undos };
-                let outcome = end_parked(&connection, &filter, ending, &mut report).await;
-                print_ended(&report, ending);
-                outcome
+                let mut report = Report::printing();
+                let ending = Ending::Purge { yes, including_undos, note: "purged with msgctl" };
+                end_parked(&connection, &filter, ending, &mut report).await?;
+                println!("{} message(s) {}", report.done.len(), ending.verb());
+                Ok(())
             }
             Action::Abandon { job, endpoint, note } => {
                 let filter = Filter::of_job(job, endpoints(broker, node, endpoint).await?);
-                let mut report = Report::default();
+                let mut report = Report::printing();
                 let ending = Ending::Abandon { note: &note };
-                let outcome = end_parked(&connection, &filter, ending, &mut report).await;
-                print_ended(&report, ending);
-                outcome
+                end_parked(&connection, &filter, ending, &mut report).await?;
+                println!("{} message(s) {}", report.done.len(), ending.verb());
+                Ok(())
             }
         }
     }
     .await;
     let _ = connection.close(200, "bye".into()).await;
     outcome
-}
-
-/// Print what a purge or an abandon ended, and how many.
-fn print_ended(report: &Report, ending: Ending<'_>) {
-    report.lines().for_each(|line| println!("{line}"));
-    if !report.done.is_empty() {
-        println!("{} message(s) {}", report.done.len(), ending.verb());
-    }
 }
 
 /// The endpoints named, or else every endpoint that has a parking queue (`<endpoint>.parking`) in
@@ -761,9 +799,11 @@ async fn redrive_held(
     report: &mut Report,
 ) -> Result<(), Failure> {
     let now = Utc::now();
-    for index in held.selected(filter) {
+    let selected = held.selected(filter);
+    let summaries: Vec<Summary> = selected.iter().map(|&index| held.messages[index].summary(&held.endpoint)).collect();
+    let verdicts = inboxes.verdicts(&summaries, how.inbox_retention).await;
+    for (index, verdict) in selected.into_iter().zip(verdicts) {
         let parked = &held.messages[index];
-        let verdict = inboxes.verdict(&parked.summary(&held.endpoint), how.inbox_retention).await;
         if !how.force && older_than(parked.parked_at, how.inbox_retention, now) {
             let when = age(parked.parked_at, now)
                 .map_or("at an unknown time".into(), |age| format!("{} ago", format_duration(age)));
@@ -840,6 +880,8 @@ pub enum Ending<'a> {
         yes: bool,
         /// Undo messages are deleted too, rather than refused.
         including_undos: bool,
+        /// Why, for the record of each job abandoned.
+        note: &'a str,
     },
     /// Abandon the job of each (with the operator's note), then delete it.
     Abandon {
@@ -913,7 +955,9 @@ pub async fn end_parked(
     }
     match (ended, ending) {
         (0, Ending::Purge { .. }) => Err(Failure::Described("nothing selected".into())),
-        (0, Ending::Abandon { .. }) => Err(Failure::Described("no parked message of this job".into())),
+        (0, Ending::Abandon { .. }) => {
+            Err(Failure::Described("nothing selected: no parked message of a job (a job event is only purged)".into()))
+        }
         _ => Ok(()),
     }
 }
@@ -976,10 +1020,7 @@ async fn end_held(
     kept: &mut Vec<String>,
     report: &mut Report,
 ) -> Result<usize, Failure> {
-    let note = match ending {
-        Ending::Purge { .. } => "purged with msgctl",
-        Ending::Abandon { note } => note,
-    };
+    let (Ending::Purge { note, .. } | Ending::Abandon { note }) = ending;
     let mut ended = 0;
     for &index in selected {
         let parked = &held.messages[index];

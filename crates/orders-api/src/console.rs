@@ -31,9 +31,16 @@ use crate::{
     problem::ApiError,
 };
 
-/// How long one console command may take: past it, it is given up, and every message it had not
-/// dealt with goes back to parking, in its order, as its connection closes.
+/// How long a request waits for its console command. A read past it is given up (what it held goes
+/// back to parking, in its order, as its connection closes); a command that acts goes on, to
+/// [`GIVE_UP`], and a later read shows what it did.
 const DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long a command that acts may run at all: past it, it is given up as a read is.
+const GIVE_UP: Duration = Duration::from_secs(600);
+
+/// The name of the console's broker connections.
+const CONNECTION: &str = "orders-api console";
 
 /// The console's settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -184,21 +191,26 @@ impl Selection {
     responses((status = 200, description = "The parked messages.", body = Parked), ConsoleFailure))]
 pub(crate) async fn list(State(console): State<Console>, caller: Caller) -> Result<Json<Parked>, ApiError> {
     caller.operator("the console")?;
-    let _one = console.one_at_a_time.lock().await;
+    let _one = console.alone()?;
     let read = async {
-        let (connection, node) = console.broker.connect("orders-api console").await?;
+        let (connection, node) = console.broker.connect(CONNECTION).await?;
         let listed = async {
             let endpoints = parked::endpoints(&console.broker, node, Vec::new()).await?;
             parked::list(&connection, &Filter::of_endpoints(endpoints)).await
         }
         .await;
         let _ = connection.close(200, "bye".into()).await;
-        listed
+        let listed = listed?;
+        let summaries: Vec<Summary> = listed.iter().map(|(summary, _)| summary.clone()).collect();
+        let verdicts = console.inboxes.verdicts(&summaries, console.inbox_retention).await;
+        Ok::<_, msgctl::Failure>((listed, verdicts))
     };
-    let listed = within(read).await?.map_err(unavailable)?;
+    let (listed, verdicts) = tokio::time::timeout(DEADLINE, read)
+        .await
+        .map_err(|_| ApiError::GatewayTimeout(format!("no answer within {DEADLINE:?}: nothing was changed")))?
+        .map_err(|failure| ApiError::BadGateway(failure.to_string()))?;
     let mut groups: BTreeMap<(String, String), Vec<Message>> = BTreeMap::new();
-    for (summary, details) in listed {
-        let verdict = console.inboxes.verdict(&summary, console.inbox_retention).await;
+    for ((summary, details), verdict) in listed.into_iter().zip(verdicts) {
         let group = groups.entry((summary.endpoint.clone(), summary.reason.clone())).or_default();
         group.push(Message { summary, details, verdict });
     }
@@ -211,7 +223,7 @@ pub(crate) async fn list(State(console): State<Console>, caller: Caller) -> Resu
 /// does; with `dryRun`, say what would be done and what each consumer's inbox says of each.
 #[utoipa::path(post, path = "/parked/redrive", tag = "operations", security(("bearer" = [])),
     request_body = RedriveRequest,
-    responses((status = 200, description = "What was done.", body = Outcome), ConsoleFailure))]
+    responses((status = 200, description = "What was done.", body = Outcome), CommandFailure, ConsoleFailure))]
 pub(crate) async fn redrive(
     State(console): State<Console>,
     caller: Caller,
@@ -226,12 +238,25 @@ pub(crate) async fn redrive(
     act(&console, Command::Redrive(filter, how)).await
 }
 
+impl Console {
+    /// The console to this request alone, or a 409: a command runs already.
+    fn alone(&self) -> Result<tokio::sync::OwnedMutexGuard<()>, ApiError> {
+        Arc::clone(&self.one_at_a_time).try_lock_owned().map_err(|_| {
+            ApiError::Conflict(
+                "another console command is running in this service: wait for it, then read the parked messages \
+                 again"
+                    .into(),
+            )
+        })
+    }
+}
+
 /// End the selected messages' jobs through the saga (`job.abandoned`: the orders service cancels
 /// each and undoes what its steps did), then delete the messages, as `msgctl parked abandon`
 /// does; an undo is refused.
 #[utoipa::path(post, path = "/parked/abandon", tag = "operations", security(("bearer" = [])),
     request_body = Selection,
-    responses((status = 200, description = "What was done.", body = Outcome), ConsoleFailure))]
+    responses((status = 200, description = "What was done.", body = Outcome), CommandFailure, ConsoleFailure))]
 pub(crate) async fn abandon(
     State(console): State<Console>,
     caller: Caller,
@@ -239,16 +264,17 @@ pub(crate) async fn abandon(
     body: Body,
 ) -> Result<Json<Outcome>, ApiError> {
     caller.operator("the console")?;
-    let selection = read_json(&headers, body).await?;
-    let note = format!("abandoned by {} on the live page", caller.name());
-    end(&console, selection, Ending::Abandon { note: &note }).await
+    let selection: Selection = read_json(&headers, body).await?;
+    // The note reaches the job's `lastError` and story, which customers read: no operator's name.
+    tracing::info!(operator = caller.name(), endpoint = %selection.endpoint, "abandon from the console");
+    act(&console, Command::Abandon(selection.filter()?)).await
 }
 
 /// Delete the selected messages for good, abandoning the job of each first, as `msgctl parked
 /// purge --yes` does; an undo is refused.
 #[utoipa::path(post, path = "/parked/purge", tag = "operations", security(("bearer" = [])),
     request_body = Selection,
-    responses((status = 200, description = "What was done.", body = Outcome), ConsoleFailure))]
+    responses((status = 200, description = "What was done.", body = Outcome), CommandFailure, ConsoleFailure))]
 pub(crate) async fn purge(
     State(console): State<Console>,
     caller: Caller,
@@ -256,55 +282,64 @@ pub(crate) async fn purge(
     body: Body,
 ) -> Result<Json<Outcome>, ApiError> {
     caller.operator("the console")?;
-    let selection = read_json(&headers, body).await?;
-    end(&console, selection, Ending::Purge { yes: true, including_undos: false }).await
-}
-
-async fn end(console: &Console, selection: Selection, ending: Ending<'_>) -> Result<Json<Outcome>, ApiError> {
-    act(console, Command::End(selection.filter()?, ending)).await
+    let selection: Selection = read_json(&headers, body).await?;
+    tracing::info!(operator = caller.name(), endpoint = %selection.endpoint, "purge from the console");
+    act(&console, Command::Purge(selection.filter()?)).await
 }
 
 /// What the console does with the messages it selects.
-enum Command<'a> {
+enum Command {
     Redrive(Filter, Redrive),
-    End(Filter, Ending<'a>),
+    Abandon(Filter),
+    Purge(Filter),
 }
 
-/// Run one command on a connection of its own, one at a time, within [`DEADLINE`].
-async fn act(console: &Console, command: Command<'_>) -> Result<Json<Outcome>, ApiError> {
-    let _one = console.one_at_a_time.lock().await;
-    let run = async {
-        let (connection, _) = console.broker.connect("orders-api console").await?;
+/// Run one command on a connection of its own, one at a time. It runs in a task of its own, so
+/// that a request given up (the client gone, [`DEADLINE`] passed) does not stop it between a copy
+/// confirmed and its original acked; it is given up at [`GIVE_UP`].
+async fn act(console: &Console, command: Command) -> Result<Json<Outcome>, ApiError> {
+    let one = console.alone()?;
+    let console = console.clone();
+    let run = async move {
+        let _one = one;
+        let (connection, _) = console.broker.connect(CONNECTION).await?;
         let mut report = Report::default();
         let outcome = match &command {
             Command::Redrive(filter, how) => {
                 parked::redrive(&connection, filter, *how, &console.inboxes, &mut report).await
             }
-            Command::End(filter, ending) => parked::end_parked(&connection, filter, *ending, &mut report).await,
+            Command::Abandon(filter) => {
+                let ending = Ending::Abandon { note: "abandoned on the live page by an operator" };
+                parked::end_parked(&connection, filter, ending, &mut report).await
+            }
+            Command::Purge(filter) => {
+                let ending = Ending::Purge { yes: true, including_undos: false, note: "purged on the live page" };
+                parked::end_parked(&connection, filter, ending, &mut report).await
+            }
         };
         let _ = connection.close(200, "bye".into()).await;
         Ok::<_, msgctl::Failure>((report, outcome))
     };
-    let (report, outcome) = within(run).await?.map_err(unavailable)?;
-    Ok(Json(Outcome { done: report.done, error: outcome.err().map(|failure| failure.to_string()) }))
+    let task = tokio::spawn(tokio::time::timeout(GIVE_UP, run));
+    match tokio::time::timeout(DEADLINE, task).await {
+        Err(_) => Err(ApiError::GatewayTimeout(format!(
+            "still running after {DEADLINE:?}: it goes on; read the parked messages again to see what it did"
+        ))),
+        Ok(Err(panicked)) => Err(ApiError::internal(panicked)),
+        Ok(Ok(Err(_))) => {
+            Err(ApiError::GatewayTimeout(format!("given up after {GIVE_UP:?}: what it had not done is still parked")))
+        }
+        Ok(Ok(Ok(Err(failure)))) => Err(ApiError::BadGateway(failure.to_string())),
+        Ok(Ok(Ok(Ok((report, outcome))))) => {
+            Ok(Json(Outcome { done: report.done, error: outcome.err().map(|failure| failure.to_string()) }))
+        }
+    }
 }
 
-async fn within<T>(work: impl Future<Output = T>) -> Result<T, ApiError> {
-    tokio::time::timeout(DEADLINE, work).await.map_err(|_| {
-        ApiError::Unavailable(
-            format!("the broker did not finish within {DEADLINE:?}: what was not done is still parked").into(),
-        )
-    })
-}
-
-fn unavailable(failure: msgctl::Failure) -> ApiError {
-    ApiError::Unavailable(failure.to_string().into())
-}
-
-/// How a console command can fail (OpenAPI only).
+/// How a console command that acts can fail, beyond a read (OpenAPI only).
 #[derive(utoipa::IntoResponses)]
 #[allow(dead_code)]
-enum ConsoleFailure {
+enum CommandFailure {
     /// A body that is not a selection (malformed JSON, unknown fields, no message id): nothing
     /// changed.
     #[response(status = 400, content_type = "application/problem+json")]
@@ -315,6 +350,12 @@ enum ConsoleFailure {
     /// A body that is not `application/json`.
     #[response(status = 415, content_type = "application/problem+json")]
     NotJson(crate::problem::Problem),
+}
+
+/// How a console command can fail (OpenAPI only).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+enum ConsoleFailure {
     /// No bearer token, or one refused.
     #[response(status = 401, content_type = "application/problem+json",
                headers(("WWW-Authenticate" = String, description = "`Bearer realm=\"orders\"`")))]
@@ -325,9 +366,15 @@ enum ConsoleFailure {
     /// The console is off (`CONSOLE_AMQP_URL` unset).
     #[response(status = 404, content_type = "application/problem+json")]
     Off(crate::problem::Problem),
-    /// The broker or its management API did not answer, or not in time: nothing was changed that
-    /// is not in a later listing; retry.
-    #[response(status = 503, content_type = "application/problem+json",
-               headers(("Retry-After" = String, description = "Seconds")))]
-    Unavailable(crate::problem::Problem),
+    /// Another console command runs in this service: nothing was done.
+    #[response(status = 409, content_type = "application/problem+json")]
+    Busy(crate::problem::Problem),
+    /// The broker or its management API refused or failed it (an unknown endpoint, a user without
+    /// the rights, a node that does not answer), in its words: nothing else was done.
+    #[response(status = 502, content_type = "application/problem+json")]
+    Refused(crate::problem::Problem),
+    /// No answer in time: a read changed nothing; a command goes on, and a later read shows what
+    /// it did.
+    #[response(status = 504, content_type = "application/problem+json")]
+    TimedOut(crate::problem::Problem),
 }

@@ -95,6 +95,9 @@ impl BinarySettings for Config {
     fn check(&self) -> Result<(), String> {
         self.common.consumer.check()?;
         if let Some(console) = &self.console.console_amqp_url {
+            if self.live_page == "off" {
+                return Err("CONSOLE_AMQP_URL is set, but LIVE_PAGE=off removes the console with the live page".into());
+            }
             let own = self.common.service.broker.amqp_url.vhost();
             if console.vhost() != own {
                 return Err(format!(

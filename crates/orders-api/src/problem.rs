@@ -55,6 +55,14 @@ pub enum ApiError {
     /// The database is unreachable: try again later (503).
     #[error("service temporarily unavailable, retry later")]
     Unavailable(#[source] BoxError),
+    /// The broker or its management API refused or failed what an operator asked of the console
+    /// (502), in msgctl's words: shown, since only operators reach it.
+    #[error("{0}")]
+    BadGateway(String),
+    /// The broker did not finish what an operator asked of the console in time (504): what it
+    /// did, and whether it goes on.
+    #[error("{0}")]
+    GatewayTimeout(String),
     /// Anything else (500): details are logged, never returned.
     #[error("internal error")]
     Internal(#[source] BoxError),
@@ -109,6 +117,8 @@ impl ApiError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::IdempotencyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
+            Self::GatewayTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -127,6 +137,9 @@ impl IntoResponse for ApiError {
         response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let Self::Unavailable(cause) | Self::Internal(cause) = &self {
             response.extensions_mut().insert(FailureCause(Arc::new(cause.to_string())));
+        }
+        if let Self::BadGateway(cause) | Self::GatewayTimeout(cause) = &self {
+            response.extensions_mut().insert(FailureCause(Arc::new(cause.clone())));
         }
         if let Self::Unauthenticated(refused) = &self {
             // RFC 6750, 3: a refused token is an `invalid_token`; no token gets the bare challenge.
