@@ -184,7 +184,7 @@ pub struct Details {
     pub body: String,
 }
 
-/// What a redrive of a message would do, from its consumer's inbox ([`Inboxes::verdicts`]).
+/// What a redrive of a message would do, from its consumer's inbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Verdict {
