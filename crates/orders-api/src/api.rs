@@ -31,6 +31,25 @@ use crate::{
     writer::{Claim, NewOrder, Writers},
 };
 
+/// The span of a `POST` to `route` that starts a trace (W3C trace context, `messaging::trace`),
+/// named `name`; [`traced`] gives it the trace's ids, under which it is exported if `OTEL_*` names
+/// a collector.
+macro_rules! request_span {
+    ($name:literal, $route:literal) => {
+        tracing::info_span!(
+            $name,
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            http.request.method = "POST",
+            http.route = $route,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
+            parent_id = tracing::field::Empty,
+            sampled = tracing::field::Empty,
+        )
+    };
+}
+
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
@@ -228,31 +247,27 @@ pub(crate) async fn place_order(
         None => None,
     };
     // The request starts the order's trace, or continues the caller's: the `order.placed` row
-    // names this request's span as its parent (W3C trace context, `messaging::trace`).
-    let caller = headers.get(TRACEPARENT).and_then(|value| value.to_str().ok());
-    let context = TraceContext::continuing(caller);
-    // The request's span, under the trace's ids: exported if `OTEL_*` names a collector.
-    let span = tracing::info_span!(
-        "POST /orders",
-        otel.kind = "server",
-        otel.status_code = tracing::field::Empty,
-        http.request.method = "POST",
-        http.route = "/orders",
-        trace_id = tracing::field::Empty,
-        span_id = tracing::field::Empty,
-        parent_id = tracing::field::Empty,
-        sampled = tracing::field::Empty,
-    );
-    context.record_on(&span);
-    // Bounded: a silent (black-holed) connection answers 503 after the deadline instead of holding
-    // the request for the kernel's TCP timeout.
-    let accepted =
-        db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim, deadline)).instrument(span.clone());
-    let accepted = trace::scope(context, accepted).await.inspect_err(|_| {
-        span.record("otel.status_code", "error");
-    })?;
+    // names this request's span as its parent. Bounded: a silent (black-holed) connection answers
+    // 503 after the deadline instead of holding the request for the kernel's TCP timeout.
+    let span = request_span!("POST /orders", "/orders");
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim, deadline));
+    let accepted = traced(&headers, span, accepted).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
+}
+
+/// Run `work` in `span`, as the current trace context: the caller's `traceparent` continued, or a
+/// new trace. What `work` writes to the outbox names the span as its parent; a failure marks it.
+async fn traced<T>(
+    headers: &HeaderMap,
+    span: tracing::Span,
+    work: impl Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    let context = TraceContext::continuing(headers.get(TRACEPARENT).and_then(|value| value.to_str().ok()));
+    context.record_on(&span);
+    trace::scope(context, work.instrument(span.clone())).await.inspect_err(|_| {
+        span.record("otel.status_code", "error");
+    })
 }
 
 /// Check the content type, read at most [`MAX_BODY_BYTES`], parse.
@@ -481,23 +496,9 @@ pub(crate) async fn cancel_order(
     let order_id = parse_id("order", &order_id)?;
     // The cancel is a trace of its own (or the caller's), as `POST /orders` is: its `order.ended`
     // and the compensation it causes follow it, and the job's story names it.
-    let context = TraceContext::continuing(headers.get(TRACEPARENT).and_then(|value| value.to_str().ok()));
-    let span = tracing::info_span!(
-        "POST /orders/{orderId}/cancel",
-        otel.kind = "server",
-        otel.status_code = tracing::field::Empty,
-        http.request.method = "POST",
-        http.route = "/orders/{orderId}/cancel",
-        trace_id = tracing::field::Empty,
-        span_id = tracing::field::Empty,
-        parent_id = tracing::field::Empty,
-        sampled = tracing::field::Empty,
-    );
-    context.record_on(&span);
-    let cancelled = db::within(QUERY_DEADLINE, cancel(&pool, &caller, order_id)).instrument(span.clone());
-    let accepted = trace::scope(context, cancelled).await.inspect_err(|_| {
-        span.record("otel.status_code", "error");
-    })?;
+    let span = request_span!("POST /orders/{orderId}/cancel", "/orders/{orderId}/cancel");
+    let cancelled = db::within(QUERY_DEADLINE, cancel(&pool, &caller, order_id));
+    let accepted = traced(&headers, span, cancelled).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
 }

@@ -263,11 +263,7 @@ pub(crate) async fn abandon(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Outcome>, ApiError> {
-    caller.operator("the console")?;
-    let selection: Selection = read_json(&headers, body).await?;
-    // The note reaches the job's `lastError` and story, which customers read: no operator's name.
-    tracing::info!(operator = caller.name(), endpoint = %selection.endpoint, "abandon from the console");
-    act(&console, Command::Abandon(selection.filter()?)).await
+    act(&console, Command::Abandon(selected(&caller, &headers, body, "abandon").await?)).await
 }
 
 /// Delete the selected messages for good, abandoning the job of each first, as `msgctl parked
@@ -281,10 +277,17 @@ pub(crate) async fn purge(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Outcome>, ApiError> {
+    act(&console, Command::Purge(selected(&caller, &headers, body, "purge").await?)).await
+}
+
+/// An operator's selection, from a request's body. The operator's name is logged with `what`: the
+/// note an abandon leaves reaches the job's `lastError` and story, which customers read, and names
+/// nobody.
+async fn selected(caller: &Caller, headers: &HeaderMap, body: Body, what: &str) -> Result<Filter, ApiError> {
     caller.operator("the console")?;
-    let selection: Selection = read_json(&headers, body).await?;
-    tracing::info!(operator = caller.name(), endpoint = %selection.endpoint, "purge from the console");
-    act(&console, Command::Purge(selection.filter()?)).await
+    let selection: Selection = read_json(headers, body).await?;
+    tracing::info!(operator = caller.name(), endpoint = %selection.endpoint, "{what} from the console");
+    selection.filter()
 }
 
 /// What the console does with the messages it selects.
