@@ -15,6 +15,9 @@ pub enum Failure {
     /// In this tool's words, naming the server, endpoint or message it concerns.
     #[error("{0}")]
     Described(String),
+    /// The command selected no message (none matches, or none is parked any more).
+    #[error("{0}")]
+    NothingSelected(String),
     /// The broker refused or dropped a call.
     #[error("broker: {0}")]
     Broker(#[from] lapin::Error),

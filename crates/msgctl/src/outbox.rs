@@ -165,6 +165,7 @@ async fn discard(
                 reason: note.to_owned(),
             };
             // Nothing is deleted unless its job's owner took the event.
+            // Refused rather than unroutable: no warning comes back.
             send_job_event(&publisher, &event, Unroutable::Refuse).await?;
         }
         // Gone at the commit below. The job's owner, deciding its end meanwhile, finds the row

@@ -41,9 +41,6 @@ use uuid::Uuid;
 
 use crate::Failure;
 
-/// The broker connection the commands take (`Broker::connect`).
-pub use lapin::Connection as BrokerConnection;
-
 /// Failpoint: a redriven message's copy and its `job.redriven` are confirmed, the parked message
 /// not yet acked.
 pub const AFTER_REDRIVE_PUBLISH: &str = "msgctl.after-redrive-publish";
@@ -254,12 +251,18 @@ impl Inboxes {
         }
         // Which database holds an endpoint's inbox is not known here: an endpoint counts as read
         // only if every database answered (one that did not may be the one that has the row).
-        let (mut applied, mut unread) = (HashSet::new(), HashSet::new());
+        let (mut applied, mut unread, mut silent) = (HashSet::new(), HashSet::new(), HashSet::new());
         for (endpoint, ids) in &by_endpoint {
             if self.pools.is_empty() {
                 unread.insert(*endpoint);
             }
-            for pool in &self.pools {
+            for (n, pool) in self.pools.iter().enumerate() {
+                // A database that did not answer is not asked again in this call: each endpoint
+                // would wait for it in turn.
+                if silent.contains(&n) {
+                    unread.insert(*endpoint);
+                    continue;
+                }
                 let query = sqlx::query_scalar::<_, Uuid>(
                     "select message_id from inbox where endpoint = $1 and message_id = any($2)",
                 )
@@ -270,6 +273,7 @@ impl Inboxes {
                     Ok(Ok(found)) => applied.extend(found.into_iter().map(|id| (*endpoint, id))),
                     _ => {
                         unread.insert(*endpoint);
+                        silent.insert(n);
                     }
                 }
             }
@@ -315,7 +319,7 @@ pub struct Report {
 }
 
 impl Report {
-    /// A report that prints each message's line as it is added ([`Report::lines`]).
+    /// A report that prints each message's line ([`Done::line`]) as it is added.
     pub fn printing() -> Self {
         Self { echo: true, ..Self::default() }
     }
@@ -331,11 +335,6 @@ impl Report {
     /// How many messages had `action`.
     pub fn count(&self, action: &str) -> usize {
         self.done.iter().filter(|done| done.action == action).count()
-    }
-
-    /// One line per message, as the command line prints them.
-    pub fn lines(&self) -> impl Iterator<Item = String> + '_ {
-        self.done.iter().map(Done::line)
     }
 }
 
@@ -496,11 +495,6 @@ impl Filter {
         Self { message_ids, ..Self::of_endpoints(vec![endpoint]) }
     }
 
-    /// The endpoints it reads.
-    pub fn endpoints(&self) -> &[String] {
-        &self.endpoint
-    }
-
     fn matches(&self, parked: &Parked, now: DateTime<Utc>) -> bool {
         self.message_type.as_ref().is_none_or(|wanted| parked.message_type.as_ref() == Some(wanted))
             && (self.message_ids.is_empty() || parked.message_id.is_some_and(|id| self.message_ids.contains(&id)))
@@ -648,7 +642,6 @@ pub async fn run(
                     (_, refused) if refused > 0 => {
                         Err(Failure::Described(format!("{refused} message(s) refused (see above)")))
                     }
-                    (0, _) => Err(Failure::Described("nothing selected".into())),
                     _ => Ok(()),
                 }
             }
@@ -787,6 +780,9 @@ pub async fn redrive(
         outcome?;
     }
     publisher.close().await;
+    if report.done.is_empty() {
+        return Err(Failure::NothingSelected("nothing selected".into()));
+    }
     Ok(())
 }
 
@@ -835,30 +831,30 @@ async fn redrive_held(
             )));
         }
         failpoint::hit(BETWEEN_REDRIVE_SENDS).await;
+        let mut warning = None;
         if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
             let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
-            send_job_event(publisher, &event, Unroutable::Warn).await?;
+            warning = send_job_event(publisher, &event, Unroutable::Warn).await?;
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
-        report.add(how.verb(), &held.endpoint, parked, Some(verdict), None);
+        report.add(how.verb(), &held.endpoint, parked, Some(verdict), warning);
     }
     Ok(())
 }
 
 /// Publish a job event (confirmed). One that reaches no queue (no status consumer bound) is a
-/// warning or a failure, as `unroutable` says.
+/// warning, returned to be said beside the message, or a failure, as `unroutable` says.
 pub async fn send_job_event<C: JobEvent>(
     publisher: &Publisher,
     event: &C,
     unroutable: Unroutable,
-) -> Result<(), Failure> {
+) -> Result<Option<String>, Failure> {
     let (body, properties) = envelope::job_event(event)?;
     match publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(None),
         Err(PublishError::Returned(reason)) if unroutable == Unroutable::Warn => {
-            eprintln!("msgctl: warning: {} for job {} went nowhere ({reason})", C::TYPE, event.job_id());
-            Ok(())
+            Ok(Some(format!("warning: its {} went nowhere ({reason}): nothing ends or reopens its job", C::TYPE)))
         }
         Err(error) => {
             let job_id = event.job_id();
@@ -954,10 +950,10 @@ pub async fn end_parked(
         )));
     }
     match (ended, ending) {
-        (0, Ending::Purge { .. }) => Err(Failure::Described("nothing selected".into())),
-        (0, Ending::Abandon { .. }) => {
-            Err(Failure::Described("nothing selected: no parked message of a job (a job event is only purged)".into()))
-        }
+        (0, Ending::Purge { .. }) => Err(Failure::NothingSelected("nothing selected".into())),
+        (0, Ending::Abandon { .. }) => Err(Failure::NothingSelected(
+            "nothing selected: no parked message of a job (a job event is only purged)".into(),
+        )),
         _ => Ok(()),
     }
 }
@@ -1032,14 +1028,15 @@ async fn end_held(
             kept.push(format!("{}  {}", held.endpoint, parked.line()));
             continue;
         }
+        let mut warning = None;
         if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {
             let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
-            send_job_event(publisher, &event, ending.unroutable()).await?;
+            warning = send_job_event(publisher, &event, ending.unroutable()).await?;
         } else if let Ending::Abandon { .. } = ending {
             continue;
         }
         held.ack(index).await?;
-        report.add(ending.verb(), &held.endpoint, parked, None, None);
+        report.add(ending.verb(), &held.endpoint, parked, None, warning);
         ended += 1;
     }
     Ok(ended)

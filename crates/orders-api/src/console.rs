@@ -312,7 +312,7 @@ async fn act(console: &Console, command: Command) -> Result<Json<Outcome>, ApiEr
                 parked::redrive(&connection, filter, *how, &console.inboxes, &mut report).await
             }
             Command::Abandon(filter) => {
-                let ending = Ending::Abandon { note: "abandoned on the live page by an operator" };
+                let ending = Ending::Abandon { note: "on the live page" };
                 parked::end_parked(&connection, filter, ending, &mut report).await
             }
             Command::Purge(filter) => {
@@ -323,19 +323,39 @@ async fn act(console: &Console, command: Command) -> Result<Json<Outcome>, ApiEr
         let _ = connection.close(200, "bye".into()).await;
         Ok::<_, msgctl::Failure>((report, outcome))
     };
-    let task = tokio::spawn(tokio::time::timeout(GIVE_UP, run));
-    match tokio::time::timeout(DEADLINE, task).await {
-        Err(_) => Err(ApiError::GatewayTimeout(format!(
-            "still running after {DEADLINE:?}: it goes on; read the parked messages again to see what it did"
-        ))),
-        Ok(Err(panicked)) => Err(ApiError::internal(panicked)),
-        Ok(Ok(Err(_))) => {
-            Err(ApiError::GatewayTimeout(format!("given up after {GIVE_UP:?}: what it had not done is still parked")))
+    // Its end is logged: the request may have given up on it.
+    let task = tokio::spawn(async move {
+        let ended = tokio::time::timeout(GIVE_UP, run).await;
+        match &ended {
+            Ok(Ok((report, outcome))) => {
+                let error = outcome.as_ref().err().map(ToString::to_string);
+                tracing::info!(done = report.done.len(), ?error, "console command ended");
+            }
+            Ok(Err(failure)) => tracing::warn!(%failure, "console command failed"),
+            Err(_) => tracing::warn!("console command given up after {GIVE_UP:?}: what it had not done is parked"),
         }
-        Ok(Ok(Ok(Err(failure)))) => Err(ApiError::BadGateway(failure.to_string())),
-        Ok(Ok(Ok(Ok((report, outcome))))) => {
-            Ok(Json(Outcome { done: report.done, error: outcome.err().map(|failure| failure.to_string()) }))
+        ended
+    });
+    let ended = match tokio::time::timeout(DEADLINE, task).await {
+        Err(_) => {
+            return Err(ApiError::GatewayTimeout(format!(
+                "still running after {DEADLINE:?}: it goes on (for at most {GIVE_UP:?}); read the parked \
+                 messages once it ends to see what it did"
+            )));
         }
+        Ok(ended) => ended.map_err(ApiError::internal)?,
+    };
+    // Only reached if GIVE_UP were shorter than DEADLINE; kept so that no outcome goes unanswered.
+    let ended = ended.map_err(|_| ApiError::GatewayTimeout(format!("given up after {GIVE_UP:?}")))?;
+    let (report, outcome) = ended.map_err(|failure| ApiError::BadGateway(failure.to_string()))?;
+    match outcome {
+        // Nothing done: the command's refusal is the answer.
+        Err(msgctl::Failure::NothingSelected(_)) if report.done.is_empty() => {
+            Err(ApiError::NotFound("none of the selected messages is parked (any more): read them again".into()))
+        }
+        Err(failure) if report.done.is_empty() => Err(ApiError::BadGateway(failure.to_string())),
+        // Stopped part way: what it did, and why it stopped.
+        outcome => Ok(Json(Outcome { done: report.done, error: outcome.err().map(|failure| failure.to_string()) })),
     }
 }
 
@@ -366,14 +386,16 @@ enum ConsoleFailure {
     /// Not an operator's token.
     #[response(status = 403, content_type = "application/problem+json")]
     Forbidden(crate::problem::Problem),
-    /// The console is off (`CONSOLE_AMQP_URL` unset).
+    /// The console is off (`CONSOLE_AMQP_URL` unset), or none of the selected messages is parked
+    /// (any more).
     #[response(status = 404, content_type = "application/problem+json")]
     Off(crate::problem::Problem),
     /// Another console command runs in this service: nothing was done.
     #[response(status = 409, content_type = "application/problem+json")]
     Busy(crate::problem::Problem),
-    /// The broker or its management API refused or failed it (an unknown endpoint, a user without
-    /// the rights, a node that does not answer), in its words: nothing else was done.
+    /// The broker or its management API refused or failed it before anything was done (an unknown
+    /// endpoint, a user without the rights, a node that does not answer), in its words. A command
+    /// stopped part way answers 200, with what it did and its `error`.
     #[response(status = 502, content_type = "application/problem+json")]
     Refused(crate::problem::Problem),
     /// No answer in time: a read changed nothing; a command goes on, and a later read shows what

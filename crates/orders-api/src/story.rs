@@ -169,8 +169,8 @@ pub struct Event {
     /// What.
     #[sqlx(try_from = "String")]
     pub kind: Kind,
-    /// The step's endpoint, where it is one step's: a consumer's work queue, or `outbox:<type>` for
-    /// a park by the relay (`published` names none).
+    /// The step's endpoint, where it is one step's: a consumer's work queue, or `outbox:<database>`
+    /// for a park by the relay (`published` names none).
     pub endpoint: Option<String>,
     /// The attempt that failed or was parked.
     pub attempt: Option<i32>,

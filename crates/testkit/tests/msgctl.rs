@@ -194,8 +194,11 @@ async fn the_console_lists_judges_and_redrives_a_parked_message_for_operators_on
     let done = console("POST", "/parked/redrive", Some(operator.clone()), Some(selection(&quoted, ""))).await.json();
     assert_eq!(done["done"][0]["action"], "redriven", "{done}");
     shop.wait_for_state(job, "succeeded").await;
-    let parked = console("GET", "/parked", Some(operator), None).await.json();
+    let parked = console("GET", "/parked", Some(operator.clone()), None).await.json();
     assert_eq!(parked["groups"], serde_json::json!([]), "{parked}");
+    // Redriven already: nothing of the selection is parked.
+    let again = console("POST", "/parked/redrive", Some(operator), Some(selection(&quoted, ""))).await;
+    assert_eq!(again.status, 404, "{}", String::from_utf8_lossy(&again.body));
 }
 
 /// The headers the runtime gives a message it parks at `endpoint` for `reason`, parked now.
