@@ -218,15 +218,13 @@ pub struct Inboxes {
 }
 
 impl Inboxes {
-    /// Pools that connect when first used, one connection each.
+    /// Read-only pools that connect when first used, one connection each
+    /// ([`shop::books::read_only`], as the books are read).
     pub fn connect_lazy(urls: &[SecretUrl]) -> Result<Self, Failure> {
-        let options = sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(Duration::from_secs(5));
         let pools = urls
             .iter()
             .map(|url| {
-                options
-                    .clone()
-                    .connect_lazy(url.expose())
+                shop::books::read_only(url.expose(), INBOX_QUERY_DEADLINE)
                     .map_err(|error| Failure::Described(format!("inbox database {url}: {error}")))
             })
             .collect::<Result<_, _>>()?;
@@ -242,7 +240,7 @@ impl Inboxes {
     /// has it, and if not whether it would still have it (parked within `retention`). One query
     /// per database and endpoint, each given [`INBOX_QUERY_DEADLINE`]; a database that does not
     /// answer in time is not read.
-    pub async fn verdicts(&self, parked: &[Summary], retention: Duration) -> Vec<Verdict> {
+    pub async fn verdicts(&self, parked: &[&Summary], retention: Duration) -> Vec<Verdict> {
         let mut by_endpoint: BTreeMap<&str, Vec<Uuid>> = BTreeMap::new();
         for message in parked {
             if let Some(id) = message.message_id {
@@ -286,7 +284,7 @@ impl Inboxes {
             Some(_) if older_than(message.parked_at, retention, now) => Verdict::InboxRowGone,
             Some(_) => Verdict::WillApply,
         };
-        parked.iter().map(verdict).collect()
+        parked.iter().map(|message| verdict(message)).collect()
     }
 }
 
@@ -324,8 +322,8 @@ impl Report {
         Self { echo: true, ..Self::default() }
     }
 
-    fn add(&mut self, action: &str, endpoint: &str, parked: &Parked, verdict: Option<Verdict>, note: Option<String>) {
-        let done = Done { action: action.to_owned(), message: parked.summary(endpoint), verdict, note };
+    fn add(&mut self, action: &str, parked: &Parked, verdict: Option<Verdict>, note: Option<String>) {
+        let done = Done { action: action.to_owned(), message: parked.summary.clone(), verdict, note };
         if self.echo {
             println!("{}", done.line());
         }
@@ -366,21 +364,18 @@ impl Summary {
 #[derive(Debug)]
 struct Parked {
     delivery: Delivery,
-    message_id: Option<Uuid>,
-    message_type: Option<String>,
-    job_id: Option<Uuid>,
-    attempts: u32,
-    reason: String,
-    parked_at: Option<DateTime<Utc>>,
-    redrive_count: u32,
+    /// What it is, read from its properties and headers once.
+    summary: Summary,
 }
 
 impl Parked {
-    fn read(delivery: Delivery) -> Self {
+    /// A message of `endpoint`'s parking queue.
+    fn read(delivery: Delivery, endpoint: &str) -> Self {
         let properties = &delivery.properties;
         let headers = properties.headers().clone().unwrap_or_default();
         let text = |key: &str| envelope::header_text(&headers, key);
-        Self {
+        let summary = Summary {
+            endpoint: endpoint.to_owned(),
             message_id: envelope::message_id(properties),
             message_type: properties.kind().as_ref().map(ToString::to_string),
             job_id: envelope::correlation_id(properties),
@@ -390,21 +385,8 @@ impl Parked {
                 .and_then(|at| DateTime::parse_from_rfc3339(&at).ok())
                 .map(|at| at.with_timezone(&Utc)),
             redrive_count: envelope::header_u32(&headers, envelope::HEADER_REDRIVE_COUNT).unwrap_or(0),
-            delivery,
-        }
-    }
-
-    fn summary(&self, endpoint: &str) -> Summary {
-        Summary {
-            endpoint: endpoint.to_owned(),
-            message_id: self.message_id,
-            message_type: self.message_type.clone(),
-            job_id: self.job_id,
-            attempts: self.attempts,
-            redrive_count: self.redrive_count,
-            parked_at: self.parked_at,
-            reason: self.reason.clone(),
-        }
+        };
+        Self { delivery, summary }
     }
 
     /// Its headers as text, and its body (pretty JSON, or the bytes as text).
@@ -426,11 +408,11 @@ impl Parked {
 
     /// Whether it undoes an order's steps ([`shop::is_undo`]): never purged nor abandoned.
     fn is_undo(&self) -> bool {
-        self.message_type.as_deref().is_some_and(shop::is_undo)
+        self.summary.message_type.as_deref().is_some_and(shop::is_undo)
     }
 
     fn line(&self) -> String {
-        self.summary("").line()
+        self.summary.line()
     }
 }
 
@@ -495,7 +477,7 @@ impl Filter {
         Self { message_ids, ..Self::of_endpoints(vec![endpoint]) }
     }
 
-    fn matches(&self, parked: &Parked, now: DateTime<Utc>) -> bool {
+    fn matches(&self, parked: &Summary, now: DateTime<Utc>) -> bool {
         self.message_type.as_ref().is_none_or(|wanted| parked.message_type.as_ref() == Some(wanted))
             && (self.message_ids.is_empty() || parked.message_id.is_some_and(|id| self.message_ids.contains(&id)))
             && self.job.is_none_or(|job| parked.job_id == Some(job))
@@ -529,7 +511,7 @@ impl Held {
         let channel = connection.create_channel().await?;
         let mut messages = Vec::new();
         while let Some(message) = channel.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false }).await? {
-            messages.push(Parked::read(message.delivery));
+            messages.push(Parked::read(message.delivery, endpoint));
         }
         Ok(Self { endpoint: endpoint.to_owned(), channel, messages, acked: Mutex::default() })
     }
@@ -537,7 +519,7 @@ impl Held {
     /// The messages `filter` selects, in parking order, at most `limit`.
     fn selected(&self, filter: &Filter) -> Vec<usize> {
         let now = Utc::now();
-        let chosen = self.messages.iter().enumerate().filter(|(_, parked)| filter.matches(parked, now));
+        let chosen = self.messages.iter().enumerate().filter(|(_, parked)| filter.matches(&parked.summary, now));
         chosen.map(|(index, _)| index).take(filter.limit.unwrap_or(usize::MAX)).collect()
     }
 
@@ -715,7 +697,7 @@ pub async fn list(connection: &Connection, filter: &Filter) -> Result<Vec<(Summa
         let held = Held::read(connection, endpoint).await?;
         for index in held.selected(filter) {
             let parked = &held.messages[index];
-            listed.push((parked.summary(endpoint), parked.details()));
+            listed.push((parked.summary.clone(), parked.details()));
         }
         held.give_back().await?;
     }
@@ -730,8 +712,8 @@ pub async fn show(
 ) -> Result<(Summary, Details), Failure> {
     for endpoint in endpoints {
         let held = Held::read(connection, endpoint).await?;
-        let found = held.messages.iter().find(|parked| parked.message_id == Some(message_id));
-        let shown = found.map(|parked| (parked.summary(endpoint), parked.details()));
+        let found = held.messages.iter().find(|parked| parked.summary.message_id == Some(message_id));
+        let shown = found.map(|parked| (parked.summary.clone(), parked.details()));
         held.give_back().await?;
         if let Some(shown) = shown {
             return Ok(shown);
@@ -796,26 +778,26 @@ async fn redrive_held(
 ) -> Result<(), Failure> {
     let now = Utc::now();
     let selected = held.selected(filter);
-    let summaries: Vec<Summary> = selected.iter().map(|&index| held.messages[index].summary(&held.endpoint)).collect();
+    let summaries: Vec<&Summary> = selected.iter().map(|&index| &held.messages[index].summary).collect();
     let verdicts = inboxes.verdicts(&summaries, how.inbox_retention).await;
     for (index, verdict) in selected.into_iter().zip(verdicts) {
         let parked = &held.messages[index];
-        if !how.force && older_than(parked.parked_at, how.inbox_retention, now) {
-            let when = age(parked.parked_at, now)
+        if !how.force && older_than(parked.summary.parked_at, how.inbox_retention, now) {
+            let when = age(parked.summary.parked_at, now)
                 .map_or("at an unknown time".into(), |age| format!("{} ago", format_duration(age)));
             let note = format!(
                 "parked {when}, beyond the inbox retention of {} (INBOX_RETENTION): its inbox row may be gone, so \
                  it could be applied twice; --force redrives it anyway",
                 format_duration(how.inbox_retention)
             );
-            report.add(REFUSED, &held.endpoint, parked, Some(verdict), Some(note));
+            report.add(REFUSED, parked, Some(verdict), Some(note));
             continue;
         }
         if how.dry_run {
-            report.add(how.verb(), &held.endpoint, parked, Some(verdict), None);
+            report.add(how.verb(), parked, Some(verdict), None);
             continue;
         }
-        let redrive_count = parked.redrive_count + 1;
+        let redrive_count = parked.summary.redrive_count + 1;
         // The copy first, then its job's event. Killed in between, the job stays quarantined until
         // the copy's result ends it; the other way round, a kill in between left the job in
         // progress for good, with no copy on its way (found by docs/model/jobs.pml).
@@ -832,13 +814,13 @@ async fn redrive_held(
         }
         failpoint::hit(BETWEEN_REDRIVE_SENDS).await;
         let mut warning = None;
-        if let (Some(job_id), Some(message_id)) = (parked.job_id, parked.message_id) {
+        if let (Some(job_id), Some(message_id)) = (parked.summary.job_id, parked.summary.message_id) {
             let event = JobRedriven { job_id, endpoint: held.endpoint.clone(), message_id, redrive_count };
             warning = send_job_event(publisher, &event, Unroutable::Warn).await?;
         }
         failpoint::hit(AFTER_REDRIVE_PUBLISH).await;
         held.ack(index).await?;
-        report.add(how.verb(), &held.endpoint, parked, Some(verdict), warning);
+        report.add(how.verb(), parked, Some(verdict), warning);
     }
     Ok(())
 }
@@ -1022,21 +1004,21 @@ async fn end_held(
         let parked = &held.messages[index];
         // A parked job event is only deleted: abandoning it would send another job event of the
         // same job, which the owner parks in turn if it cannot apply it, and so on.
-        let job_event = parked.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
+        let job_event = parked.summary.message_type.as_deref().is_some_and(messaging::contracts::is_job_event);
         if parked.is_undo() && !ending.ends_undos() {
             // Parked between `refuse_undos`' read and this one: kept, as it would have been refused.
             kept.push(format!("{}  {}", held.endpoint, parked.line()));
             continue;
         }
         let mut warning = None;
-        if let (Some(job_id), Some(message_id), false) = (parked.job_id, parked.message_id, job_event) {
+        if let (Some(job_id), Some(message_id), false) = (parked.summary.job_id, parked.summary.message_id, job_event) {
             let event = JobAbandoned { job_id, endpoint: held.endpoint.clone(), message_id, reason: note.to_owned() };
             warning = send_job_event(publisher, &event, ending.unroutable()).await?;
         } else if let Ending::Abandon { .. } = ending {
             continue;
         }
         held.ack(index).await?;
-        report.add(ending.verb(), &held.endpoint, parked, None, warning);
+        report.add(ending.verb(), parked, None, warning);
         ended += 1;
     }
     Ok(ended)

@@ -201,7 +201,7 @@ pub(crate) async fn list(State(console): State<Console>, caller: Caller) -> Resu
         .await;
         let _ = connection.close(200, "bye".into()).await;
         let listed = listed?;
-        let summaries: Vec<Summary> = listed.iter().map(|(summary, _)| summary.clone()).collect();
+        let summaries: Vec<&Summary> = listed.iter().map(|(summary, _)| summary).collect();
         let verdicts = console.inboxes.verdicts(&summaries, console.inbox_retention).await;
         Ok::<_, msgctl::Failure>((listed, verdicts))
     };
