@@ -153,16 +153,22 @@ async fn ride_out(kind: Kind) {
     })
     .await;
 
-    // The alarm held past every timeout, then measured while it still holds.
+    // The alarm held past every timeout; then, while it still holds, the worker goes on applying
+    // the orders that need no publish until nine in ten are (not in a fixed time: how many one
+    // session applies before its held FLAKY deliveries fill the window depends on the machine).
     tokio::time::sleep_until(raised + ALARM).await;
-    let applied = count(&shop.inventory, "select count(*) from reservations").await;
-    assert!(alarmed(), "the alarm held while the worker was measured");
     let ordinary = (ORDERS - ORDERS / 10) as i64;
+    let applied =
+        eventually("nine in ten of the orders that need no publish applied during the alarm", WAIT, || async {
+            let applied = count(&shop.inventory, "select count(*) from reservations").await;
+            assert!(
+                alarmed(),
+                "{kind:?} alarm: it cleared before the worker had applied 9 in 10 ({applied} of {ordinary})"
+            );
+            (applied * 10 >= ordinary * 9).then_some(applied)
+        })
+        .await;
     println!("{kind:?} alarm: {applied} of the {ordinary} orders that need no publish applied while it lasted");
-    assert!(
-        applied * 10 >= ordinary * 9,
-        "{kind:?} alarm: the worker applied {applied} of the {ordinary} orders that need no publish while it lasted"
-    );
     // The relay's blocked sessions ended on their overdue confirms, several times over: each
     // waited for its connection to be unblocked rather than opening another to be blocked too.
     let connections = relay_connections(&shop).await;

@@ -131,7 +131,8 @@ async fn a_quarantined_order_is_redriven_once_the_fault_clears_and_the_rest_stay
 }
 
 /// The live page's console (`/parked`) runs msgctl's implementation over HTTP: for operators
-/// only; a selection of nothing refused, nothing changed; a dry run that reads inventory's inbox
+/// only; a selection of nothing, or of an endpoint the broker does not have, refused, nothing
+/// changed; a dry run that reads inventory's inbox
 /// and moves nothing; once the fault is lifted, a redrive, and the job succeeds.
 #[tokio::test]
 async fn the_console_lists_judges_and_redrives_a_parked_message_for_operators_only() {
@@ -174,6 +175,12 @@ async fn the_console_lists_judges_and_redrives_a_parked_message_for_operators_on
     }
     let refused = console("POST", "/parked/purge", Some(customer), Some(selection(&quoted, ""))).await;
     assert_eq!(refused.status, 403);
+    // An endpoint with no parking queue: the broker's refusal, naming it, and nothing done.
+    let unknown = format!(r#"{{"endpoint":"no.such-endpoint","messageIds":[{quoted}]}}"#);
+    let refused = console("POST", "/parked/redrive", Some(operator.clone()), Some(unknown)).await;
+    let said = String::from_utf8_lossy(&refused.body);
+    assert_eq!(refused.status, 502, "{said}");
+    assert!(said.contains("no.such-endpoint.parking"), "{said}");
     assert_eq!(parked_jobs(&shop.env).await, [job], "nothing changed");
 
     let dry = console("POST", "/parked/redrive", Some(operator.clone()), Some(selection(&quoted, r#","dryRun":true"#)));
