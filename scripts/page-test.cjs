@@ -1,9 +1,11 @@
 // The live page in a real headless Chromium (Debian's), driven by playwright-core: click FLAKY-1 and
 // see its job reach `succeeded`, click its row and see its story (its four retries included), click
 // POISON-1 and see it reach `quarantined` and appear under parking, its story ending parked. Every
-// story shown is compared with `GET /jobs/{id}/events`, and every state the page shows is compared with what `GET /jobs/{id}` says at that moment,
-// so the test fails if the page shows anything but the job's real state; and it proves it can
-// fail: the same check against the page fed a tampered `/overview` must fail.
+// story shown is compared with `GET /jobs/{id}/events` (and its link to the trace with the API's
+// `traceUrl`, when there is one), and every state the page shows is compared with what
+// `GET /jobs/{id}` says at that moment, so the test fails if the page shows anything but the job's
+// real state; and it proves it can fail: the same check against the page fed a tampered
+// `/overview` must fail.
 //
 // The page's data is an operator's (decision 0031): without a token the page shows the 401 and no
 // job; with DEMO_OPERATOR_TOKEN in its address (`/#token=…`) it works.
@@ -68,10 +70,18 @@ async function expectStory(page, jobId, expected, timeout) {
     const shown = await page.locator("#story li").evaluateAll((items) => items.map((item) => item.dataset.kind));
     const response = await fetch(`${api}/jobs/${jobId}/events`);
     if (!response.ok) throw new Error(`GET /jobs/${jobId}/events: ${response.status}`);
-    const real = (await response.json()).events.map((event) => event.kind);
+    const { events, traceUrl } = await response.json();
+    const real = events.map((event) => event.kind);
     const same = (a, b) => a.length === b.length && a.every((kind, i) => kind === b[i]);
     const ends = shown[0] === expected[0] && shown.at(-1) === expected.at(-1);
-    if (title.includes(jobId) && same(shown, real) && sorted(shown) === sorted(expected) && ends) return;
+    if (title.includes(jobId) && same(shown, real) && sorted(shown) === sorted(expected) && ends) {
+      // With a trace viewer named (compose's Jaeger: TRACE_VIEW_URL), the title links to the trace.
+      if (traceUrl) {
+        const link = await page.locator("#story-title a.trace").getAttribute("href", { timeout: 2000 }).catch(() => null);
+        if (link !== traceUrl) throw new Error(`job ${jobId}'s trace link: ${link}, API says ${traceUrl}`);
+      }
+      return;
+    }
     if (Date.now() > deadline) {
       throw new Error(`job ${jobId}'s story: page shows [${shown}], API says [${real}], expected [${expected}]`);
     }

@@ -42,6 +42,12 @@ impl TraceContext {
         }
     }
 
+    /// A new span of this trace whose parent is this span: work this span started that is
+    /// shown apart from it (the wait before a retry).
+    pub fn child(&self) -> Self {
+        Self { span_id: nonzero_u64(), parent_id: Some(self.span_id), ..*self }
+    }
+
     /// Parse a `traceparent` header (version 00 layout; later versions are read the same way, as
     /// the specification asks). `None` if malformed or if an id is all zeros.
     pub fn parse(traceparent: &str) -> Option<Self> {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use messaging_core::envelope::Headers;
+use messaging_core::{envelope::Headers, trace::TraceContext};
 use sqlx::{PgConnection, postgres::PgConnectOptions, types::Json};
 use uuid::Uuid;
 
@@ -39,6 +39,41 @@ impl OutboxRow {
     /// The AMQP properties this row is published with.
     pub fn properties(&self) -> BasicProperties {
         self.headers.properties(self.message_id, &self.message_type, self.created_at)
+    }
+
+    /// The span of one send of this row, in the trace its `traceparent` names: a child of the
+    /// span that wrote the row, from the send to the commit that marks the row published (its
+    /// `outcome`, and `marked` once that commit is done). Made for the collector alone (it is never
+    /// entered, and nothing is logged in it), so none is made unless this process exports spans
+    /// and the row carries a sampled trace. The consumers' delivery spans
+    /// are its siblings, children of the writer's span: the message's `traceparent` is published
+    /// as stored, and the relay's spans never change what a consumer sees.
+    pub fn publish_span(&self) -> tracing::Span {
+        let Some(writer) = crate::runtime::otel::exporting()
+            .then(|| self.headers.traceparent.as_deref().and_then(TraceContext::parse))
+            .flatten()
+            .filter(|writer| writer.sampled)
+        else {
+            return tracing::Span::none();
+        };
+        let span = tracing::info_span!(
+            "publish",
+            otel.kind = "producer",
+            otel.status_code = tracing::field::Empty,
+            message_id = %self.message_id,
+            message_type = %self.message_type,
+            exchange = %self.exchange,
+            routing_key = %self.routing_key,
+            outbox_id = self.id,
+            outcome = tracing::field::Empty,
+            marked = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
+            parent_id = tracing::field::Empty,
+            sampled = tracing::field::Empty,
+        );
+        writer.child().record_on(&span);
+        span
     }
 }
 

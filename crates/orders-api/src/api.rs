@@ -2,7 +2,7 @@
 //! orders.
 
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::{Body, Bytes},
     extract::{FromRef, Path, State},
     http::{HeaderMap, StatusCode, header},
@@ -392,11 +392,15 @@ pub(crate) async fn get_job(State(pool): State<PgPool>, Path(job_id): Path<Strin
 )]
 pub(crate) async fn get_job_events(
     State(pool): State<PgPool>,
+    view: Option<Extension<story::TraceView>>,
     Path(job_id): Path<String>,
 ) -> Result<Json<story::Story>, ApiError> {
     let job_id = parse_id("job", &job_id)?;
     let story = db::within(QUERY_DEADLINE, story::read(&pool, job_id)).await?;
-    let story = story.ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
+    let mut story = story.ok_or_else(|| ApiError::NotFound(format!("no job {job_id}")))?;
+    if let Some(Extension(view)) = view {
+        story.link_traces(&view);
+    }
     Ok(Json(story))
 }
 

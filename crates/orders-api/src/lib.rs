@@ -85,6 +85,11 @@ pub struct Config {
     #[command(flatten)]
     #[allow(missing_docs)]
     pub console: console::ConsoleArgs,
+    /// Where an order's trace is shown, `{traceId}` standing for its id (Jaeger's:
+    /// `http://127.0.0.1:16686/trace/{traceId}`): `GET /jobs/{id}/events` gives the link as
+    /// `traceUrl`, and the live page's timeline shows it. None if unset.
+    #[arg(long, env = "TRACE_VIEW_URL")]
+    pub trace_view_url: Option<story::TraceView>,
 }
 
 impl BinarySettings for Config {
@@ -208,8 +213,11 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
     let limits =
         api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
-    let app = app(pool.clone(), writers, limits, auth, page)
-        .layer(axum::middleware::from_fn_with_state(responses, responses::count));
+    let mut app = app(pool.clone(), writers, limits, auth, page);
+    if let Some(view) = config.trace_view_url.clone() {
+        app = app.layer(axum::Extension(view));
+    }
+    let app = app.layer(axum::middleware::from_fn_with_state(responses, responses::count));
     let served = service.routes(app).run(listener, &service_args.http).await;
     pool.close().await;
     served?;

@@ -156,6 +156,9 @@ pub struct Story {
     /// The order's trace (32 hex digits): one trace from the request through every service.
     /// Absent for a job accepted before the trace was kept (migration 0013).
     pub trace_id: Option<String>,
+    /// Where the trace is shown: `TRACE_VIEW_URL` with the trace id in it (compose's: the Jaeger
+    /// page of the trace). Absent without one or the other.
+    pub trace_url: Option<String>,
     /// What happened, oldest first.
     pub events: Vec<Event>,
 }
@@ -180,6 +183,9 @@ pub struct Event {
     pub detail: Option<String>,
     /// The trace it happened in (32 hex digits): the order's, or a cancel's own.
     pub trace_id: Option<String>,
+    /// Where that trace is shown, as the story's `traceUrl`.
+    #[sqlx(skip)]
+    pub trace_url: Option<String>,
     /// The message applied.
     pub message_id: Option<Uuid>,
 }
@@ -213,12 +219,63 @@ pub async fn read(pool: &PgPool, job_id: Uuid) -> Result<Option<Story>, sqlx::Er
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(Some(Story { job_id, order_id, state, trace_id, events }))
+    Ok(Some(Story { job_id, order_id, state, trace_id, trace_url: None, events }))
+}
+
+impl Story {
+    /// Link the story's trace and each event's to where `view` shows them.
+    pub fn link_traces(&mut self, view: &TraceView) {
+        self.trace_url = self.trace_id.as_deref().map(|id| view.link(id));
+        for event in &mut self.events {
+            event.trace_url = event.trace_id.as_deref().map(|id| view.link(id));
+        }
+    }
+}
+
+/// Where a trace is shown (`TRACE_VIEW_URL`): a URL with `{traceId}` in it, which the trace's 32
+/// hex digits replace, such as Jaeger's `http://127.0.0.1:16686/trace/{traceId}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceView(String);
+
+impl TraceView {
+    /// The page of `trace_id`.
+    pub fn link(&self, trace_id: &str) -> String {
+        self.0.replace(TRACE_ID, trace_id)
+    }
+}
+
+/// What a [`TraceView`] has in place of the trace id.
+const TRACE_ID: &str = "{traceId}";
+
+impl std::str::FromStr for TraceView {
+    type Err = String;
+
+    fn from_str(template: &str) -> Result<Self, Self::Err> {
+        let template = template.trim();
+        if !template.contains(TRACE_ID) {
+            return Err(format!("`{template}` has no {TRACE_ID} for the trace id to go in"));
+        }
+        match url::Url::parse(&template.replace(TRACE_ID, &"0".repeat(32))) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => Ok(Self(template.to_owned())),
+            _ => Err(format!("`{template}` is not an http:// or https:// URL")),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trace_view_puts_the_trace_id_in_its_place_and_refuses_a_template_without_one() {
+        let view: TraceView = "http://127.0.0.1:16686/trace/{traceId}".parse().expect("a template");
+        assert_eq!(
+            view.link("4bf92f3577b34da6a3ce929d0e0e4736"),
+            "http://127.0.0.1:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert!("http://127.0.0.1:16686/trace/".parse::<TraceView>().expect_err("no {traceId}").contains("{traceId}"));
+        assert!("jaeger:16686/trace/{traceId}".parse::<TraceView>().expect_err("no scheme").contains("not an http"));
+    }
 
     #[test]
     fn kinds_round_trip_through_their_names_and_the_api() {

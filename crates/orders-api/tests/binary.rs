@@ -16,7 +16,9 @@ testkit::binary_tests!(
         "AUTH_JWT_KEY",
         "AUTH_JWT_ALGORITHM",
         "AUTH_JWT_ISSUER",
-        "AUTH_JWT_AUDIENCE"
+        "AUTH_JWT_AUDIENCE",
+        "CONSOLE_AMQP_URL",
+        "TRACE_VIEW_URL"
     ]
 );
 

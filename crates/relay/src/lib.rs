@@ -506,10 +506,12 @@ impl Relay {
             return Ok(None);
         }
         let mut sent = Vec::with_capacity(rows.len());
+        let mut spans = Vec::with_capacity(rows.len());
         for row in &rows {
+            spans.push(row.publish_span());
             sent.push(publisher.send(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await);
         }
-        Ok(Some(SentBatch { tx, rows, sent }))
+        Ok(Some(SentBatch { tx, rows, sent, spans }))
     }
 
     /// [`Self::settle_batch`] in the batch's span: what is logged while settling it carries its size
@@ -524,21 +526,27 @@ impl Relay {
     /// Collect a sent batch's confirms in order, mark the confirmed rows, record the returned or
     /// nacked ones with a backoff, and commit.
     async fn settle_batch(&self, batch: SentBatch) -> Result<(), SessionError> {
-        let SentBatch { mut tx, rows, sent } = batch;
+        // Each row's publish span ends when this does: after the commit that marks it.
+        let SentBatch { mut tx, rows, sent, spans } = batch;
         let mut confirmed = Vec::with_capacity(rows.len());
         // When each confirmed row was committed, for the commit -> confirm lag.
         let mut committed_at = Vec::with_capacity(rows.len());
+        let mut confirmed_spans = Vec::with_capacity(rows.len());
+        let mut settled = 0;
         let mut broken = None;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
-        for (row, sent) in rows.iter().zip(sent) {
+        for ((row, sent), span) in rows.iter().zip(sent).zip(&spans) {
+            settled += 1;
             let outcome = match sent {
                 Ok(pending) => pending.confirmed().await,
                 Err(error) => Err(error),
             };
+            published(span, &outcome);
             match outcome {
                 Ok(()) => {
                     confirmed.push(row.id);
                     committed_at.push(row.created_at);
+                    confirmed_spans.push(span);
                 }
                 // The channel is gone: the outcome of this and later rows is unknown. They stay
                 // unpublished and are republished by the next session.
@@ -549,6 +557,10 @@ impl Relay {
                 Err(error) => self.refused(&mut tx, row, &error.to_string(), &backoff, false).await?,
             }
         }
+        // The rows after a lost channel: never confirmed, sent again by the next session.
+        for span in spans.iter().skip(settled) {
+            span.record("outcome", "unconfirmed: the channel was lost first").record("otel.status_code", "error");
+        }
         failpoint::hit(failpoint::RELAY_AFTER_CONFIRM).await;
         // Rows confirmed before a broken channel are still marked: marking is what keeps a
         // reconnect from republishing them.
@@ -557,6 +569,7 @@ impl Relay {
             tx.commit(&self.kept).await
         })
         .await?;
+        marked(&confirmed_spans);
         self.metrics.published(confirmed.len() as u64);
         if !confirmed.is_empty() {
             self.health.readiness.set_overdue(&self.flag(), false);
@@ -642,6 +655,8 @@ impl Relay {
         let (mut tx, rows) = self.claim(ISOLATE_ROWS.min(self.settings.batch_size)).await?;
         let backoff = Backoff::new(self.settings.retry_initial, self.settings.retry_max);
         let mut confirmed = Vec::new();
+        // The rows' publish spans, ended with this round: the confirmed ones apart, to be marked.
+        let (mut confirmed_spans, mut spans) = (Vec::new(), Vec::new());
         let mut outcome = Ok(());
         let publisher = self.publisher(connection).await?;
         for row in &rows {
@@ -658,8 +673,16 @@ impl Relay {
                     break;
                 }
             }
-            let sent = publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties());
-            match sent.await {
+            let span = row.publish_span();
+            let sent =
+                publisher.publish(&row.exchange, &row.routing_key, row.payload.as_bytes(), row.properties()).await;
+            published(&span, &sent);
+            if sent.is_ok() {
+                confirmed_spans.push(span);
+            } else {
+                spans.push(span);
+            }
+            match sent {
                 Ok(()) => confirmed.push(row.id),
                 // Returned or nacked: refused politely, the channel lives on.
                 Err(error @ (PublishError::Returned(_) | PublishError::Nacked)) => {
@@ -682,6 +705,7 @@ impl Relay {
             tx.commit(&self.kept).await
         })
         .await?;
+        marked(&confirmed_spans);
         self.metrics.published(confirmed.len() as u64);
         publisher.close().await;
         outcome
@@ -782,6 +806,25 @@ struct SentBatch {
     tx: Claim,
     rows: Vec<outbox_relay::OutboxRow>,
     sent: Vec<Result<messaging::publisher::Pending, PublishError>>,
+    /// Each row's publish span ([`outbox_relay::OutboxRow::publish_span`]).
+    spans: Vec<tracing::Span>,
+}
+
+/// Record on the publish spans of confirmed rows that their mark is committed: a span without
+/// `marked` is of a row that stays unpublished (the commit failed, or never came), sent again.
+fn marked(spans: &[impl std::borrow::Borrow<tracing::Span>]) {
+    for span in spans {
+        span.borrow().record("marked", true);
+    }
+}
+
+/// Record on a row's publish span what became of it: confirmed, or the broker's refusal (an
+/// error), or the channel lost before its confirm (an error too: it is sent again).
+fn published(span: &tracing::Span, outcome: &Result<(), PublishError>) {
+    match outcome {
+        Ok(()) => span.record("outcome", "confirmed"),
+        Err(error) => span.record("outcome", tracing::field::display(error)).record("otel.status_code", "error"),
+    };
 }
 
 impl SentBatch {

@@ -611,13 +611,26 @@ mod tests {
                 assert_eq!(tags_of(file, name), [tag], "{path} pins {name} other than testkit's {name}:{tag}");
             }
         }
-        // The stand-ins CI's registry mirror serves are built and pushed under the same tags.
+        // The stand-ins CI's registry mirror serves are built and pushed under the same tags, and
+        // so is every other upstream image compose names (Grafana's aside: it has no stand-in,
+        // docs/ci.md): a tag changed in one place only fails here, not in the demo.
+        let compose = PINNING[0].1;
+        let upstream: Vec<&str> = compose
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("image: "))
+            .map(str::trim)
+            .filter(|image| !image.starts_with("reliable-orders:") && !image.starts_with("grafana/"))
+            .collect();
+        assert!(upstream.iter().any(|image| image.starts_with("jaegertracing/")), "{upstream:?}");
         for (path, script) in [
             ("scripts/standin-images", include_str!("../../../scripts/standin-images")),
             ("scripts/registry-mirror", include_str!("../../../scripts/registry-mirror")),
         ] {
             for image in [format!("postgres:{}", super::POSTGRES_TAG), format!("rabbitmq:{}", super::RABBITMQ_TAG)] {
                 assert!(script.contains(&image), "{path} does not provide {image}");
+            }
+            for image in &upstream {
+                assert!(script.contains(image), "{path} does not provide compose's {image}");
             }
         }
     }

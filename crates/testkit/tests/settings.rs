@@ -172,3 +172,36 @@ async fn retry_tiers_that_would_park_a_waiting_message_first_stop_every_consumer
         assert!(said.contains("RETRY_DELAYS=10ms,30m with MAX_ATTEMPTS=5"), "{service:?}: {said}");
     }
 }
+
+/// The orders API refuses, before it connects to anything, what it could not honour: a console on
+/// another vhost than its own (it would act on queues the API does not serve), a console without
+/// the live page it lives on, and a trace link with no place for the trace's id. Exit 2, naming
+/// the setting; the console's password never shows.
+#[tokio::test]
+async fn the_api_refuses_a_console_or_a_trace_link_it_could_not_honour() {
+    let console = |vhost: &str| format!("amqp://msgctl:s3cret@127.0.0.1:1/{vhost}");
+    let cases = [
+        (vec![("CONSOLE_AMQP_URL", console("other"))], "CONSOLE_AMQP_URL names vhost `other`, but AMQP_URL vhost `/`"),
+        (
+            vec![("CONSOLE_AMQP_URL", console("%2f")), ("LIVE_PAGE", "off".to_owned())],
+            "CONSOLE_AMQP_URL is set, but LIVE_PAGE=off",
+        ),
+        (vec![("TRACE_VIEW_URL", "http://127.0.0.1:16686/trace/".to_owned())], "has no {traceId}"),
+        (vec![("TRACE_VIEW_URL", "127.0.0.1:16686/trace/{traceId}".to_owned())], "not an http:// or https:// URL"),
+    ];
+    for (variables, named) in cases {
+        let mut command = tokio::process::Command::new(process::binary(Service::Api.binary()));
+        command
+            .env_clear()
+            .env("AUTH_JWT_KEY", testkit::auth::KEY)
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/none")
+            .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+            .env("HTTP_ADDR", format!("127.0.0.1:{}", process::free_port()))
+            .envs(variables.iter().map(|(name, value)| (name, value)));
+        let refused = process::run_to_exit(command, Duration::from_secs(30)).await;
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(2), "{variables:?}: {said}");
+        assert!(said.contains(named), "{variables:?}: {said}");
+        assert!(!said.contains("s3cret"), "{variables:?}: {said}");
+    }
+}

@@ -1,7 +1,8 @@
 //! One order is one trace: the caller's `traceparent` is continued by the API, stored with the
 //! `order.placed` row, published by the relay, continued by each consumer's delivery span, and
 //! handed on in the rows it writes and the job events published about it; each hop's span is the
-//! parent of the next. With `OTEL_*` naming a collector, the same spans reach it under those ids.
+//! parent of the next. With `OTEL_*` naming a collector, the same spans reach it under those ids,
+//! with the relay's publish of each row and each wait between a consumer's attempts.
 
 use std::sync::{Arc, Mutex};
 
@@ -64,19 +65,22 @@ async fn exporting(protocol: &str) -> (Vec<(&'static str, String)>, Arc<Mutex<Ve
     (variables, received)
 }
 
-/// Place one order of `sku` with the caller's `traceparent`, and wait until it has succeeded.
-async fn place_as_caller(shop: &Shop, sku: &str) {
+/// Place one order of `sku` with the caller's `traceparent`, and wait until its job has succeeded.
+async fn place_as_caller(shop: &Shop, sku: &str) -> Uuid {
     let body = format!(r#"{{"customerId":"c","lines":[{{"sku":"{sku}","quantity":1}}]}}"#);
     let response = shop.post_order(&body, &[("traceparent", CALLER)]).await;
     assert_eq!(response.status, 202, "{}", String::from_utf8_lossy(&response.body));
     let job: Uuid = response.json()["jobId"].as_str().expect("jobId").parse().expect("uuid");
     shop.wait_for_state(job, "succeeded").await;
+    job
 }
 
 #[tokio::test]
 async fn one_order_is_one_trace_and_each_hop_is_the_parent_of_the_next() {
     let (otel, received) = exporting("http/protobuf").await;
-    let shop = Shop::start(Options { demo_faults: true, consumer_env: otel, ..Options::default() }).await;
+    let shop =
+        Shop::start(Options { demo_faults: true, consumer_env: otel.clone(), relay_env: otel, ..Options::default() })
+            .await;
     // Every job event of the run, as the status consumer gets them.
     let connection = shop.env.amqp().await;
     let channel = connection.create_channel().await.expect("channel");
@@ -143,6 +147,43 @@ async fn one_order_is_one_trace_and_each_hop_is_the_parent_of_the_next() {
     event_parents.sort_unstable();
     assert_eq!(event_parents.len(), 4, "two retries in each worker");
     assert_eq!(event_parents, failed_spans, "each job event names its failed attempt's span as parent");
+
+    // Each wait between attempts: a span of the tier's length, a child of the attempt that failed.
+    let waits: Vec<(u64, u64)> = spans
+        .iter()
+        .filter(|(from, span)| (from == "inventory-worker" || from == "billing-worker") && span["name"] == "wait")
+        .filter(|(_, span)| span["traceId"] == caller.trace_hex())
+        .map(|(_, span)| {
+            let nanos = |key: &str| span[key].as_str().and_then(|time| time.parse::<u64>().ok()).expect(key);
+            (span_id(&span["parentSpanId"]), (nanos("endTimeUnixNano") - nanos("startTimeUnixNano")) / 1_000_000)
+        })
+        .collect();
+    let mut parents: Vec<u64> = waits.iter().map(|(parent, _)| *parent).collect();
+    parents.sort_unstable();
+    assert_eq!(parents, failed_spans, "one wait after each failed attempt, its child");
+    let mut lengths: Vec<u64> = waits.iter().map(|(_, millis)| *millis).collect();
+    lengths.sort_unstable();
+    assert_eq!(lengths, [100, 100, 300, 300], "each wait lasts its tier (RETRY_DELAYS 100ms,300ms)");
+
+    // The relay's publish of each row: a producer span, a child of the span that wrote the row.
+    for (hop, message_id) in [(placed, placed_id), (reserved, reserved_id)] {
+        let publish = eventually("the relay's publish span", WAIT, || async {
+            let spans = received.lock().expect("lock").clone();
+            spans.into_iter().find(|(from, span)| {
+                from == "relay"
+                    && span["name"] == "publish"
+                    && attribute(span, "message_id")
+                        == Some(&serde_json::json!({ "stringValue": message_id.to_string() }))
+            })
+        })
+        .await
+        .1;
+        assert_eq!(publish["traceId"], caller.trace_hex(), "{publish}");
+        assert_eq!(span_id(&publish["parentSpanId"]), hop.span_id, "a child of the row's writer: {publish}");
+        assert_eq!(publish["kind"], 4, "a producer span: {publish}");
+        assert_eq!(attribute(&publish, "outcome"), Some(&serde_json::json!({ "stringValue": "confirmed" })));
+        assert_eq!(attribute(&publish, "marked"), Some(&serde_json::json!({ "boolValue": true })), "{publish}");
+    }
     let _ = connection.close(200, "bye".into()).await;
 }
 
@@ -209,8 +250,10 @@ fn attribute<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
 #[tokio::test]
 async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_trace() {
     let (otel, received) = exporting("http/json").await;
-    let shop = Shop::start(Options { consumer_env: otel, ..Options::default() }).await;
-    place_as_caller(&shop, "SKU-1").await;
+    let mut consumer_env = otel.clone();
+    consumer_env.push(("TRACE_VIEW_URL", "http://jaeger.example:16686/trace/{traceId}".to_owned()));
+    let shop = Shop::start(Options { consumer_env, relay_env: otel, ..Options::default() }).await;
+    let job = place_as_caller(&shop, "SKU-1").await;
 
     // API → inventory → billing → the status consumer's delivery of invoice.created, each span the
     // parent of the next, all in the caller's trace.
@@ -221,6 +264,9 @@ async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_t
         let inventory = child_of(&spans, "inventory-worker", "delivery", api["spanId"].as_str()?)?;
         let billing = child_of(&spans, "billing-worker", "delivery", inventory["spanId"].as_str()?)?;
         let status = child_of(&spans, "orders-api", "delivery", billing["spanId"].as_str()?)?;
+        // The relay's publishes of order.placed and invoice.created: siblings of the deliveries.
+        child_of(&spans, "relay", "publish", api["spanId"].as_str()?)?;
+        child_of(&spans, "relay", "publish", billing["spanId"].as_str()?)?;
         Some([api, inventory, billing, status])
     })
     .await;
@@ -236,7 +282,13 @@ async fn with_otel_variables_set_every_hop_s_span_reaches_the_collector_as_one_t
     assert_eq!(attribute(billing, "outcome"), Some(&serde_json::json!({ "stringValue": "succeeded" })));
     assert_eq!(billing["status"]["code"].as_i64().unwrap_or(0), 0, "a handled delivery is no error (unset)");
 
-    // The relay, which has no span of its own in a trace, exported nothing (its variables are not
-    // set).
-    assert!(!received.lock().expect("lock").iter().any(|(service, _)| service == "relay"));
+    // The job's story links to the trace's page in the viewer TRACE_VIEW_URL names.
+    let story = shop.job_events(job).await;
+    assert_eq!(story["traceId"], caller.trace_hex());
+    let link = format!("http://jaeger.example:16686/trace/{}", caller.trace_hex());
+    assert_eq!(story["traceUrl"], link);
+    let events = story["events"].as_array().expect("events");
+    let linked = events.iter().filter(|event| event["traceUrl"] == link).count();
+    let traced = events.iter().filter(|event| !event["traceId"].is_null()).count();
+    assert!(linked > 1 && linked == traced, "each step with a trace links it: {story}");
 }

@@ -8,7 +8,7 @@ use chrono::Utc;
 use lapin::{BasicProperties, types::AMQPValue};
 use messaging_core::{
     contracts::{self, JobEvent, JobQuarantined, JobRetryScheduled},
-    envelope,
+    envelope, trace,
 };
 use tracing::Instrument;
 use uuid::Uuid;
@@ -24,6 +24,31 @@ use crate::{
 fn reported_job(properties: &BasicProperties) -> Option<Uuid> {
     let job_event = properties.kind().as_ref().is_some_and(|kind| contracts::is_job_event(kind.as_str()));
     envelope::correlation_id(properties).filter(|_| !job_event)
+}
+
+/// The wait before the next attempt, as a span of the message's trace (a child of this attempt's
+/// delivery span) that lasts the wait tier's delay from now: no process sits through the wait, so
+/// the span is of its planned length (`otel.duration_ms`); the next attempt's delivery span shows
+/// when the message came back. Only for the collector: none is made unless spans are exported
+/// and the trace is sampled.
+fn waits(queue: &str, delay: std::time::Duration, next_attempt: u32) {
+    if !crate::runtime::otel::exporting() {
+        return;
+    }
+    let Some(delivery) = trace::current().filter(|delivery| delivery.sampled) else { return };
+    let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+    let span = tracing::info_span!(
+        "wait",
+        queue,
+        delay_ms,
+        next_attempt,
+        otel.duration_ms = delay_ms,
+        trace_id = tracing::field::Empty,
+        span_id = tracing::field::Empty,
+        parent_id = tracing::field::Empty,
+        sampled = tracing::field::Empty,
+    );
+    delivery.child().record_on(&span);
 }
 
 impl<H: Handler> Runtime<H> {
@@ -44,8 +69,8 @@ impl<H: Handler> Runtime<H> {
             &raw.properties,
             &[(envelope::HEADER_RETRY_COUNT, AMQPValue::LongLongInt(next_retry))],
         );
-        let copy =
-            publisher.send(&endpoint.direct_exchange(), &endpoint.wait_queue(delay), &raw.data, properties).await?;
+        let wait_queue = endpoint.wait_queue(delay);
+        let copy = publisher.send(&endpoint.direct_exchange(), &wait_queue, &raw.data, properties).await?;
         let ids = reported_job(&raw.properties).zip(envelope::message_id(&raw.properties));
         let attempt = retry_count.saturating_add(1);
         let event = ids.map(|(job_id, message_id)| JobRetryScheduled {
@@ -60,6 +85,7 @@ impl<H: Handler> Runtime<H> {
         });
         let event = self.send_event(publisher, event).await;
         copy.confirmed().await?;
+        waits(&wait_queue, delay, attempt.saturating_add(1));
         self.settle_event(event).await;
         delivery.ack().await?;
         self.count(Handled::Retried);

@@ -3,10 +3,14 @@
 //!
 //! Which spans: every `tracing` span that records a `trace_id` and a `span_id` (hex, as
 //! [`TraceContext::record_on`](messaging_core::trace::TraceContext::record_on) writes them): the
-//! API's `POST /orders` and each consumer's delivery span. Their ids are the ones that travel in
-//! the `traceparent` headers, so the collector sees one order as one trace across every service.
+//! API's requests and each consumer's delivery span, whose ids are the ones that travel in the
+//! `traceparent` headers, so the collector sees one order as one trace across every service; and
+//! two made for the collector alone, children of those: the relay's publish of each outbox row
+//! and the wait before a consumer's next attempt (made only while [`exporting`]).
 //! The span's other fields become its attributes; `otel.kind` (`server`, `consumer`, …) and
 //! `otel.status_code` (`error`) set its kind and status, as `tracing-opentelemetry` reads them.
+//! `otel.duration_ms` makes a span of a planned length: it ends that long after it began, not
+//! when it closes (a retry's wait, which no process sits through).
 //! A span whose trace the caller marked as not sampled is not exported.
 //!
 //! How: [`SpanLayer`] turns each such span, as it closes, into the OpenTelemetry SDK's
@@ -56,6 +60,15 @@ use tracing_subscriber::{Layer, layer::Context, registry::LookupSpan};
 
 /// How long [`Exporter`]'s drop waits for the last spans to be sent.
 const FLUSH_BOUND: Duration = Duration::from_secs(3);
+
+/// Whether this process exports spans ([`start`] was called).
+static EXPORTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process exports spans: a span made only for the collector (the relay's, one per
+/// message) is not worth making otherwise.
+pub fn exporting() -> bool {
+    EXPORTING.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Where and how to send spans, read from `OTEL_*`.
 #[derive(Debug, Clone, PartialEq)]
@@ -211,6 +224,7 @@ pub fn start(config: Config) -> Result<(SpanLayer, Exporter), String> {
     processor.set_resource(&Resource::builder_empty().with_attributes(resource).build());
     let processor = Arc::new(processor);
     let scope = InstrumentationScope::builder("messaging").with_version(env!("CARGO_PKG_VERSION")).build();
+    EXPORTING.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok((SpanLayer { processor: processor.clone(), scope }, Exporter { processor }))
 }
 
@@ -275,6 +289,8 @@ struct Fields {
     kind: Option<String>,
     name: Option<String>,
     error: bool,
+    /// `otel.duration_ms`: the span's planned length.
+    duration: Option<Duration>,
     attributes: Vec<(&'static str, Attribute)>,
 }
 
@@ -290,6 +306,7 @@ impl Fields {
     fn set(&mut self, field: &Field, value: Attribute) {
         let text = || match &value {
             Attribute::Text(text) => text.clone(),
+            Attribute::Int(int) => int.to_string(),
             other => format!("{other:?}"),
         };
         match field.name() {
@@ -300,6 +317,7 @@ impl Fields {
             "otel.kind" => self.kind = Some(text()),
             "otel.name" => self.name = Some(text()),
             "otel.status_code" => self.error = text().eq_ignore_ascii_case("error"),
+            "otel.duration_ms" => self.duration = text().parse().ok().map(Duration::from_millis),
             name => match self.attributes.iter_mut().find(|(key, _)| *key == name) {
                 Some((_, old)) => *old = value,
                 None => self.attributes.push((name, value)),
@@ -340,7 +358,7 @@ impl Open {
     /// The span as the SDK exports it, under our ids; `None` without them, or if the caller asked
     /// for its trace not to be recorded.
     fn finish(self, end: SystemTime, scope: &InstrumentationScope) -> Option<SpanData> {
-        let Fields { trace_id, span_id, parent_id, unsampled, kind, name, error, attributes } = self.fields;
+        let Fields { trace_id, span_id, parent_id, unsampled, kind, name, error, duration, attributes } = self.fields;
         if unsampled {
             return None;
         }
@@ -372,13 +390,14 @@ impl Open {
             .collect();
         Some(SpanData {
             span_context: context,
-            // Every parent we know of came in a `traceparent`, from another process.
+            // Every parent but a wait's came in a `traceparent`, from another process (a hint to the
+            // viewer only).
             parent_span_id: parent_id.map_or(SpanId::INVALID, SpanId::from),
             parent_span_is_remote: parent_id.is_some(),
             span_kind: kind,
             name: Cow::Owned(name.unwrap_or_else(|| self.name.to_owned())),
             start_time: self.start,
-            end_time: end,
+            end_time: duration.map_or(end, |duration| self.start + duration),
             attributes,
             dropped_attributes_count: 0,
             events: SpanEvents::default(),

@@ -142,3 +142,31 @@ fn a_finished_span_with_trace_ids_goes_to_the_processor_under_those_ids_and_othe
         [KeyValue::new("endpoint", "billing.inventory-reserved"), KeyValue::new("attempt", 2_i64)]
     );
 }
+
+#[test]
+fn a_span_of_a_planned_length_ends_that_long_after_it_began() {
+    use tracing::field::Empty;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let kept = Arc::new(Kept::default());
+    let layer = SpanLayer { processor: kept.clone(), scope: InstrumentationScope::builder("messaging").build() };
+    let delivery = TraceContext::continuing(Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    let wait = delivery.child();
+    tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+        let span = tracing::info_span!(
+            "wait",
+            otel.duration_ms = 120_000_u64,
+            trace_id = Empty,
+            span_id = Empty,
+            parent_id = Empty,
+            sampled = Empty,
+        );
+        wait.record_on(&span);
+    });
+    let spans = kept.0.lock().expect("lock");
+    let [span] = spans.as_slice() else { panic!("one span: {spans:?}") };
+    assert_eq!(span.end_time.duration_since(span.start_time).expect("ends after it begins"), Duration::from_secs(120));
+    assert_eq!(span.parent_span_id, SpanId::from(delivery.span_id), "a child of the delivery's span");
+    assert_eq!(span.span_context.trace_id(), TraceId::from(delivery.trace_id));
+    assert!(span.attributes.is_empty(), "otel.duration_ms is no attribute: {:?}", span.attributes);
+}
