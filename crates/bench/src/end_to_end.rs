@@ -570,7 +570,7 @@ impl Bench {
     /// servers' own. At a paced rate r, an order pays idle / r of it whatever the orders do.
     async fn idle(&mut self, processes: &[Process], billing: &PgPool) -> Idle {
         // The last phase's orders have succeeded, but their trail (`order.ended`, inventory's
-        // settlement, billing's no-op) may still run: wait until every outbox has published what
+        // settlement) may still run: wait until every outbox has published what
         // is due, then a little for the last deliveries to be applied.
         let unpublished =
             "select count(*) from outbox where published_at is null and parked_at is null and not scheduled";

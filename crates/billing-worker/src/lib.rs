@@ -1,8 +1,8 @@
-//! Billing: consumes `inventory.reserved` and `order.ended` (endpoint
-//! `billing.inventory-reserved`). It writes the invoice of a reserved order, priced from its own
-//! `prices` table, and announces `invoice.created`, or declines the order (`payment.declined`);
-//! when an order ends otherwise than invoiced, it voids its invoice and announces
-//! `invoice.voided`. Each in the runtime's one transaction.
+//! Billing: consumes `inventory.reserved` and the `order.ended` of orders that ended declined or
+//! cancelled (endpoint `billing.inventory-reserved`). It writes the invoice of a reserved order,
+//! priced from its own `prices` table, and announces `invoice.created`, or declines the order
+//! (`payment.declined`); when an order ends otherwise than invoiced, it voids its invoice and
+//! announces `invoice.voided`. Each in the runtime's one transaction.
 
 use std::collections::HashMap;
 
@@ -113,6 +113,8 @@ impl Handle<InventoryReserved> for CreateInvoice {
 // (`on conflict do update` acts on the row as committed, not as this statement's snapshot saw it).
 impl Handle<OrderEnded> for CreateInvoice {
     async fn handle(&self, ended: OrderEnded, context: &Context, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        // Not sent here any more (billing binds only the ends it undoes), but an earlier release's
+        // `order.ended`, under the key every end had then, still comes during an upgrade.
         if ended.end == End::Invoiced {
             return Ok(());
         }

@@ -11,7 +11,8 @@ use uuid::Uuid;
 /// The topic exchange of the job events (durable).
 pub const JOBS_EXCHANGE: &str = "jobs";
 
-/// A message type: its name (also its routing key), exchange and current major version.
+/// A message type: its name (also its routing key, unless [`Contract::routing_key`] says
+/// otherwise), exchange and current major version.
 ///
 /// ```
 /// use messaging_core::contracts::Contract;
@@ -40,18 +41,30 @@ pub const JOBS_EXCHANGE: &str = "jobs";
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 pub trait Contract: Serialize {
-    /// The AMQP `type` and routing key.
+    /// The AMQP `type`, and the routing key unless [`Contract::routing_key`] says otherwise.
     const TYPE: &'static str;
     /// The exchange it is published to.
     const EXCHANGE: &'static str;
     /// The schema major version this code writes and reads.
     const VERSION: u32 = 1;
+    /// Whether its messages are routed by what they say ([`Contract::routing_key`]) rather than
+    /// under [`Contract::TYPE`]: then binding its type alone (`Endpoint::consume`) or writing its
+    /// rows under it (`outbox::Selected`) would misroute it, and is refused at compile time.
+    const ROUTED_BY_BODY: bool = false;
 
     /// The job a message of this contract belongs to, as its body names it, if it does: the
     /// runtime's fallback when a message carries no correlation id
     /// (the handler's `Context::job_id`).
     fn job(&self) -> Option<Uuid> {
         None
+    }
+
+    /// The routing key this message is published with: its type, unless the contract routes by
+    /// what the message says (`order.ended.<end>`, with [`Contract::ROUTED_BY_BODY`]), so that a
+    /// consumer binds only the messages it acts on. A consumer of every one binds a pattern
+    /// (`order.ended.#`).
+    fn routing_key(&self) -> &'static str {
+        Self::TYPE
     }
 }
 

@@ -86,9 +86,29 @@ impl Endpoint {
     }
 
     /// Consume contract `C`: bind its routing key on its exchange, and accept it up to its
-    /// current major version.
+    /// current major version. Not for a contract routed by body ([`Contract::ROUTED_BY_BODY`]):
+    /// [`Endpoint::consume_keys`] names its keys, and this does not compile.
+    ///
+    /// ```compile_fail
+    /// # use messaging_core::{contracts::Contract, endpoint::Endpoint};
+    /// # #[derive(serde::Serialize)] struct Ended;
+    /// # impl Contract for Ended {
+    /// #     const TYPE: &'static str = "ended";
+    /// #     const EXCHANGE: &'static str = "shop";
+    /// #     const ROUTED_BY_BODY: bool = true;
+    /// # }
+    /// let endpoint = Endpoint::new("audit").consume::<Ended>();
+    /// ```
     pub fn consume<C: Contract>(self) -> Self {
+        const { assert!(!C::ROUTED_BY_BODY, "a contract routed by body is consumed with consume_keys") };
         self.bind(C::EXCHANGE, C::TYPE).accept::<C>()
+    }
+
+    /// Consume contract `C` under each of `routing_keys` (patterns: `*` a word, `#` any words), for
+    /// a contract routed by what its messages say ([`Contract::routing_key`]): bind each on its
+    /// exchange, and accept it up to its current major version.
+    pub fn consume_keys<C: Contract>(self, routing_keys: &[&'static str]) -> Self {
+        routing_keys.iter().fold(self, |endpoint, key| endpoint.bind(C::EXCHANGE, key)).accept::<C>()
     }
 
     /// Accept messages of contract `C` up to its current major version.

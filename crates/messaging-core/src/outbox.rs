@@ -121,8 +121,11 @@ pub struct Selected<'a> {
 
 impl Selected<'_> {
     /// Push the `insert` statement of messages of contract `C`, selecting from `from` (which may
-    /// carry `where` and `order by`: the rows are published in the order they are inserted).
+    /// carry `where` and `order by`: the rows are published in the order they are inserted). Each
+    /// row's routing key is `C::TYPE`: not for a contract routed by body
+    /// ([`Contract::ROUTED_BY_BODY`]), refused at compile time.
     pub fn push_insert<C: Contract>(&self, statement: &mut QueryBuilder<Postgres>, from: &str) {
+        const { assert!(!C::ROUTED_BY_BODY, "rows of a contract routed by body each need their own key") };
         let Self { message_id, payload, headers, deliver_at } = self;
         let columns = if deliver_at.is_some() { format!("{COLUMNS}, {SCHEDULE}") } else { COLUMNS.to_owned() };
         statement.push(format_args!("insert into outbox ({columns}) select {message_id}, "));
@@ -146,7 +149,7 @@ pub struct Outgoing<'a, C> {
     pub message_type: &'static str,
     /// `C::EXCHANGE`.
     pub exchange: &'static str,
-    /// The routing key: `C::TYPE`.
+    /// The routing key: [`Contract::routing_key`], `C::TYPE` unless the contract routes by body.
     pub routing_key: &'static str,
     /// The body.
     pub payload: Json<&'a C>,
@@ -163,7 +166,7 @@ impl<'a, C: Contract> Outgoing<'a, C> {
             message_id: Uuid::now_v7(),
             message_type: C::TYPE,
             exchange: C::EXCHANGE,
-            routing_key: C::TYPE,
+            routing_key: body.routing_key(),
             payload: Json(body),
             headers: Json(Headers::of::<C>(correlation_id)),
             deliver_at: None,

@@ -26,6 +26,10 @@
 //!
 //! An end decided, a job ended and an end sent again are also written into the job's story
 //! ([`crate::story`]), in the same transaction as the move.
+//!
+//! The move that ends an order (`decide`, `rejected`) also withdraws its `order.deadline`, which
+//! would otherwise be published and delivered at the deadline only to find the order ended
+//! ([`deadline_message_id`]).
 
 use chrono::{DateTime, Utc};
 use messaging::{contracts::JobRetryScheduled, outbox};
@@ -117,7 +121,8 @@ impl TryFrom<String> for JobState {
     }
 }
 
-fn names(states: &[JobState]) -> Vec<&'static str> {
+/// The names of `states`, as `jobs.state` stores them: what a statement binds for `state = any($n)`.
+pub fn names(states: &[JobState]) -> Vec<&'static str> {
     states.iter().map(|state| state.as_str()).collect()
 }
 
@@ -302,6 +307,11 @@ pub async fn rejected(
                    published_at = coalesce(published_at, now()), updated_at = now()
              where id = (select id from job) and state <> all($4)
              returning created_at
+         ), deadline_withdrawn as (
+            -- As `decide` does.
+            delete from outbox where id = (
+                select id from outbox where message_id = $8 and published_at is null and exists (select from moved)
+                   for update skip locked)
          )
          select exists (select from job), (select created_at from moved)",
     )
@@ -312,6 +322,7 @@ pub async fn rejected(
     .bind(order_id)
     .bind(order.as_str())
     .bind(order.moves_from_names())
+    .bind(deadline_message_id(job_id))
     .fetch_one(&mut *tx)
     .await?;
     if ended.is_some() {
@@ -319,6 +330,15 @@ pub async fn rejected(
         story::record(tx, job_id, Kind::Ended, step).await?;
     }
     Ok(Applied::known(known, ended))
+}
+
+/// The message id of job `job_id`'s `order.deadline`: the job's id with the UUID version 8 (the
+/// custom one), so that the move that ends the order can find the row and withdraw it without a
+/// column to remember it by. Every other message id is a UUIDv7, and two jobs give two ids.
+pub fn deadline_message_id(job_id: Uuid) -> Uuid {
+    let mut bytes = job_id.into_bytes();
+    bytes[6] = (bytes[6] & 0x0f) | 0x80;
+    Uuid::from_bytes(bytes)
 }
 
 /// What deciding an order's end found ([`decide`]).
@@ -376,6 +396,12 @@ pub async fn decide(
                    published_at = coalesce(published_at, now()), updated_at = now()
              where id = $1 and exists (select from decided)
             returning created_at, order_id
+         ), deadline_withdrawn as (
+            -- The order's deadline is moot once its end is decided. A relay holding the row (it is
+            -- publishing it now) is not waited for: that deadline comes, and finds the order ended.
+            delete from outbox where id = (
+                select id from outbox where message_id = $8 and published_at is null and exists (select from moved)
+                   for update skip locked)
          )
          select exists (select from job), (select created_at from moved), (select order_id from moved),
                 coalesce((select published_at is null from job), false)",
@@ -387,6 +413,7 @@ pub async fn decide(
         .bind(ending)
         .bind(result_key)
         .bind(reason)
+        .bind(deadline_message_id(job_id))
         .fetch_one(&mut *tx)
         .await?;
     let decided = match (known, created_at.zip(order_id)) {
@@ -632,6 +659,18 @@ pub async fn redriven(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deadline_s_id_is_its_job_s_in_version_8() {
+        let job = Uuid::now_v7();
+        let deadline = deadline_message_id(job);
+        assert_eq!(deadline.get_version_num(), 8);
+        assert_ne!(deadline, job);
+        assert_eq!(deadline.as_bytes()[6] & 0x0f, job.as_bytes()[6] & 0x0f);
+        assert_eq!(deadline.as_bytes()[7..], job.as_bytes()[7..]);
+        assert_eq!(deadline.as_bytes()[..6], job.as_bytes()[..6]);
+        assert_eq!(deadline_message_id(job), deadline, "the same job, the same id");
+    }
 
     #[test]
     fn states_round_trip_through_their_names_and_the_api() {

@@ -155,7 +155,9 @@ async fn step(pool: &PgPool, order_deadline: Duration) -> Result<Step, sqlx::Err
             sent.ended += 1;
         } else {
             let body = OrderDeadline { order_id, job_id };
-            Outgoing::of(&body, Some(job_id)).at(at).enqueue(&mut tx).await?;
+            let deadline =
+                Outgoing { message_id: crate::jobs::deadline_message_id(job_id), ..Outgoing::of(&body, Some(job_id)) };
+            deadline.at(at).enqueue(&mut tx).await?;
             sent.deadlines += 1;
         }
     }

@@ -84,7 +84,8 @@ pub struct ScheduledDeadline {
     pub body: OrderDeadline,
     /// When it is due.
     pub at: DateTime<Utc>,
-    /// The row's id.
+    /// The row's id, made from the job's ([`crate::jobs::deadline_message_id`]): the move that
+    /// ends the order withdraws the row.
     pub message_id: Uuid,
     /// The row's headers (as [`NewOrder::headers`]).
     pub headers: Headers,
@@ -99,8 +100,8 @@ impl NewOrder {
         let outbox::Outgoing { message_id, headers: Json(headers), .. } =
             outbox::Outgoing::of(&placed, Some(ids.job_id)).ordered_by(shop::order_key(ids.order_id));
         let body = OrderDeadline { order_id: ids.order_id, job_id: ids.job_id };
-        let outbox::Outgoing { message_id: deadline_id, headers: Json(deadline_headers), .. } =
-            outbox::Outgoing::of(&body, Some(ids.job_id));
+        let outbox::Outgoing { headers: Json(deadline_headers), .. } = outbox::Outgoing::of(&body, Some(ids.job_id));
+        let deadline_id = crate::jobs::deadline_message_id(ids.job_id);
         let deadline = ScheduledDeadline { body, at: deadline, message_id: deadline_id, headers: deadline_headers };
         Self { ids, placed, claim, message_id, headers, deadline }
     }

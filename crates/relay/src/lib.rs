@@ -96,8 +96,8 @@ pub const OUTBOX_GRANTS: [&str; 3] = ["SELECT", "UPDATE", "DELETE"];
 /// The topology whose queues every message must reach before the relay publishes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ExpectedTopology {
-    /// The shop's ([`shop::topology::shop`]): e.g. `order.ended` waits until inventory's and
-    /// billing's queues both exist.
+    /// The shop's ([`shop::topology::shop`]): e.g. a cancelled order's `order.ended` waits until
+    /// inventory's and billing's queues both exist.
     Shop,
     /// None: a message that reaches any queue is published (the broker returns one that reaches
     /// none), as before decision 0030. For a broker shared with other systems' exchanges, and for

@@ -1,10 +1,10 @@
 //! Whether a row's message would reach every queue the topology binds to it (decision 0030).
 //!
-//! The broker returns a `mandatory` message only when no queue takes it. `order.ended` goes to
-//! inventory and to billing: with inventory's queue missing (a first deploy where inventory has
-//! not started, a queue being moved), billing takes it, nothing is returned, and inventory never
-//! hears of the order's end. So before a row is published, the relay looks up its exchange and
-//! each queue that the expected topology binds to its routing key
+//! The broker returns a `mandatory` message only when no queue takes it. A cancelled order's
+//! `order.ended` goes to inventory and to billing: with inventory's queue missing (a first deploy
+//! where inventory has not started, a queue being moved), billing takes it, nothing is returned,
+//! and inventory never hears of the order's end. So before a row is published, the relay looks up
+//! its exchange and each queue that the expected topology binds to its routing key
 //! ([`topology::Topology::queues_for`]), and holds the row while one is missing: it stays
 //! unpublished with the reason in `last_error`, is claimed again after a backoff, and
 //! `outbox_topology_missing` counts what is missing. A missing exchange is declared if the

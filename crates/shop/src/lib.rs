@@ -174,6 +174,11 @@ impl Contract for PaymentDeclined {
     }
 }
 
+/// The routing key pattern of every `order.ended`, whatever its end ([`End::routing_key`]), and of
+/// those of releases before routing by end, which had none (`order.ended`): `#` is any number of
+/// words, none included.
+pub const EVERY_END: &str = "order.ended.#";
+
 /// How an order ended, as the orders service decided it (decision 0023).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -195,10 +200,25 @@ impl End {
             Self::Cancelled => "cancelled",
         }
     }
+
+    /// The routing key of an `order.ended` of this end: `order.ended.<end>` ([`OrderEnded`]).
+    pub fn routing_key(self) -> &'static str {
+        match self {
+            Self::Invoiced => "order.ended.invoiced",
+            Self::Declined => "order.ended.declined",
+            Self::Cancelled => "order.ended.cancelled",
+        }
+    }
 }
 
 /// The orders service decided how an order ends; the decision is final. Every service that did
 /// something for the order keeps it (`invoiced`) or undoes it (any other end), and answers.
+///
+/// Routed by its end, `order.ended.<end>` ([`End::routing_key`], issue 59): a consumer of every
+/// end binds [`EVERY_END`], one that only undoes binds the ends it undoes. Releases before
+/// 2026-12-07 published every end as `order.ended`: `EVERY_END` matches it, and billing binds it
+/// while rows of theirs may be unpublished (`docs/operations.md`, "Routing `order.ended` by its
+/// end").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct OrderEnded {
@@ -215,9 +235,14 @@ pub struct OrderEnded {
 impl Contract for OrderEnded {
     const TYPE: &'static str = "order.ended";
     const EXCHANGE: &'static str = exchanges::ORDERS;
+    const ROUTED_BY_BODY: bool = true;
 
     fn job(&self) -> Option<Uuid> {
         Some(self.job_id)
+    }
+
+    fn routing_key(&self) -> &'static str {
+        self.end.routing_key()
     }
 }
 

@@ -10,8 +10,8 @@ use messaging_core::{
 };
 
 use crate::{
-    InventoryRejected, InventoryReleased, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderDeadline, OrderEnded,
-    OrderPlaced, PaymentDeclined, exchanges,
+    EVERY_END, End, InventoryRejected, InventoryReleased, InventoryReserved, InvoiceCreated, InvoiceVoided,
+    OrderDeadline, OrderEnded, OrderPlaced, PaymentDeclined, exchanges,
 };
 
 /// The whole shop: its exchanges and the three endpoints below.
@@ -40,16 +40,32 @@ pub fn orders_status() -> Endpoint {
         .accept::<JobAbandoned>()
 }
 
-/// Inventory's `inventory.order-placed`: `order.placed` and `order.ended`, ordered by key, so that
-/// an order's end is applied after its placing ([`crate::order_key`]). The name is the one it had
-/// before orders could end otherwise than invoiced or rejected.
+/// The routing key of every `order.ended` published by releases before 2026-12-07, which did not
+/// route it by its end ([`End::routing_key`]). Billing, which binds only some ends, binds it as
+/// well while such rows may still be unpublished; the release after drops it, and an administrator
+/// deletes the binding (`docs/operations.md`, "Routing `order.ended` by its end"). [`EVERY_END`]
+/// matches it already.
+pub const ENDED_BEFORE_ROUTING_BY_END: &str = "order.ended";
+
+/// Inventory's `inventory.order-placed`: `order.placed` and every `order.ended`, ordered by key,
+/// so that an order's end is applied after its placing ([`crate::order_key`]). The name is the one
+/// it had before orders could end otherwise than invoiced or rejected.
 pub fn inventory() -> Endpoint {
-    Endpoint::new("inventory.order-placed").consume::<OrderPlaced>().consume::<OrderEnded>().ordered_by_key()
+    Endpoint::new("inventory.order-placed")
+        .consume::<OrderPlaced>()
+        .consume_keys::<OrderEnded>(&[EVERY_END])
+        .ordered_by_key()
 }
 
-/// Billing's `billing.inventory-reserved`: `inventory.reserved` and `order.ended`.
+/// Billing's `billing.inventory-reserved`: `inventory.reserved`, and the ends it undoes
+/// (`declined`, `cancelled`): an invoiced order's end asks nothing of billing, and is not sent to
+/// it.
 pub fn billing() -> Endpoint {
-    Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume::<OrderEnded>()
+    Endpoint::new("billing.inventory-reserved").consume::<InventoryReserved>().consume_keys::<OrderEnded>(&[
+        End::Declined.routing_key(),
+        End::Cancelled.routing_key(),
+        ENDED_BEFORE_ROUTING_BY_END,
+    ])
 }
 
 #[cfg(test)]
@@ -58,8 +74,17 @@ mod tests {
     use messaging_core::contracts::Contract;
 
     #[test]
-    fn an_order_s_end_must_reach_inventory_and_billing() {
+    fn an_order_s_end_reaches_inventory_and_billing_only_if_it_must_undo() {
         let shop = shop();
+        let ended = |end| OrderEnded { order_id: uuid::Uuid::nil(), job_id: uuid::Uuid::nil(), end, reason: None };
+        for end in [End::Declined, End::Cancelled] {
+            assert_eq!(
+                shop.queues_for(exchanges::ORDERS, ended(end).routing_key()),
+                ["inventory.order-placed", "billing.inventory-reserved"]
+            );
+        }
+        assert_eq!(shop.queues_for(exchanges::ORDERS, ended(End::Invoiced).routing_key()), ["inventory.order-placed"]);
+        // An earlier release's, of any end, while the move lasts.
         assert_eq!(
             shop.queues_for(exchanges::ORDERS, OrderEnded::TYPE),
             ["inventory.order-placed", "billing.inventory-reserved"]

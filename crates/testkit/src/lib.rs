@@ -291,6 +291,18 @@ impl TestEnv {
     /// one message id (as a relay that crashed between a confirm and its mark would), each copy
     /// confirmed. Returns the message id.
     pub async fn publish<C: messaging::contracts::Contract>(&self, body: &C, job_id: Uuid, copies: usize) -> Uuid {
+        self.publish_under(body, body.routing_key(), job_id, copies).await
+    }
+
+    /// As [`TestEnv::publish`], under `routing_key` rather than the contract's (an earlier
+    /// release's key, say).
+    pub async fn publish_under<C: messaging::contracts::Contract>(
+        &self,
+        body: &C,
+        routing_key: &str,
+        job_id: Uuid,
+        copies: usize,
+    ) -> Uuid {
         let connection = self.amqp().await;
         let publisher = messaging::publisher::Publisher::open(&connection).await.expect("publisher");
         let message_id = Uuid::now_v7();
@@ -298,7 +310,7 @@ impl TestEnv {
             messaging::envelope::Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, chrono::Utc::now());
         let payload = serde_json::to_vec(body).expect("json");
         for _ in 0..copies {
-            publisher.publish(C::EXCHANGE, C::TYPE, &payload, properties.clone()).await.expect("confirmed");
+            publisher.publish(C::EXCHANGE, routing_key, &payload, properties.clone()).await.expect("confirmed");
         }
         let _ = connection.close(200, "bye".into()).await;
         message_id

@@ -3,8 +3,9 @@
 //! operator abandons a parked order; a customer cancels before the relay publishes, between
 //! reservation and invoice, and after the invoice; a deadline expires while billing is down; an
 //! order's end waits at inventory behind its placing, or goes unordered when the relay is still
-//! retrying a placing the broker refuses; and each undo is safe against the message it undoes
-//! arriving late.
+//! retrying a placing the broker refuses; each undo is safe against the message it undoes
+//! arriving late; an order's end withdraws its deadline; and billing gets an order's end only
+//! when it must undo.
 
 use serde_json::Value;
 use shop::{End, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
@@ -77,6 +78,17 @@ async fn applied(pool: &sqlx::PgPool, message_id: Uuid) {
         applied.then_some(())
     })
     .await;
+}
+
+/// Whether job `job_id`'s `order.deadline` is in the orders outbox, published or not.
+async fn deadline_kept(shop: &Shop, job_id: Uuid) -> bool {
+    sqlx::query_scalar(
+        "select exists (select from outbox where message_type = 'order.deadline' and payload ->> 'jobId' = $1)",
+    )
+    .bind(job_id.to_string())
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the outbox")
 }
 
 fn order_id(job: &Value) -> Uuid {
@@ -416,6 +428,79 @@ async fn an_order_whose_deadline_passes_while_billing_is_down_ends_cancelled_and
     assert_given_back(&mut shop, &["SKU-5"]).await;
     // Billing declined the expired reservation and fenced the order: no invoice stood, ever.
     assert_eq!(invoices(&shop, order_id).await, [("void".to_owned(), 0)]);
+}
+
+/// The move that ends an order withdraws its `order.deadline` from the outbox (issue 59): once
+/// invoiced, rejected or cancelled, an order's deadline is neither published nor delivered. A
+/// deadline the relay holds (it may be publishing it) is not waited for: it stays, and when it
+/// comes it finds the order ended.
+#[tokio::test]
+async fn an_order_that_ends_withdraws_its_deadline_unless_the_relay_holds_it() {
+    let mut shop = Shop::start(Options::default()).await;
+    let invoiced = shop.place(&[("SKU-1", 1)]).await;
+    let rejected = shop.place(&[("NOPE-9", 1)]).await;
+    shop.wait_for_state(invoiced, "succeeded").await;
+    shop.wait_for_state(rejected, "rejected").await;
+    // Two cancelled while inventory is down: each runs, with its deadline, until its cancel.
+    shop.kill(Service::Inventory).await;
+    let cancelled = shop.place(&[("SKU-3", 1)]).await;
+    let held = shop.place(&[("SKU-3", 1)]).await;
+    assert!(deadline_kept(&shop, cancelled).await, "a running order keeps its deadline");
+    // The relay's claim, as it holds a row: locked until its transaction ends.
+    let mut relay = shop.orders.begin().await.expect("a transaction");
+    sqlx::query("select from outbox where message_type = 'order.deadline' and payload ->> 'jobId' = $1 for update")
+        .bind(held.to_string())
+        .fetch_one(&mut *relay)
+        .await
+        .expect("the held deadline");
+    for job_id in [cancelled, held] {
+        let (status, body) = cancel(&shop, &order_id(&shop.job(job_id).await).to_string()).await;
+        assert_eq!(status, 202, "the cancel waited for nothing: {body}");
+    }
+    relay.rollback().await.expect("the relay's transaction");
+    for job_id in [invoiced, rejected, cancelled] {
+        assert!(!deadline_kept(&shop, job_id).await, "job {job_id} ended and its deadline is still in the outbox");
+    }
+    assert!(deadline_kept(&shop, held).await, "the relay's row was taken from under it");
+    shop.restart(Service::Inventory).await;
+    shop.wait_for_state(cancelled, "cancelled").await;
+    shop.wait_for_state(held, "cancelled").await;
+    assert_given_back(&mut shop, &["SKU-3"]).await;
+}
+
+/// `order.ended` is routed by its end (issue 59): an invoiced order's end reaches inventory, which
+/// settles, and not billing, which has nothing to undo. An end under the key of the releases
+/// before (`order.ended`), as their rows still unpublished at an upgrade carry, reaches both.
+#[tokio::test]
+async fn an_order_s_end_reaches_billing_only_to_be_undone_and_under_the_earlier_key_too() {
+    let mut shop = Shop::start(Options::default()).await;
+    let job_id = shop.place(&[("SKU-1", 1)]).await;
+    shop.wait_for_state(job_id, "succeeded").await;
+    // Billing stopped: whatever reached its queue from now on stays there, ready.
+    shop.kill(Service::Billing).await;
+    let ended: Uuid = sqlx::query_scalar(
+        "select message_id from outbox where message_type = 'order.ended' and payload ->> 'jobId' = $1",
+    )
+    .bind(job_id.to_string())
+    .fetch_one(&shop.orders)
+    .await
+    .expect("the order's end");
+    applied(&shop.inventory, ended).await;
+    let billed: bool = sqlx::query_scalar("select exists (select from inbox where message_id = $1)")
+        .bind(ended)
+        .fetch_one(&shop.billing)
+        .await
+        .expect("billing's inbox");
+    assert!(!billed, "billing took an invoiced order's end");
+    assert_eq!(shop.env.queue_depth(BILLING).await, Some(0), "an invoiced order's end reached billing's queue");
+
+    // An earlier release's end, of an order no one knows: inventory fences it, and billing's
+    // queue holds it.
+    let (order_id, job_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let earlier = OrderEnded { order_id, job_id, end: End::Cancelled, reason: Some("test".into()) };
+    let message_id = shop.env.publish_under(&earlier, shop::topology::ENDED_BEFORE_ROUTING_BY_END, job_id, 1).await;
+    applied(&shop.inventory, message_id).await;
+    assert_eq!(shop.env.queue_depth(BILLING).await, Some(1), "the earlier key's end did not reach billing");
 }
 
 #[tokio::test]

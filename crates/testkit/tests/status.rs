@@ -8,8 +8,7 @@ use chrono::Utc;
 use clap::Parser;
 use messaging::{
     contracts::{Contract, JobQuarantined, JobRedriven, JobRetryScheduled},
-    envelope::{self, Headers},
-    publisher::Publisher,
+    envelope,
     runtime::shutdown,
 };
 use serde_json::Value;
@@ -60,14 +59,7 @@ impl Api {
 
     /// Publish `event` as `C`, of job `job_id`; its message id.
     async fn publish<C: Contract + serde::Serialize>(&self, job_id: Uuid, event: &C) -> Uuid {
-        let connection = self.env.amqp().await;
-        let publisher = Publisher::open(&connection).await.expect("publisher");
-        let message_id = Uuid::now_v7();
-        let properties = Headers::of::<C>(Some(job_id)).properties(message_id, C::TYPE, Utc::now());
-        let body = serde_json::to_vec(event).expect("json");
-        publisher.publish(C::EXCHANGE, C::TYPE, &body, properties).await.expect("confirmed");
-        let _ = connection.close(200, "bye".into()).await;
-        message_id
+        self.env.publish(event, job_id, 1).await
     }
 }
 

@@ -1,9 +1,10 @@
-//! Every consumer a message is meant for gets it (issue 56, row 1; decision 0030). `order.ended`
-//! goes to inventory and to billing; the broker returns a `mandatory` message only when no queue
-//! takes it. So on a first deploy where inventory starts last, billing took an order's end and
-//! inventory, once up, reserved stock for an order that had ended and never heard of its end: the
-//! order stayed `compensating` and its stock held, for good. The relay now holds a row whose
-//! message would reach fewer queues than the shop's topology binds to it, until they exist.
+//! Every consumer a message is meant for gets it (issue 56, row 1; decision 0030). A cancelled
+//! order's `order.ended` goes to inventory and to billing; the broker returns a `mandatory`
+//! message only when no queue takes it. So on a first deploy where inventory starts last, billing
+//! took an order's end and inventory, once up, reserved stock for an order that had ended and
+//! never heard of its end: the order stayed `compensating` and its stock held, for good. The relay
+//! now holds a row whose message would reach fewer queues than the shop's topology binds to it,
+//! until they exist.
 
 use lapin::options::QueueDeleteOptions;
 use serde_json::Value;

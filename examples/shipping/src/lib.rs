@@ -35,7 +35,8 @@ pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
         database: "shipping",
         http_addr: "127.0.0.1:8084",
         migrator: &MIGRATOR,
-        endpoint: Endpoint::new("shipping.order-ended").consume::<OrderEnded>(),
+        // Every end (`order.ended.<end>`, and `order.ended` of releases before routing by end).
+        endpoint: Endpoint::new("shipping.order-ended").consume_keys::<OrderEnded>(&[shop::EVERY_END]),
         handler: |_| Routes::new(ScheduleShipment).on::<OrderEnded>(),
         routes: Some(routes),
         prepare: None,
