@@ -44,6 +44,36 @@ pub fn is_unreachable(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether a statement failed because other work held what it needed, or the server gave up on
+/// it: a serialization failure (40001) or a deadlock (40P01), a lock not granted within
+/// `lock_timeout` (55P03), a statement cancelled at `statement_timeout` (57014). Its transaction
+/// rolls back, so nothing was written, and the same work may succeed later. A consumer retries
+/// such a message (a transient failure, spending an attempt); the API answers 503 with
+/// `Retry-After`, as for a database it cannot reach, instead of a 500 that a client would not
+/// retry (until 2026-12-07, a cancel behind a lock held past the timeout answered 500).
+///
+/// 57014 is in because it is what a lock wait ends in as often as 55P03 on a loaded server: CI's
+/// container cell saw a cancel behind a held row cancelled at the 5 s `statement_timeout` before
+/// its 3 s `lock_timeout` fired (the lock wait began late). A statement too slow for its own data
+/// also ends there, on every try: its cause is logged with the 503, which `ApiErrorRate` counts
+/// as it counts a 500. Not the rest of class 40 (40003, the commit's outcome unknown: something
+/// may have been written).
+pub fn lost_to_other_work(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(e) => {
+            e.code().is_some_and(|code| matches!(&*code, "40001" | "40P01" | "55P03" | "57014"))
+        }
+        _ => false,
+    }
+}
+
+/// Whether the same work may pass if tried again later, with nothing of this try written: the
+/// database is not available ([`is_unreachable`]) or the statement lost to other work
+/// ([`lost_to_other_work`]). What a request answers with 503 and a background step waits out.
+pub fn retry_later(error: &sqlx::Error) -> bool {
+    is_unreachable(error) || lost_to_other_work(error)
+}
+
 /// Whether SQLSTATE `code` says the server cannot do any work now, whatever the work: a state of
 /// the server, not a verdict on the statement, so trying again later is all there is to do, and
 /// no attempt of a message should be spent on it (decision 0003).

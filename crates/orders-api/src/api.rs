@@ -198,7 +198,7 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
         (status = 413, description = "Body over 64 KiB, or an order whose messages (its `order.placed`, its `inventory.reserved`) would be over `MAX_MESSAGE_BYTES`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Not `application/json`: nothing was written.", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "The Idempotency-Key was used with another body.", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The database is unreachable: retry later.", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "The database is unreachable, or busy (a lock or a statement past its timeout, a deadlock): nothing was written; retry later.", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds"))),
     )
 )]
@@ -353,7 +353,8 @@ enum LookupFailure {
     /// No such job or order.
     #[response(status = 404, content_type = "application/problem+json")]
     NotFound(Problem),
-    /// The database is unreachable: retry later (`Retry-After`, in seconds).
+    /// The database is unreachable, or busy (a lock or a statement past its timeout, a deadlock):
+    /// retry later (`Retry-After`, in seconds).
     #[response(status = 503, content_type = "application/problem+json",
                headers(("Retry-After" = String, description = "Seconds")))]
     Unavailable(Problem),

@@ -32,7 +32,6 @@ use messaging::{
     service::{BinarySettings, BoxError, Service, ServiceArgs, WorkerArgs},
 };
 use sqlx::PgPool;
-use tower_http::trace::TraceLayer;
 
 /// This service's own migrations (`migrations/orders`), applied after messaging's.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/orders");
@@ -137,7 +136,7 @@ pub fn app(
         // No failure log here: `log_failures` logs a failed request once, with its cause. (The
         // health routes, merged by the service runtime, are outside both layers: a 503 from
         // /readyz is a state, logged when it changes, `Readiness::set`.)
-        .layer(TraceLayer::new_for_http().on_failure(()))
+        .layer(messaging::runtime::serve::trace_requests())
 }
 
 /// The console of parked messages, if `CONSOLE_AMQP_URL` is set. It reads the inboxes of this

@@ -144,7 +144,7 @@ fn overview_page() {}
         (status = 401, description = "No bearer token, or one refused.", body = problem::Problem, content_type = "application/problem+json",
          headers(("WWW-Authenticate" = String, description = "`Bearer realm=\"orders\"`"))),
         (status = 403, description = "Not an operator's token.", body = problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = "The database is unreachable: retry later.", body = problem::Problem, content_type = "application/problem+json",
+        (status = 503, description = "The database is unreachable, or busy (a lock or a statement past its timeout, a deadlock): nothing was written; retry later.", body = problem::Problem, content_type = "application/problem+json",
          headers(("Retry-After" = String, description = "Seconds"))),
     ))]
 #[allow(dead_code)]

@@ -1,16 +1,16 @@
 //! The one error type at the HTTP edge: every failure becomes an RFC 9457 `application/problem+json`
-//! response with a precise status, and no database text ever reaches the client. Server-side
-//! failures are logged once, by the `log_failures` middleware, not here.
+//! response ([`Problem`], the runtime's, which every service's routes answer with) with a precise
+//! status, and no database text ever reaches the client. Server-side failures are logged once, by
+//! the `log_failures` middleware, not here.
 
 use std::sync::Arc;
 
 use axum::{
-    Json,
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
-use messaging::service::BoxError;
-use serde::Serialize;
+pub use messaging::runtime::problem::Problem;
+use messaging::{outage, runtime::problem, service::BoxError};
 
 use crate::writer::WriteError;
 
@@ -52,8 +52,10 @@ pub enum ApiError {
     /// Idempotency key reused with a different request (422).
     #[error("Idempotency-Key was already used with a different request body")]
     IdempotencyMismatch,
-    /// The database is unreachable: try again later (503).
-    #[error("service temporarily unavailable, retry later")]
+    /// The database is unreachable, or the request's statement lost to other work (a lock or the
+    /// statement past its timeout, a deadlock: [`outage::lost_to_other_work`]), nothing written:
+    /// try again later (503).
+    #[error("{}", problem::RETRY_LATER)]
     Unavailable(#[source] BoxError),
     /// The broker or its management API refused or failed what an operator asked of the console
     /// (502), in msgctl's words: shown, since only operators reach it.
@@ -64,7 +66,7 @@ pub enum ApiError {
     #[error("{0}")]
     GatewayTimeout(String),
     /// Anything else (500): details are logged, never returned.
-    #[error("internal error")]
+    #[error("{}", problem::INTERNAL)]
     Internal(#[source] BoxError),
 }
 
@@ -77,28 +79,14 @@ impl ApiError {
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        if messaging::outage::is_unreachable(&error) { Self::Unavailable(error.into()) } else { Self::internal(error) }
+        if outage::retry_later(&error) { Self::Unavailable(error.into()) } else { Self::internal(error) }
     }
 }
 
 impl From<WriteError> for ApiError {
     fn from(error: WriteError) -> Self {
-        if error.is_unreachable() { Self::Unavailable(error.into()) } else { Self::internal(error) }
+        if error.retry_later() { Self::Unavailable(error.into()) } else { Self::internal(error) }
     }
-}
-
-/// An RFC 9457 problem document (`application/problem+json`).
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct Problem {
-    /// Always `about:blank`: the status says what kind of problem it is.
-    #[serde(rename = "type")]
-    kind: &'static str,
-    /// The status's reason phrase, e.g. `Bad Request`.
-    title: &'static str,
-    /// The HTTP status.
-    status: u16,
-    /// What exactly was wrong, for people.
-    detail: String,
 }
 
 /// Attached to 5xx responses so the logging middleware can log the cause once.
@@ -126,15 +114,8 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = self.status();
-        let problem = Problem {
-            kind: "about:blank",
-            title: status.canonical_reason().unwrap_or("Error"),
-            status: status.as_u16(),
-            detail: self.to_string(),
-        };
-        let mut response = (status, Json(problem)).into_response();
-        response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        // `application/problem+json`, and `Retry-After` on a 503.
+        let mut response = Problem::new(self.status(), self.to_string()).into_response();
         if let Self::Unavailable(cause) | Self::Internal(cause) = &self {
             response.extensions_mut().insert(FailureCause(Arc::new(cause.to_string())));
         }
@@ -148,9 +129,6 @@ impl IntoResponse for ApiError {
                 None => HeaderValue::from_static(r#"Bearer realm="orders""#),
             };
             response.headers_mut().insert(header::WWW_AUTHENTICATE, challenge);
-        }
-        if matches!(self, Self::Unavailable(_)) {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }

@@ -222,11 +222,11 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// Whether the client should retry later (a 503): the database did not answer, or the service
-    /// is stopping.
-    pub fn is_unreachable(&self) -> bool {
+    /// Whether the client should retry later (a 503): the database did not answer, the statement
+    /// lost to other work ([`outage::lost_to_other_work`]), or the service is stopping.
+    pub fn retry_later(&self) -> bool {
         match self {
-            Self::Database(error) => outage::is_unreachable(error),
+            Self::Database(error) => outage::retry_later(error),
             Self::Batch { unreachable, .. } => *unreachable,
             Self::Stopped => true,
         }

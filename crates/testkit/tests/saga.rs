@@ -468,6 +468,31 @@ async fn an_order_that_ends_withdraws_its_deadline_unless_the_relay_holds_it() {
     assert_given_back(&mut shop, &["SKU-3"]).await;
 }
 
+/// A cancel whose job another transaction holds past the API's `lock_timeout` (3 s; on a loaded
+/// machine its `statement_timeout`, 5 s, may end the wait first) answers 503 with `Retry-After`,
+/// nothing written, and the same cancel succeeds once the lock is gone. Until 2026-12-07 it
+/// answered 500 "internal error", which a client does not retry.
+#[tokio::test]
+async fn a_cancel_behind_a_lock_held_past_the_timeout_answers_503_and_succeeds_when_retried() {
+    let mut shop = Shop::start(Options::default()).await;
+    shop.kill(Service::Inventory).await;
+    let job_id = shop.place(&[("SKU-3", 1)]).await;
+    let order_id = order_id(&shop.job(job_id).await).to_string();
+    let mut holder = shop.orders.begin().await.expect("a transaction");
+    sqlx::query("select from jobs where id = $1 for update").bind(job_id).fetch_one(&mut *holder).await.expect("lock");
+    let response = shop.cancel(&order_id).await;
+    assert_eq!(response.status, 503, "{}", String::from_utf8_lossy(&response.body));
+    assert_eq!(response.header("retry-after"), Some("1"));
+    assert_eq!(response.json()["status"], 503, "a problem document");
+    holder.rollback().await.expect("release");
+    assert!(deadline_kept(&shop, job_id).await, "the refused cancel wrote nothing");
+    let (status, body) = cancel(&shop, &order_id).await;
+    assert_eq!(status, 202, "{body}");
+    shop.restart(Service::Inventory).await;
+    shop.wait_for_state(job_id, "cancelled").await;
+    assert_given_back(&mut shop, &["SKU-3"]).await;
+}
+
 /// `order.ended` is routed by its end (issue 59): an invoiced order's end reaches inventory, which
 /// settles, and not billing, which has nothing to undo. An end under the key of the releases
 /// before (`order.ended`), as their rows still unpublished at an upgrade carry, reaches both.

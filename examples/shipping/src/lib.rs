@@ -16,7 +16,10 @@ use axum::{
     http::StatusCode,
     routing::get,
 };
-use messaging::prelude::*;
+use messaging::{
+    prelude::*,
+    runtime::{problem::Problem, serve},
+};
 use serde::{Deserialize, Serialize};
 use shop::{End, OrderEnded};
 use sqlx::{PgConnection, PgPool};
@@ -43,10 +46,12 @@ pub fn worker() -> Worker<NoFlags, Routes<ScheduleShipment>> {
     }
 }
 
-/// Its own route, `GET /shipments/{order_id}`: the order's shipment (200), none yet (404), or the
-/// database not answering (503).
+/// Its own route, `GET /shipments/{order_id}`: the order's shipment (200), none yet (404), the
+/// database unreachable or busy (503, `Retry-After`), each failure an `application/problem+json`
+/// document ([`Problem`]); each request in a span named by its route
+/// ([`serve::trace_requests`]), as the orders API's are.
 pub fn routes(pool: PgPool) -> Router {
-    Router::new().route("/shipments/{order_id}", get(shipment)).with_state(pool)
+    Router::new().route("/shipments/{order_id}", get(shipment)).with_state(pool).layer(serve::trace_requests())
 }
 
 /// A scheduled shipment, as `GET /shipments/{order_id}` shows it.
@@ -61,13 +66,13 @@ pub struct Shipment {
     pub job_id: Option<Uuid>,
 }
 
-async fn shipment(State(pool): State<PgPool>, Path(order_id): Path<Uuid>) -> Result<Json<Shipment>, StatusCode> {
+async fn shipment(State(pool): State<PgPool>, Path(order_id): Path<Uuid>) -> Result<Json<Shipment>, Problem> {
     let found = sqlx::query_as("select id, order_id, job_id from shipments where order_id = $1")
         .bind(order_id)
         .fetch_optional(&pool)
         .await
-        .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
-    found.map(Json).ok_or(StatusCode::NOT_FOUND)
+        .map_err(Problem::from_database)?;
+    found.map(Json).ok_or_else(|| Problem::new(StatusCode::NOT_FOUND, format!("no shipment for order {order_id}")))
 }
 
 /// A shipment was scheduled for an invoiced order.

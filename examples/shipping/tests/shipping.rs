@@ -68,6 +68,9 @@ async fn an_invoiced_order_is_shipped_once_and_announced_once_though_delivered_t
         .await
         .expect("GET no shipment");
     assert_eq!(none.status, 404);
+    assert_eq!(none.header("content-type"), Some("application/problem+json"));
+    let problem: serde_json::Value = serde_json::from_slice(&none.body).expect("a problem document");
+    assert_eq!(problem["status"], 404);
 
     let status = worker.terminate(WAIT).await.expect("stops on SIGTERM");
     assert!(status.success(), "{status:?}\n{}", worker.log_text());

@@ -12,6 +12,7 @@
 //! | [`broker`] | a broker session that reconnects with [`backoff`] and re-declares what it needs |
 //! | [`db`] | database start-up (create, migrate, check grants), pools, bounded queries |
 //! | [`health`], [`metrics`], [`serve`] | `/healthz`, `/readyz`, `/metrics` and the bounded HTTP server |
+//! | [`problem`] | a failed request's `application/problem+json` answer |
 //! | [`shutdown`] | one trigger, any number of tasks that stop taking work when it fires |
 //! | [`telemetry`] | logs, and spans to a collector |
 //! | [`tls`], [`http`] | rustls for every connection; the HTTP client for the management API and OTLP |
@@ -29,6 +30,7 @@ pub mod health;
 pub mod http;
 pub mod metrics;
 pub(crate) mod otel;
+pub mod problem;
 pub mod serve;
 pub mod shutdown;
 pub mod startup;

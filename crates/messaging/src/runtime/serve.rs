@@ -213,6 +213,36 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 }
 
+/// The span of each request to a service's own routes, layered by [`trace_requests`]: named by its
+/// route's template (`MatchedPath`, e.g. `/shipments/{order_id}`) rather than its path, so that
+/// logs group by route and no id becomes a span name. At DEBUG, as tower-http's default span: it
+/// carries no trace ids, so it is logged with `RUST_LOG=debug` and never exported (the API's
+/// traced requests make spans of their own, `runtime::otel`).
+pub fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map_or("(no route)", |path| path.as_str());
+    tracing::debug_span!("request", http.request.method = %request.method(), http.route = route, uri = %request.uri())
+}
+
+/// tower-http's `TraceLayer` as every service's routes take it ([`trace_requests`]).
+pub type TraceRequests = tower_http::trace::TraceLayer<
+    tower_http::classify::SharedClassifier<tower_http::classify::ServerErrorsAsFailures>,
+    fn(&axum::http::Request<axum::body::Body>) -> tracing::Span,
+    tower_http::trace::DefaultOnRequest,
+    tower_http::trace::DefaultOnResponse,
+    tower_http::trace::DefaultOnBodyChunk,
+    tower_http::trace::DefaultOnEos,
+    (),
+>;
+
+/// A span for each request to a service's own routes ([`request_span`]), layered on them with
+/// `Router::layer`. It logs no failure itself: a route logs its failure once, where it knows the
+/// cause (`runtime::problem::Problem::from_database`, the API's `log_failures`).
+pub fn trace_requests() -> TraceRequests {
+    tower_http::trace::TraceLayer::new_for_http()
+        .make_span_with(request_span as fn(&axum::http::Request<axum::body::Body>) -> tracing::Span)
+        .on_failure(())
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
