@@ -94,8 +94,16 @@ async fn prepare(env: &TestEnv) -> (PgPool, Endpoint, RetryPolicy) {
 
 /// Write `step` to the outbox, in a transaction of its own, under its key.
 async fn enqueue(pool: &PgPool, step: &Step) {
+    enqueue_version(pool, step, Step::VERSION).await;
+}
+
+/// [`enqueue`], under major version `version` of its contract: 2 is one the endpoint cannot read,
+/// so its consumer parks it as it arrives.
+async fn enqueue_version(pool: &PgPool, step: &Step, version: u32) {
+    let mut outgoing = Outgoing::of(step, None).ordered_by(&step.key);
+    outgoing.headers.0.version = version;
     let mut tx = pool.begin().await.expect("begin");
-    Outgoing::of(step, None).ordered_by(&step.key).enqueue(&mut tx).await.expect("enqueue");
+    outgoing.enqueue(&mut tx).await.expect("enqueue");
     tx.commit().await.expect("commit");
 }
 
@@ -341,13 +349,7 @@ async fn a_message_parked_before_its_turn_gives_up_its_place() {
     let (pool, endpoint, policy) = prepare(&env).await;
     for round in 1..=4 {
         let step = Step { key: "k".into(), round, flaky: round == 1, poison: false };
-        let mut outgoing = Outgoing::of(&step, None).ordered_by("k");
-        if round == 2 {
-            outgoing.headers.0.version = 2;
-        }
-        let mut tx = pool.begin().await.expect("begin");
-        outgoing.enqueue(&mut tx).await.expect("enqueue");
-        tx.commit().await.expect("commit");
+        enqueue_version(&pool, &step, if round == 2 { 2 } else { Step::VERSION }).await;
     }
     let running = Running::start(&env, &pool, &endpoint, &policy).await;
     eventually("the steps around the unreadable one to be applied", Duration::from_secs(60), || async {
@@ -419,5 +421,62 @@ async fn a_park_the_broker_does_not_confirm_keeps_its_place() {
     .await;
     assert!(handled(&running.health, "parked") >= 1);
     let _ = connection.close(200, "bye".into()).await;
+    running.stop().await;
+}
+
+/// A park whose give-up the database does not take at once (here a lock on its key held past the
+/// consumer's `lock_timeout`; a database down is the same to it) gives up its place once the
+/// database answers: the key's later message is applied. Until 2026-12-07 a single failed try
+/// left the key waiting at the parked message's place for good (the short soak on TLS found it:
+/// a cancelled order's `order.ended` deferred behind its parked `order.placed`).
+#[tokio::test]
+async fn a_give_up_the_database_refuses_is_tried_again_until_it_is_taken() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    // Round 1 unreadable (an unknown major version): parked as it arrives, before any turn.
+    let step = |round| Step { key: "k".into(), round, flaky: false, poison: false };
+    enqueue_version(&pool, &step(1), 2).await;
+    // The key's row, inserted and not committed: every take of a turn on it waits.
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query("insert into inbox_key_positions (endpoint, key, next) values ('test.ordered', 'k', 1)")
+        .execute(&mut *holder)
+        .await
+        .expect("hold the key");
+    // The consumer's connections wait at most 1 s for a lock.
+    let options: sqlx::postgres::PgConnectOptions = env.database_url("ordered").parse().expect("url");
+    let consumer_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.options([("lock_timeout", "1s")]))
+        .await
+        .expect("the consumer's pool");
+    let running = Running::start(&env, &consumer_pool, &endpoint, &policy).await;
+    // A give-up waits for the key, then fails on the lock's timeout: seen waiting, then gone.
+    let waiting = || async {
+        sqlx::query_as::<_, (i32, chrono::DateTime<chrono::Utc>)>(
+            "select pid, query_start from pg_stat_activity
+              where wait_event_type = 'Lock' and query like '%inbox_give_up_place%'",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("pg_stat_activity")
+    };
+    let first = eventually("round 1's give-up to wait for the key", Duration::from_secs(60), || async {
+        waiting().await.into_iter().next()
+    })
+    .await;
+    eventually("that try to fail on the lock's timeout", Duration::from_secs(30), || async {
+        (!waiting().await.contains(&first)).then_some(())
+    })
+    .await;
+    holder.rollback().await.expect("release the key");
+    // Round 2 only now, so that none of its attempts is spent on the held key.
+    enqueue(&pool, &step(2)).await;
+    eventually("round 2 to be applied after the parked round 1", Duration::from_secs(60), || async {
+        (applied(&pool).await.get("k") == Some(&vec![2])).then_some(())
+    })
+    .await;
+    assert_eq!(handled(&running.health, "parked"), 1);
+    assert_eq!(env.queue_depth(&endpoint.parking_queue()).await, Some(1));
+    assert_eq!(positions(&pool).await, (vec![3], 0));
     running.stop().await;
 }

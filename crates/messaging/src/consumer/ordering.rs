@@ -27,8 +27,9 @@ use sqlx::PgConnection;
 
 use super::{Handler, Runtime, acks::InFlight};
 use crate::{
+    outage,
     publisher::{PublishError, Publisher},
-    runtime::{db, metrics::Handled},
+    runtime::{db, metrics::Handled, shutdown::Shutdown},
     topology::Endpoint,
 };
 
@@ -109,38 +110,75 @@ fn turn(seq: i64, follows: i64, was: i64) -> Turn {
     }
 }
 
-/// Give up the place of a message of `message_type` being parked, so that its key's later
-/// messages go on: the key moves past it now if its turn had come, or steps over it when it gets
-/// there. A redrive then applies it late. A message of a type the endpoint does not take holds
-/// no place here (no message of the key waits for it). If the database cannot be reached, the
-/// key waits at this place until the message is redriven (then applied in turn).
-pub(super) async fn give_up_place(
-    pool: &sqlx::PgPool,
-    endpoint: &Endpoint,
-    message_type: Option<&str>,
-    ordering: &Ordering,
-) {
-    let taken = message_type.is_some_and(|message_type| endpoint.takes(message_type));
-    if ordering.earlier.is_some() && !taken {
-        return;
-    }
-    let follows = ordering.follows(|message_type| endpoint.takes(message_type));
-    let given_up = async {
-        let mut conn = db::acquire(pool).await?;
-        sqlx::query("select inbox_give_up_place($1, $2, $3, $4)")
-            .bind(endpoint.name)
-            .bind(&ordering.key)
-            .bind(ordering.seq)
-            .bind(follows)
-            .execute(&mut *conn)
-            .await
-    };
-    if let Err(error) = db::within(db::QUERY_DEADLINE, given_up).await {
-        tracing::warn!(%error, key = ordering.key, place = ordering.seq, "parked, but its key waits for it: redrive it");
-    }
-}
-
 impl<H: Handler> Runtime<H> {
+    /// Give up the place of a message of `message_type` being parked, so that its key's later
+    /// messages go on: the key moves past it now if its turn had come, or steps over it when it
+    /// gets there. A redrive then applies it late. A message of a type the endpoint does not take
+    /// holds no place here (no message of the key waits for it).
+    ///
+    /// The copy is in parking already, so this must happen. If the database cannot do it now
+    /// (unreachable, or a lock held past `lock_timeout`: [`outage::is_unreachable`],
+    /// [`outage::lost_to_other_work`]), it is tried again with the reconnect backoff, the delivery
+    /// unacked and counted as held by an outage (`consumer_deliveries_held`). Until 2026-12-07 one
+    /// failure ended it, and the key waited at this place for good: a cancelled order's
+    /// `order.ended` behind a parked `order.placed` was deferred until an operator redrove the
+    /// parked message. Returns `false` if the session ends (`ended`) during a wait: the delivery
+    /// is then left unacked, comes back, is parked again (a second copy in parking, which a
+    /// redrive's inbox skips) and gives up its place then. (Not yet right for a park by the crash
+    /// bound: its start in the crash ledger is forgotten as if it had been acked, so it is handled
+    /// again, up to the bound, before that second park.) Any other error (a verdict on the
+    /// statement, which a retry would repeat) is logged, and the key waits at this place until
+    /// the parked message is redriven.
+    pub(super) async fn give_up_place(
+        &self,
+        message_type: Option<&str>,
+        ordering: &Ordering,
+        ended: &Shutdown,
+    ) -> bool {
+        let endpoint = &self.settings.endpoint;
+        let taken = message_type.is_some_and(|message_type| endpoint.takes(message_type));
+        if ordering.earlier.is_some() && !taken {
+            return true;
+        }
+        let follows = ordering.follows(|message_type| endpoint.takes(message_type));
+        let give_up = || async {
+            let mut conn = db::acquire(&self.pool).await?;
+            sqlx::query("select inbox_give_up_place($1, $2, $3, $4)")
+                .bind(endpoint.name)
+                .bind(&ordering.key)
+                .bind(ordering.seq)
+                .bind(follows)
+                .execute(&mut *conn)
+                .await
+        };
+        let mut failures = 0;
+        let mut held = None;
+        loop {
+            let error = match db::within(db::QUERY_DEADLINE, give_up()).await {
+                Ok(_) => return true,
+                Err(error) if outage::retry_later(&error) => error,
+                Err(error) => {
+                    let (key, place) = (&ordering.key, ordering.seq);
+                    tracing::error!(%error, key, place, "parked, but its key waits for it: redrive it");
+                    return true;
+                }
+            };
+            held.get_or_insert_with(|| self.metrics.held());
+            let delay = self.settings.reconnect.delay(failures);
+            failures = failures.saturating_add(1);
+            tracing::warn!(
+                %error,
+                ?delay,
+                key = ordering.key,
+                place = ordering.seq,
+                "parked, but its place is not given up yet (its key's later messages wait); will try again"
+            );
+            if !ended.sleep(delay).await {
+                return false;
+            }
+        }
+    }
+
     /// Send a message that must wait for place `follows` of its key back to the first wait tier
     /// (`delay`), its attempts untouched and its deferrals (`deferrals`, this one included)
     /// counted; then ack it. How many it may take is `decide`'s.

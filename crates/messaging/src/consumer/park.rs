@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
 use crate::{
     publisher::{Pending, PublishError, Publisher},
-    runtime::metrics::Handled,
+    runtime::{metrics::Handled, shutdown::Shutdown},
 };
 
 /// The job a retry or a parking of this delivery is reported to (its correlation id), if any: none
@@ -97,10 +97,13 @@ impl<H: Handler> Runtime<H> {
     /// has confirmed the copy, give up its place in its key's order (an endpoint ordered by key),
     /// then ack it. A park that fails keeps the place: the key's later messages wait for it as
     /// they would for any message not yet applied, instead of passing a message parked nowhere.
+    /// If the session ends (`ended`) while the give-up waits for the database, the delivery is left
+    /// unacked: it comes back and is parked again.
     pub(super) async fn park(
         &self,
         delivery: InFlight,
         publisher: &Publisher,
+        ended: &Shutdown,
         retry_count: u32,
         reason: &str,
     ) -> Result<(), PublishError> {
@@ -137,7 +140,12 @@ impl<H: Handler> Runtime<H> {
             && let Some(ordering) = properties.headers().as_ref().and_then(envelope::ordering)
         {
             let message_type = properties.kind().as_ref().map(|kind| kind.as_str());
-            super::ordering::give_up_place(&self.pool, endpoint, message_type, &ordering).await;
+            if !self.give_up_place(message_type, &ordering, ended).await {
+                tracing::info!(
+                    "session ended before the parked message's place was given up; the broker will redeliver it"
+                );
+                return Ok(());
+            }
         }
         self.settle_event(event).await;
         delivery.ack().await?;
@@ -153,7 +161,7 @@ impl<H: Handler> Runtime<H> {
         let span = delivery_span("dead_letter", self.settings.endpoint.name, raw, None);
         let reason = envelope::broker_death(&raw.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
         let retry_count = envelope::retry_count(raw);
-        self.park(delivery, &io.publisher, retry_count, &reason).instrument(span).await
+        self.park(delivery, &io.publisher, &io.ended, retry_count, &reason).instrument(span).await
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).

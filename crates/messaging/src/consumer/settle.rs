@@ -21,7 +21,7 @@ use super::{
 };
 use crate::{
     publisher::{PublishError, Publisher},
-    runtime::{db, metrics::Handled},
+    runtime::{db, metrics::Handled, shutdown::Shutdown},
 };
 
 /// A delivery as it arrived: decoded (or not), with its span and trace context.
@@ -182,9 +182,9 @@ impl<H: Handler> Runtime<H> {
                     counted => (counted, None),
                 };
                 self.forget_start(now, true).await;
-                let (runtime, publisher) = (Arc::clone(self), io.publisher.clone());
+                let (runtime, publisher, ended) = (Arc::clone(self), io.publisher.clone(), io.ended.clone());
                 io.hold(async move {
-                    let settled = runtime.republish(delivery, &publisher, copy).await;
+                    let settled = runtime.republish(delivery, &publisher, &ended, copy).await;
                     runtime.forget_start(once_parked, settled.is_ok()).await;
                     settled
                 });
@@ -195,13 +195,22 @@ impl<H: Handler> Runtime<H> {
         settled
     }
 
-    /// Publish the copy a settlement needs, then ack the original.
-    async fn republish(&self, delivery: InFlight, publisher: &Publisher, copy: Republish) -> Result<(), PublishError> {
+    /// Publish the copy a settlement needs, then ack the original (a park may leave it unacked if
+    /// the session ends, `ended`, while it waits for the database).
+    async fn republish(
+        &self,
+        delivery: InFlight,
+        publisher: &Publisher,
+        ended: &Shutdown,
+        copy: Republish,
+    ) -> Result<(), PublishError> {
         match copy {
             Republish::Retry { delay, error, retry_count } => {
                 self.retry(delivery, publisher, retry_count, delay, &error).await
             }
-            Republish::Park { reason, retry_count } => self.park(delivery, publisher, retry_count, &reason).await,
+            Republish::Park { reason, retry_count } => {
+                self.park(delivery, publisher, ended, retry_count, &reason).await
+            }
             Republish::Defer { follows, delay, deferrals } => {
                 self.defer(delivery, publisher, follows, delay, deferrals).await
             }
