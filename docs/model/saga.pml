@@ -4,16 +4,25 @@
  * reservation, billing voids its invoice, each behind a fence on the order's id; the customer
  * cancels, the deadline fires, billing declines or fails for good, an operator abandons or
  * redrives the parked message, and a late copy of inventory.reserved arrives, all at any moment
- * and every message in any order (no ordering per key). `protocol.pml` checks one hop below this
+ * and every message in any order (no ordering per key). order.ended is routed by its end: billing
+ * receives only the ends it undoes. The deadline is a row in the orders service's outbox: the
+ * relay may claim it, publish it (more than once, if it dies before its commit) and deliver it at
+ * any moment, and the end withdraws it in the transaction that decides the end, unless the relay
+ * holds it (FOR UPDATE SKIP LOCKED: the end does not wait for the relay). `protocol.pml` checks one hop below this
  * (each message applied at most once, or parked) and `jobs.pml` the job's retries and redrives;
  * this model takes both as given.
  *
  *   spin -a saga.pml && gcc -O2 -DSAFETY -o pan pan.c && ./pan
  *
- * Checked: an end, once decided, never changes; stock is conserved at every step; and once
- * nothing can move, every order has ended (or waits in parking for an operator), an ended order
- * holds no reservation, an invoice stands exactly for an order that ended invoiced, and every
- * compensation has been answered.
+ * Checked: an end, once decided, never changes; stock is conserved at every step; billing never
+ * receives an invoiced order's end (as the model routes it: what it checks is that nothing in the
+ * saga needs billing to); a deadline reaches an order that has ended only if the relay held or had
+ * published it when the end was decided; and once nothing can move, every order has ended (or
+ * waits in parking for an operator), an ended order's deadline is gone from the outbox unless the
+ * relay had it out when the order ended, an ended order holds no reservation, an invoice stands
+ * exactly for an order that ended invoiced, and every compensation has been answered. The relay
+ * and the deadline's delivery may stop at any point (the deadline not yet due when the check
+ * ends), so that the outbox's content at the end is checked, not merely drained.
  *
  * Seeded bugs, one per -D flag (scripts/check-model asserts that spin finds each):
  *   RELEASE_WITHOUT_INBOX  inventory's release neither goes through the inbox nor checks that
@@ -23,6 +32,9 @@
  *   DEADLINE_CANCELS_ANY   the deadline cancels the order whatever its end, invoiced included
  *   NO_FENCE               a release (a void) that finds nothing writes no fence: a late
  *                          order.placed (inventory.reserved) then takes stock (invoices)
+ *   DEADLINE_KEPT          the end does not withdraw the deadline: it is published and delivered
+ *                          after the end, for nothing
+ *   BILL_EVERY_END         billing binds every end (order.ended.#), as before the routing by end
  */
 
 #ifndef COPIES
@@ -53,19 +65,51 @@ byte bill_parked;             /* inventory.reserved parked in billing (it failed
 /* Events to the status consumer. */
 byte ev_rejected, ev_invoiced, ev_declined, ev_released, ev_voided, ev_quarantined, ev_abandoned;
 
-bool cancel_left = true, deadline_left = true, redrive_left = true, abandon_left = true;
+bool cancel_left = true, redrive_left = true, abandon_left = true;
 byte copies;
+
+/* The deadline: its outbox row (waiting for the relay, held by the relay's open transaction, or
+ * gone: published and marked, or withdrawn), the copies published and not yet delivered, whether
+ * the status consumer's inbox has one, and whether the relay held or had published it when the
+ * order's end was decided. */
+mtype:row = { row_waiting, row_held, row_gone };
+mtype:row dl_row = row_waiting;
+byte dl_queued;
+bool dl_published, dl_applied, dl_out_at_end;
+#ifndef RELAY_CRASHES
+#define RELAY_CRASHES 1
+#endif
+byte relay_crashes;
 
 #define DECIDED (ended != none)
 #define UNDONE(e) ((e) == declined || (e) == cancelled)
+
+/* In the transaction that decides the end: the deadline's row is deleted unless the relay holds
+ * it (skipped, not waited for) or has published it. */
+inline withdraw_deadline() {
+    dl_out_at_end = (dl_row == row_held || dl_published);
+#ifndef DEADLINE_KEPT
+    if :: dl_row == row_waiting -> dl_row = row_gone :: else -> skip fi
+#endif
+}
+
+/* order.ended under order.ended.<end>: inventory binds every end, billing the ends it undoes. */
+inline announce(e) {
+    inv_ended[e]++;
+#ifdef BILL_EVERY_END
+    bill_ended[e]++
+#else
+    if :: UNDONE(e) -> bill_ended[e]++ :: else -> skip fi
+#endif
+}
 
 /* The orders service decides the end, if none: one transaction, order.ended in its outbox. */
 inline decide(e) {
     if
     :: ended == none ->
        ended = e;
-       inv_ended[e]++;
-       bill_ended[e]++
+       announce(e);
+       withdraw_deadline()
     :: else -> skip
     fi
 }
@@ -146,6 +190,8 @@ end:
            :: bill_ended[cancelled] > 0 -> e = cancelled
            fi;
            bill_ended[e]--;
+           /* Billing never receives an invoiced order's end. */
+           assert(e != invoiced);
            if
            :: UNDONE(e) ->
               if
@@ -164,26 +210,16 @@ end:
     od
 }
 
-/* The world: the customer's cancel, the deadline, an operator, late copies. */
+/* The world: the customer's cancel, an operator, late copies. */
 proctype World() {
-    mtype:end was;
 end:
     do
     :: atomic { cancel_left -> cancel_left = false;      /* POST /orders/{id}/cancel */
 #ifdef INVOICE_CANCELLED
-                if :: ended == none -> ended = cancelled; inv_ended[cancelled]++; bill_ended[cancelled]++ :: else -> skip fi
+                if :: ended == none -> ended = cancelled; announce(cancelled); withdraw_deadline() :: else -> skip fi
 #else
                 decide(cancelled)
 #endif
-       }
-    :: atomic { deadline_left -> deadline_left = false;  /* order.deadline, delivered */
-                was = ended;
-#ifdef DEADLINE_CANCELS_ANY
-                ended = cancelled; inv_ended[cancelled]++; bill_ended[cancelled]++;
-#else
-                decide(cancelled);
-#endif
-                assert(was == none || ended == was)
        }
     :: atomic { abandon_left && bill_parked > 0 -> abandon_left = false;
                 ev_abandoned++;   /* msgctl: job.abandoned, confirmed ... */
@@ -205,6 +241,39 @@ end:
     od
 }
 
+/* The deadline's row, through the relay (claimed, published, marked; or the relay dies after its
+ * publish, its lock released and the row unmarked), and its copies to the status consumer, whose
+ * inbox applies one. */
+proctype Deadline() {
+    mtype:end was;
+end:
+    do
+    :: atomic { dl_row == row_waiting -> dl_row = row_held }
+    :: atomic { dl_row == row_held -> dl_queued++; dl_published = true;
+                if
+                :: dl_row = row_gone                                          /* marked, committed */
+                :: relay_crashes < RELAY_CRASHES -> relay_crashes++; dl_row = row_waiting  /* died */
+                fi
+       }
+    :: atomic { dl_queued > 0 -> dl_queued--;
+                if
+                :: !dl_applied -> dl_applied = true;
+                   was = ended;
+#ifdef DEADLINE_CANCELS_ANY
+                   ended = cancelled; announce(cancelled);
+#else
+                   decide(cancelled);
+#endif
+                   assert(was == none || ended == was);
+                   /* A deadline reaches an ended order only if it was out when the end was decided. */
+                   assert(was == none || dl_out_at_end)
+                :: else -> skip   /* the inbox: a copy applied before */
+                fi
+       }
+    :: break   /* not due yet, or the relay stopped: what is in the outbox stays */
+    od
+}
+
 /* The status consumer: every event, in any order, each in its transaction. */
 proctype Status() {
     mtype:end was;
@@ -215,10 +284,10 @@ end:
            was = ended;
            if
            :: ev_rejected > 0 -> ev_rejected--;
-              if :: ended == none -> ended = rejected :: else -> skip fi   /* nothing to undo */
+              if :: ended == none -> ended = rejected; withdraw_deadline() :: else -> skip fi   /* nothing to undo */
            :: ev_invoiced > 0 -> ev_invoiced--;
 #ifdef INVOICE_CANCELLED
-              ended = invoiced; inv_ended[invoiced]++; bill_ended[invoiced]++
+              ended = invoiced; announce(invoiced); withdraw_deadline()
 #else
               decide(invoiced)
 #endif
@@ -239,6 +308,8 @@ proctype Quiet() {
     timeout ->
     /* Every order ends, or waits in parking for an operator who has not acted. */
     assert(DECIDED || (quarantined_job && bill_parked > 0));
+    /* An ended order's deadline is gone from the outbox, unless the relay had it out at the end. */
+    assert(!DECIDED || dl_row == row_gone || dl_out_at_end);
     /* An ended order holds no reservation; an invoiced one's is settled, and no other's. */
     assert(!DECIDED || res != held);
     assert((ended == invoiced) == (res == settled));
@@ -255,6 +326,7 @@ init {
         run Inventory();
         run Billing();
         run World();
+        run Deadline();
         run Status();
         run Quiet()
     }
