@@ -20,6 +20,11 @@
  *   JOB_WIDE_REDRIVES    one redrive count per job instead of per step (as it was): a stale
  *                        park re-quarantines a job whose message was redriven since
  *   REDRIVEN_UNNUMBERED  job.redriven reopens a quarantined job whatever its count
+ *   RETRY_UNPARKS        a step's retry event moves a quarantined job to retry_wait (a move the
+ *                        table of moves forbids: only a redrive or an end moves it on)
+ *
+ * Every move the status consumer makes is one the code's table allows (job_moves.pml, generated
+ * from orders-api's moves::MOVES), which production checks too (migration 0014's trigger).
  */
 
 #define INV 0
@@ -43,8 +48,10 @@
 #define LIVE(s, a, r) (((s) * MAX_ATTEMPTS + (a) - 1) * RD + (r))
 #define PARK(s, r) ((s) * RD + (r))
 
-/* Job states and order statuses, as in orders-api's jobs.rs and order.rs. */
-mtype:job = { queued, published, retry_wait, succeeded, rejected, quarantined };
+/* Job states and order statuses, as in orders-api's jobs.rs and order.rs (the last three states
+ * are saga.pml's: this model decides no declined or cancelled end). */
+mtype:job = { queued, published, retry_wait, succeeded, rejected, quarantined, compensating, declined, cancelled };
+#include "job_moves.pml"
 mtype:order = { accepted, reserved, invoiced, refused_order, failed };
 
 /* The services' databases: what each step applied. */
@@ -237,6 +244,9 @@ end:
               retry_ev[s]--;
               if
               :: !TERMINAL && !(s == INV && order != accepted) -> state = retry_wait; retry_step = s
+#ifdef RETRY_UNPARKS
+              :: state == quarantined -> state = retry_wait; retry_step = s
+#endif
               :: else -> skip
               fi
            :: ANY_OF(quar_ev) ->
@@ -288,8 +298,9 @@ end:
               fi
 #endif
            fi;
-           /* Monotonic: an outcome never changes. */
-           assert(!was_final || state == was)
+           /* Monotonic: an outcome never changes; and every move is one the code's table has. */
+           assert(!was_final || state == was);
+           assert(state == was || JOB_MOVE(was, state))
        }
     od
 }

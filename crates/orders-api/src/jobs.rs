@@ -1,17 +1,12 @@
 //! Jobs: what a client polls (`GET /jobs/{id}`), and every move of their state, in one place.
 //!
-//! ```text
-//! queued ──(order.placed confirmed: outbox trigger, or a later step's result)──▶ published
-//! queued | published | retry_wait ──(a step's retry scheduled)──▶ retry_wait
-//! retry_wait ──(that same step succeeds)──▶ published
-//! any undecided ──▶ quarantined (a step's message was parked)
-//! quarantined ──(job.redriven: an operator sent the message back, `msgctl parked redrive`,
-//!               and no other step's message of the job is parked)──▶ published
-//! any undecided ──(inventory.rejected)──▶ rejected
-//! any undecided ──(invoice.created: the order's end is decided, `decide`)──▶ succeeded
-//! any undecided ──(payment.declined, a cancel, the deadline, job.abandoned: `decide`)──▶ compensating
-//! compensating ──(inventory.released and invoice.voided both in)──▶ declined | cancelled
-//! ```
+//! Every move a job's state may make is in one table, [`crate::moves::MOVES`], each with what
+//! makes it; each statement below makes some of them, guarded in SQL. In short: `queued` is
+//! published by the broker's confirm; a step's retry waits in `retry_wait` until that step
+//! succeeds; a parked message quarantines the job until its redrive; any undecided job may be
+//! decided (`rejected`, `succeeded`, or `compensating` until both undos answer, then `declined` or
+//! `cancelled`). The model (`docs/model/jobs.pml`) and the database (migration 0014, which counts
+//! any other move) are checked against the same table.
 //!
 //! Undecided is every state but [`JobState::DECIDED`]'s; quarantined is among them. Every move is
 //! monotonic, so late or reordered events are harmless: a decided job never takes another end,

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod books;
 pub mod console;
 pub mod jobs;
+pub mod moves;
 pub mod openapi;
 pub mod order;
 pub mod overview;
@@ -184,6 +185,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let mut metrics = Metrics::default();
     let batches = writer::BatchMetrics::register(&mut metrics);
     let books_metrics = books::BooksMetrics::register(&mut metrics);
+    let forbidden_moves = moves::ForbiddenMoves::register(&mut metrics);
     let responses = responses::ResponseMetrics::register(&mut metrics);
     let health = Health {
         databases: vec![("orders".to_owned(), pool.clone())],
@@ -197,6 +199,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
     let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
     books::start(&config.books, database_url, config.order_deadline, pool.clone(), books_metrics, shutdown.clone())?;
     upgrade::start(pool.clone(), config.order_deadline, shutdown.clone());
+    moves::start(pool.clone(), forbidden_moves, shutdown.clone());
     let service = Service::new(health, shutdown).consume(status, handler, &pool);
     let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {

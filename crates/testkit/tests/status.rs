@@ -436,3 +436,61 @@ async fn a_database_of_the_previous_release_migrates_forward_and_its_old_jobs_st
         sqlx::query_scalar("select state from jobs where id = $1").bind(job_id).fetch_one(&pool).await.expect("job");
     assert_eq!(state, "published");
 }
+
+/// The job model checked in production (issue 60). The database allows exactly the moves the
+/// code's table does (`moves::allowed`, every pair of states); the moves the status consumer makes
+/// count nothing; a move outside the table, made by hand as an operator's mistake would be, is
+/// counted in its own transaction, and the API exports it as `job_moves_forbidden_total{from,to}`.
+#[tokio::test]
+async fn a_job_move_the_model_forbids_is_counted_and_exported_and_the_allowed_ones_are_not() {
+    use orders_api::{jobs::JobState, moves};
+
+    let (api, trigger, task) = start_api().await;
+    for from in JobState::ALL {
+        for to in JobState::ALL.into_iter().filter(|&to| to != from) {
+            let allowed: bool = sqlx::query_scalar("select job_move_allowed($1, $2)")
+                .bind(from.as_str())
+                .bind(to.as_str())
+                .fetch_one(&api.orders)
+                .await
+                .expect("job_move_allowed");
+            assert_eq!(allowed, moves::allowed(from, to), "the database and the code disagree on {from:?} -> {to:?}");
+        }
+    }
+
+    // queued -> retry_wait -> published -> succeeded, as the status consumer moves a job.
+    let (job_id, job, order_id) = api.place().await;
+    api.send(job, &retry(job, "inventory.order-placed", 1)).await;
+    let lines = vec![OrderLine { sku: "SKU-1".into(), quantity: 1 }];
+    api.send(job, &InventoryReserved { order_id, job_id: job, reservation_id: Uuid::now_v7(), lines, deadline: None })
+        .await;
+    api.send(job, &InvoiceCreated { order_id, job_id: job, invoice_id: Uuid::now_v7(), total_cents: 1299 }).await;
+    assert_eq!(api.job(&job_id).await["state"], "succeeded");
+    let forbidden = || async {
+        sqlx::query_as::<_, (String, String, i64, Uuid)>(
+            "select from_state, to_state, moves, last_job_id from job_moves_forbidden",
+        )
+        .fetch_all(&api.orders)
+        .await
+        .expect("job_moves_forbidden")
+    };
+    assert_eq!(forbidden().await, [], "the consumer's moves are all allowed");
+
+    // An operator's mistake: a succeeded job set back by hand.
+    sqlx::query("update jobs set state = 'published' where id = $1")
+        .bind(job)
+        .execute(&api.orders)
+        .await
+        .expect("by hand");
+    assert_eq!(forbidden().await, [("succeeded".to_owned(), "published".to_owned(), 1, job)]);
+    let url = format!("{}/metrics", api.base);
+    let exported = r#"job_moves_forbidden_total{from="succeeded",to="published"} 1"#;
+    eventually("the forbidden move in /metrics", WAIT, || async {
+        let response = http::request("GET", &url, &[], None).await.expect("GET /metrics");
+        String::from_utf8_lossy(&response.body).lines().any(|line| line == exported).then_some(())
+    })
+    .await;
+
+    trigger.trigger();
+    task.await.expect("api task").expect("api ran");
+}

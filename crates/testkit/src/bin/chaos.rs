@@ -320,11 +320,23 @@ async fn main() -> ExitCode {
     };
     let horizon = shop::books::Horizon { grace: Duration::ZERO, ..shop::books::Horizon::default() };
     let disagreements = books.check(horizon).await.expect("check the books");
+    // The job model as the orders database checks it in production (migration 0014): every move
+    // outside it, counted by the trigger, is what `job_moves_forbidden_total` exports.
+    let forbidden: Vec<(String, String, i64)> =
+        sqlx::query_as("select from_state, to_state, moves from job_moves_forbidden order by 1, 2")
+            .fetch_all(&shop.orders)
+            .await
+            .expect("read job_moves_forbidden");
 
     println!("\n== ledger ==\n{ledger}");
     println!("books' disagreements {:>8}  (shop::books, as the orders service counts them)", disagreements.len());
     for disagreement in &disagreements {
         println!("  {disagreement}");
+    }
+    let moves: i64 = forbidden.iter().map(|(_, _, moves)| moves).sum();
+    println!("forbidden job moves  {moves:>8}  (job_moves_forbidden, as the orders service exports them)");
+    for (from, to, moves) in &forbidden {
+        println!("  {from} -> {to}: {moves}");
     }
     println!("\n== run ==");
     let placed = driven.took.as_secs_f64();
@@ -335,6 +347,9 @@ async fn main() -> ExitCode {
     let mut failures = failures(&ledger, &driven, &havoc);
     if !disagreements.is_empty() {
         failures.push(format!("{} disagreements between the books", disagreements.len()));
+    }
+    if moves > 0 {
+        failures.push(format!("{moves} job moves the job model forbids"));
     }
     if failures.is_empty() {
         println!("\nchaos: PASS");

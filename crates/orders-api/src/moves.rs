@@ -1,0 +1,211 @@
+//! The moves a job's state may make, in one table ([`MOVES`]), and the count of every other move
+//! as production writes it (issue 60).
+//!
+//! The table is the one source; each other copy is checked against it:
+//! - **the code**: each statement of [`crate::jobs`] makes one or more of these moves, guarded in
+//!   SQL (`state <> all($n)`, `state = $n`); [`allowed`] is the pure function of the table;
+//! - **the model**: `docs/model/job_moves.pml` is generated from it ([`promela`]; a test fails
+//!   while the file differs, `UPDATE_MODEL=1` rewrites it), and `docs/model/jobs.pml` asserts that
+//!   every move it makes is one of them;
+//! - **the database**: migration 0014's `job_move_allowed(from, to)` lists the same moves (a test
+//!   in `testkit/tests/status.rs` compares it with [`allowed`] for every pair of states), and a
+//!   trigger on `jobs` counts each move outside them into `job_moves_forbidden`, in the moving
+//!   transaction, whoever writes it: this service, the relay's outbox trigger, an operator by
+//!   hand. [`start`] exports those counts as `job_moves_forbidden_total{from,to}` (alert
+//!   `JobMoveForbidden`), and the chaos soaks require none.
+
+use std::{collections::HashMap, time::Duration};
+
+use messaging::runtime::{metrics::Metrics, shutdown::Shutdown};
+use prometheus_client::metrics::{counter::Counter, family::Family};
+use sqlx::PgPool;
+
+use crate::jobs::JobState::{self, *};
+
+/// Every move of a job's state that the orders service makes, with what makes it. Staying in a
+/// state (a second retry of the same step) is no move.
+pub const MOVES: [(JobState, JobState, &str); 22] = [
+    (Queued, Published, "the broker confirmed order.placed (the outbox trigger), or a step's result came first"),
+    (Queued, RetryWait, "a step's retry, before the confirm was marked"),
+    (Published, RetryWait, "a step's retry (jobs::retry_scheduled)"),
+    (RetryWait, Published, "the step that was retried succeeded (jobs::step_succeeded)"),
+    (Queued, Quarantined, "a step's message was parked (jobs::quarantined)"),
+    (Published, Quarantined, "a step's message was parked"),
+    (RetryWait, Quarantined, "a step's message was parked"),
+    (Quarantined, Published, "an operator redrove the parked message (jobs::redriven)"),
+    (Queued, Rejected, "inventory refused the order (jobs::rejected)"),
+    (Published, Rejected, "inventory refused the order"),
+    (RetryWait, Rejected, "inventory refused the order"),
+    (Quarantined, Rejected, "inventory's refusal came after all"),
+    (Queued, Succeeded, "invoice.created (jobs::decide)"),
+    (Published, Succeeded, "invoice.created"),
+    (RetryWait, Succeeded, "invoice.created"),
+    (Quarantined, Succeeded, "invoice.created came after all (a copy parked after its commit)"),
+    (Queued, Compensating, "a cancel, the deadline or job.abandoned before the broker confirmed (jobs::decide)"),
+    (Published, Compensating, "payment.declined, a cancel, the deadline or job.abandoned"),
+    (RetryWait, Compensating, "payment.declined, a cancel, the deadline or job.abandoned"),
+    (Quarantined, Compensating, "a cancel, the deadline or job.abandoned while a step is parked"),
+    (Compensating, Declined, "inventory.released and invoice.voided both in (jobs::compensated)"),
+    (Compensating, Cancelled, "inventory.released and invoice.voided both in"),
+];
+
+/// Whether a job may move `from` → `to` (staying put is no move, and allowed).
+pub fn allowed(from: JobState, to: JobState) -> bool {
+    from == to || MOVES.iter().any(|&(f, t, _)| (f, t) == (from, to))
+}
+
+/// Every move [`allowed`] allows, `(from, to)`, in the order of [`JobState::ALL`].
+pub fn all() -> Vec<(JobState, JobState)> {
+    let states = JobState::ALL;
+    states
+        .iter()
+        .flat_map(|&from| states.iter().map(move |&to| (from, to)))
+        .filter(|&(from, to)| from != to && allowed(from, to))
+        .collect()
+}
+
+/// `docs/model/job_moves.pml`: the table as a Promela macro, `JOB_MOVE(f, t)`, true when a job
+/// may move from `f` to `t`.
+pub fn promela() -> String {
+    let mut text = String::from(
+        "/* Generated from orders-api's moves.rs (moves::MOVES) by\n\
+         \x20*   UPDATE_MODEL=1 cargo test -p orders-api moves\n\
+         \x20* and checked by that test: do not edit. Every move of a job's state the code makes;\n\
+         \x20* jobs.pml asserts that each of its own is one of them. */\n\
+         #define JOB_MOVE(f, t) ( \\\n",
+    );
+    for (from, to) in all() {
+        text.push_str(&format!("    (f == {} && t == {}) || \\\n", from.as_str(), to.as_str()));
+    }
+    text.push_str("    false)\n");
+    text
+}
+
+/// `job_moves_forbidden_total{from,to}`: moves outside [`MOVES`], as the database counted them.
+#[derive(Debug, Clone, Default)]
+pub struct ForbiddenMoves {
+    counted: Family<Vec<(String, String)>, Counter>,
+}
+
+impl ForbiddenMoves {
+    /// Register `job_moves_forbidden_total` beside the runtime's metrics.
+    pub fn register(metrics: &mut Metrics) -> Self {
+        let moves = Self::default();
+        metrics.register(
+            "job_moves_forbidden",
+            "Moves of a job's state that the job model forbids (moves::MOVES), by the states moved from and to, \
+             as the database's trigger counted them (table job_moves_forbidden)",
+            moves.counted.clone(),
+        );
+        moves
+    }
+
+    /// Every forbidden move's series, at 0: Prometheus sees the first move as an increase (a series
+    /// that appears at 1 has none), and the alert's query returns data while all is well.
+    fn forbid_all(&self) {
+        for from in JobState::ALL {
+            for to in JobState::ALL.into_iter().filter(|&to| !allowed(from, to)) {
+                self.counted.get_or_create(&labels(from.as_str().to_owned(), to.as_str().to_owned())).inc_by(0);
+            }
+        }
+    }
+}
+
+/// A series' labels: the states moved from and to.
+fn labels(from: String, to: String) -> Vec<(String, String)> {
+    vec![("from".to_owned(), from), ("to".to_owned(), to)]
+}
+
+/// How often the counts are read: a forbidden move is a bug or a hand edit, never a load.
+pub const INTERVAL: Duration = Duration::from_secs(15);
+
+/// Read `job_moves_forbidden` every [`INTERVAL`] until `shutdown`, and add what it counted since
+/// to `job_moves_forbidden_total` (from its total at the first read: a restart loses nothing).
+pub fn start(pool: PgPool, metrics: ForbiddenMoves, shutdown: Shutdown) {
+    tokio::spawn(async move {
+        let mut seen: HashMap<(String, String), i64> = HashMap::new();
+        let (mut failing, mut first) = (false, true);
+        let mut ticks = tokio::time::interval(INTERVAL);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                () = shutdown.triggered() => return,
+            }
+            let read = sqlx::query_as::<_, (String, String, i64)>(
+                "select from_state, to_state, moves from job_moves_forbidden",
+            )
+            .fetch_all(&pool);
+            match tokio::time::timeout(Duration::from_secs(10), read).await {
+                Ok(Ok(rows)) => {
+                    failing = false;
+                    if std::mem::take(&mut first) {
+                        metrics.forbid_all();
+                    }
+                    for (from, to, moves) in rows {
+                        let before = seen.entry((from.clone(), to.clone())).or_insert(0);
+                        if moves > *before {
+                            tracing::error!(%from, %to, moves, "a job moved as the job model forbids (job_moves_forbidden)");
+                            let added = u64::try_from(moves - *before).unwrap_or(0);
+                            metrics.counted.get_or_create(&labels(from, to)).inc_by(added);
+                            *before = moves;
+                        }
+                    }
+                }
+                // Logged once per outage: the database's own readiness check pages for it.
+                outcome if !failing => {
+                    failing = true;
+                    let error = match outcome {
+                        Ok(Err(error)) => error.to_string(),
+                        _ => "no answer within 10 s".to_owned(),
+                    };
+                    tracing::warn!(%error, "cannot read the forbidden moves of jobs");
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_decided_job_moves_only_from_compensating_to_its_end() {
+        for from in JobState::ALL {
+            for to in JobState::ALL {
+                if from == to {
+                    assert!(allowed(from, to));
+                    continue;
+                }
+                let expected = match (from, to) {
+                    // An outcome never changes; compensating only takes its end.
+                    (Succeeded | Rejected | Declined | Cancelled, _) => false,
+                    (Compensating, to) => matches!(to, Declined | Cancelled),
+                    // Declined and cancelled only through compensating.
+                    (_, Declined | Cancelled) => false,
+                    // Every undecided state may be decided.
+                    (_, Succeeded | Rejected | Compensating) => true,
+                    // A parked step holds the job: only a redrive moves it on, to published.
+                    (Quarantined, to) => to == Published,
+                    (_, Quarantined | RetryWait) => true,
+                    (Published, Queued) | (RetryWait, Queued) => false,
+                    (Queued | RetryWait, Published) => true,
+                    (from, to) => panic!("unlisted {from:?} -> {to:?}"),
+                };
+                assert_eq!(allowed(from, to), expected, "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_model_s_table_of_moves_is_generated_from_this_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/model/job_moves.pml");
+        let generated = promela();
+        if std::env::var_os("UPDATE_MODEL").is_some() {
+            std::fs::write(path, &generated).expect("write job_moves.pml");
+        }
+        let on_disk = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(on_disk == generated, "{path} is stale: run UPDATE_MODEL=1 cargo test -p orders-api moves");
+    }
+}
