@@ -14,6 +14,14 @@
  * unless that one was parked; a message applied late was parked; and once nothing can move and
  * the operator has stopped redriving, no taken message still waits (each is applied, or parked).
  *
+ * With -DHOLD, the endpoint's parking holds the key (issue 60, `Endpoint::holding_key_when_parked`):
+ * a parked message keeps its place, and the key's later messages wait behind it; the operator
+ * redrives it (it then takes its turn) or abandons it (msgctl: its place is given up then, as a
+ * parked message's is in the default mode). Checked: every message applied is applied in its
+ * turn, after every earlier message taken (applied, or abandoned): the key's applied order is its
+ * sent order; none is ever applied late; and once nothing can move, with the operator acting on
+ * every parked message (it may redrive up to REDRIVES times, and abandon), no message waits.
+ *
  * Seeded bugs, one per -D flag (scripts/check-model asserts that spin finds each):
  *   FOLLOWS_PREVIOUS  a message follows the place just before its own, whatever its type
  *                     (decision 0017's first hole): a message after one of a type the endpoint
@@ -21,6 +29,10 @@
  *   GIVE_UP_ONLY_NEXT a parked message moves the key only if its turn had come, and writes
  *                     nothing down otherwise (0017's second hole): parked before its turn, it
  *                     stops its key for good
+ *   HOLD_GIVES_UP     (with HOLD) parking gives up the place all the same: a later message is
+ *                     applied before the parked one, redriven, is applied late
+ *   ABANDON_KEEPS     (with HOLD) an abandon deletes the parked message and keeps its place: the
+ *                     key waits for good
  */
 
 #ifndef N
@@ -33,9 +45,10 @@
 #define REDRIVES 2    /* redrives of a parked message */
 #endif
 
-#define WAITING 0
-#define APPLIED 1
-#define PARKED  2
+#define WAITING   0
+#define APPLIED   1
+#define PARKED    2
+#define ABANDONED 3   /* HOLD: an operator gave the parked message up (msgctl parked abandon) */
 
 bool taken[N + 1];     /* message i is of a type the endpoint takes */
 byte follows[N + 1];   /* the latest earlier place of a taken type, 0 if none (ordering-earlier) */
@@ -58,6 +71,22 @@ inline move_past(s) {
     next = passed + 1
 }
 
+/* inbox_give_up_place: message i's place, given up (the key moves past it now, or when it gets
+ * there, or it is past it already). */
+inline give_up(i) {
+    if
+    :: next > follows[i] && next <= i -> move_past(i)
+    :: next <= follows[i] ->
+#ifndef GIVE_UP_ONLY_NEXT
+        assert(given_up[follows[i]] == 0 || given_up[follows[i]] == i);
+        given_up[follows[i]] = i
+#else
+        skip
+#endif
+    :: else -> skip
+    fi
+}
+
 proctype Message(byte i) {
     byte passed, t, j;
 end:
@@ -69,11 +98,18 @@ end:
         if
         :: next > i ->
             assert(ever_parked[i]);   /* only a parked message is passed */
+#ifdef HOLD
+            assert(false);            /* holding: none is passed but an abandoned one, never applied */
+#endif
             state[i] = APPLIED
         :: else ->
             j = 1;
             do
+#ifdef HOLD
+            :: j < i -> assert(!taken[j] || state[j] == APPLIED || state[j] == ABANDONED); j++
+#else
             :: j < i -> assert(!taken[j] || state[j] == APPLIED || ever_parked[j]); j++
+#endif
             :: else -> break
             od;
             move_past(i);
@@ -84,17 +120,9 @@ end:
     :: atomic {
         state[i] == WAITING && parks < PARKS ->
         parks++;
-        if
-        :: next > follows[i] && next <= i -> move_past(i)
-        :: next <= follows[i] ->
-#ifndef GIVE_UP_ONLY_NEXT
-            assert(given_up[follows[i]] == 0 || given_up[follows[i]] == i);
-            given_up[follows[i]] = i
-#else
-            skip
+#if !defined(HOLD) || defined(HOLD_GIVES_UP)
+        give_up(i);
 #endif
-        :: else -> skip
-        fi;
         state[i] = PARKED;
         ever_parked[i] = true
        }
@@ -102,9 +130,10 @@ end:
 }
 
 /* An operator redrives parked messages (msgctl: a copy goes back to the work queue), until they
- * stop: the key must not wait for them to act. */
+ * stop: the key must not wait for them to act. Holding, the operator may also abandon a parked
+ * message, which gives its place up; a message it leaves parked holds the key's later ones. */
 proctype Operator() {
-    byte k;
+    byte k, passed, t;
     do
     :: atomic {
         redrives < REDRIVES ->
@@ -114,12 +143,28 @@ proctype Operator() {
         :: else -> skip
         fi
        }
+#ifdef HOLD
+    :: atomic {
+        select(k : 1 .. N);
+        if
+        :: state[k] == PARKED ->
+            state[k] = ABANDONED;
+#ifndef ABANDON_KEEPS
+            give_up(k)
+#else
+            skip
+#endif
+        :: else -> skip
+        fi
+       }
+#endif
     :: break
     od
 }
 
 init {
     byte i, latest;
+    bool held;
     /* Every choice of which types the endpoint takes; the outbox's map, as the trigger writes it. */
     atomic {
         i = 1;
@@ -148,11 +193,24 @@ init {
         od;
         run Operator()
     }
-    /* Nothing can move, the operator gone too: no taken message still waits. */
+    /* Nothing can move, the operator gone too: no taken message still waits (holding: none
+     * waits but behind an earlier message still parked, which the operator has not acted on). */
     timeout ->
     i = 1;
     do
-    :: i <= N -> assert(!taken[i] || state[i] != WAITING); i++
+    :: i <= N ->
+#ifdef HOLD
+        latest = 1;   /* reused: whether an earlier taken message is still parked */
+        held = false;
+        do
+        :: latest < i -> held = held || (taken[latest] && state[latest] == PARKED); latest++
+        :: else -> break
+        od;
+        assert(!taken[i] || state[i] != WAITING || held);
+#else
+        assert(!taken[i] || state[i] != WAITING);
+#endif
+        i++
     :: else -> break
     od
 }
