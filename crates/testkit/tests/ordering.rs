@@ -480,3 +480,99 @@ async fn a_give_up_the_database_refuses_is_tried_again_until_it_is_taken() {
     assert_eq!(positions(&pool).await, (vec![3], 0));
     running.stop().await;
 }
+
+/// A park by the crash bound whose give-up of its place outlives the consumer's session is left
+/// unacked and keeps its starts in the crash ledger: redelivered to the next session, it is parked
+/// again at once, never handled, and only then is its place given up and its starts forgotten.
+/// Until 2026-12-07 the starts were forgotten as if the park had been acked, and the message was
+/// handled again, up to the bound, before it was parked a second time.
+#[tokio::test]
+async fn a_crash_park_left_unacked_at_the_session_s_end_keeps_its_starts_and_is_parked_again() {
+    let env = TestEnv::new().await;
+    let (pool, endpoint, policy) = prepare(&env).await;
+    enqueue(&pool, &Step { key: "k".into(), round: 1, flaky: false, poison: false }).await;
+    let message_id: uuid::Uuid =
+        sqlx::query_scalar("select message_id from outbox").fetch_one(&pool).await.expect("the row");
+    // Started three times (MAX_CRASHES) and never finished: its next start is past the bound.
+    sqlx::query("insert into delivery_starts (endpoint, message_id, starts) values ('test.ordered', $1, 3)")
+        .bind(message_id)
+        .execute(&pool)
+        .await
+        .expect("the crash ledger");
+    let starts = || async {
+        sqlx::query_scalar::<_, i32>("select starts from delivery_starts where message_id = $1")
+            .bind(message_id)
+            .fetch_optional(&pool)
+            .await
+            .expect("delivery_starts")
+    };
+    // The relay alone publishes it; taken and given back unacked, it is redelivered, as after a
+    // crash.
+    let (relay_trigger, _) = shutdown::channel();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let relay = start_relay(&env, listener, &relay_trigger);
+    eventually("the message in the work queue", Duration::from_secs(30), || async {
+        (env.queue_depth(endpoint.name).await == Some(1)).then_some(())
+    })
+    .await;
+    let connection = env.amqp().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let got = channel.basic_get(endpoint.name.into(), lapin::options::BasicGetOptions { no_ack: false }).await;
+    assert!(got.expect("basic.get").is_some(), "the message");
+    channel.close(200, "given back".into()).await.expect("close");
+
+    // The key's row held past the consumer's lock_timeout (1 s): the park's give-up waits.
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query("insert into inbox_key_positions (endpoint, key, next) values ('test.ordered', 'k', 1)")
+        .execute(&mut *holder)
+        .await
+        .expect("hold the key");
+    let options: sqlx::postgres::PgConnectOptions = env.database_url("ordered").parse().expect("url");
+    let consumer_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.options([("lock_timeout", "1s")]))
+        .await
+        .expect("the consumer's pool");
+    let session = || {
+        let (trigger, stop) = shutdown::channel();
+        let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
+        let task =
+            tokio::spawn(consumer::run(settings, Arc::new(Apply), consumer_pool.clone(), Health::default(), stop));
+        (trigger, task)
+    };
+    let (trigger, consumer) = session();
+    eventually("the crash park's copy in parking", Duration::from_secs(30), || async {
+        (env.queue_depth(&endpoint.parking_queue()).await == Some(1)).then_some(())
+    })
+    .await;
+    eventually("its give-up waiting for the key", Duration::from_secs(30), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%inbox_give_up_place%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("pg_stat_activity");
+        (waiting > 0).then_some(())
+    })
+    .await;
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(30), consumer).await.expect("the consumer stops").expect("its task");
+    assert_eq!(starts().await, Some(4), "a park left unacked keeps its starts");
+    eventually("the unacked delivery back in the work queue", Duration::from_secs(30), || async {
+        (env.queue_depth(endpoint.name).await == Some(1)).then_some(())
+    })
+    .await;
+
+    holder.rollback().await.expect("release the key");
+    let (trigger, consumer) = session();
+    eventually("parked again, its place given up and its starts forgotten", Duration::from_secs(30), || async {
+        let parked = env.queue_depth(&endpoint.parking_queue()).await == Some(2);
+        (parked && starts().await.is_none() && positions(&pool).await == (vec![2], 0)).then_some(())
+    })
+    .await;
+    assert_eq!(applied(&pool).await.get("k"), None, "never handled");
+    trigger.trigger();
+    tokio::time::timeout(Duration::from_secs(30), consumer).await.expect("the consumer stops").expect("its task");
+    relay_trigger.trigger();
+    relay.await.expect("relay task").expect("relay");
+}

@@ -124,9 +124,9 @@ impl<H: Handler> Runtime<H> {
     /// `order.ended` behind a parked `order.placed` was deferred until an operator redrove the
     /// parked message. Returns `false` if the session ends (`ended`) during a wait: the delivery
     /// is then left unacked, comes back, is parked again (a second copy in parking, which a
-    /// redrive's inbox skips) and gives up its place then. (Not yet right for a park by the crash
-    /// bound: its start in the crash ledger is forgotten as if it had been acked, so it is handled
-    /// again, up to the bound, before that second park.) Any other error (a verdict on the
+    /// redrive's inbox skips) and gives up its place then; a park by the crash bound keeps its
+    /// start in the crash ledger meanwhile ([`Settled::LeftUnacked`](super::settle::Settled)), so
+    /// that it is parked again at once, not handled again. Any other error (a verdict on the
     /// statement, which a retry would repeat) is logged, and the key waits at this place until
     /// the parked message is redriven.
     pub(super) async fn give_up_place(

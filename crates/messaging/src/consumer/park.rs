@@ -13,7 +13,12 @@ use messaging_core::{
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::{Handler, Runtime, acks::InFlight, session::Io, settle::delivery_span};
+use super::{
+    Handler, Runtime,
+    acks::InFlight,
+    session::Io,
+    settle::{Settled, delivery_span},
+};
 use crate::{
     publisher::{Pending, PublishError, Publisher},
     runtime::{metrics::Handled, shutdown::Shutdown},
@@ -98,7 +103,7 @@ impl<H: Handler> Runtime<H> {
     /// then ack it. A park that fails keeps the place: the key's later messages wait for it as
     /// they would for any message not yet applied, instead of passing a message parked nowhere.
     /// If the session ends (`ended`) while the give-up waits for the database, the delivery is left
-    /// unacked: it comes back and is parked again.
+    /// unacked ([`Settled::LeftUnacked`]): it comes back and is parked again.
     pub(super) async fn park(
         &self,
         delivery: InFlight,
@@ -106,7 +111,7 @@ impl<H: Handler> Runtime<H> {
         ended: &Shutdown,
         retry_count: u32,
         reason: &str,
-    ) -> Result<(), PublishError> {
+    ) -> Result<Settled, PublishError> {
         let endpoint = &self.settings.endpoint;
         let properties = &delivery.delivery().properties;
         let parked_properties = envelope::with_headers(
@@ -144,14 +149,14 @@ impl<H: Handler> Runtime<H> {
                 tracing::info!(
                     "session ended before the parked message's place was given up; the broker will redeliver it"
                 );
-                return Ok(());
+                return Ok(Settled::LeftUnacked);
             }
         }
         self.settle_event(event).await;
         delivery.ack().await?;
         self.count(Handled::Parked);
         tracing::error!(reason, "message parked");
-        Ok(())
+        Ok(Settled::Acked)
     }
 
     /// Park a message the broker dead-letters from the work queue (its delivery limit): with the
@@ -161,7 +166,7 @@ impl<H: Handler> Runtime<H> {
         let span = delivery_span("dead_letter", self.settings.endpoint.name, raw, None);
         let reason = envelope::broker_death(&raw.properties).unwrap_or_else(|| "dead-lettered by the broker".into());
         let retry_count = envelope::retry_count(raw);
-        self.park(delivery, &io.publisher, &io.ended, retry_count, &reason).instrument(span).await
+        self.park(delivery, &io.publisher, &io.ended, retry_count, &reason).instrument(span).await.map(|_| ())
     }
 
     /// Send a `job.*` event (pipelined with the retry or park publish it reports).

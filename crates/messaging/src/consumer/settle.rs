@@ -40,6 +40,16 @@ pub(super) struct Member {
     pub(super) span: tracing::Span,
 }
 
+/// What became of a delivery whose copy was republished: acked, or left unacked for the broker
+/// to deliver again (a park whose give-up of its place outlived the session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Settled {
+    /// Acked: the copy stands for it.
+    Acked,
+    /// Left unacked: it comes back, and is parked again.
+    LeftUnacked,
+}
+
 impl<H: Handler> Runtime<H> {
     /// [`Self::handle`] inside the delivery's span.
     pub(super) async fn process(self: Arc<Self>, delivery: InFlight, io: Io) -> Result<(), PublishError> {
@@ -185,8 +195,9 @@ impl<H: Handler> Runtime<H> {
                 let (runtime, publisher, ended) = (Arc::clone(self), io.publisher.clone(), io.ended.clone());
                 io.hold(async move {
                     let settled = runtime.republish(delivery, &publisher, &ended, copy).await;
-                    runtime.forget_start(once_parked, settled.is_ok()).await;
-                    settled
+                    // A park left unacked keeps its start: its redelivery is parked again at once.
+                    runtime.forget_start(once_parked, matches!(settled, Ok(Settled::Acked))).await;
+                    settled.map(|_| ())
                 });
                 return Ok(());
             }
@@ -203,16 +214,16 @@ impl<H: Handler> Runtime<H> {
         publisher: &Publisher,
         ended: &Shutdown,
         copy: Republish,
-    ) -> Result<(), PublishError> {
+    ) -> Result<Settled, PublishError> {
         match copy {
             Republish::Retry { delay, error, retry_count } => {
-                self.retry(delivery, publisher, retry_count, delay, &error).await
+                self.retry(delivery, publisher, retry_count, delay, &error).await.map(|()| Settled::Acked)
             }
             Republish::Park { reason, retry_count } => {
                 self.park(delivery, publisher, ended, retry_count, &reason).await
             }
             Republish::Defer { follows, delay, deferrals } => {
-                self.defer(delivery, publisher, follows, delay, deferrals).await
+                self.defer(delivery, publisher, follows, delay, deferrals).await.map(|()| Settled::Acked)
             }
         }
     }
