@@ -319,13 +319,13 @@ pub async fn fill_outbox(pool: &PgPool, template: i64, count: i64, published: bo
     sqlx::query(
         "insert into outbox (message_id, message_type, exchange, routing_key, payload, headers, published_at)
          select gen_random_uuid(), message_type, exchange, routing_key, payload, headers,
-                case when $3 then now() - interval '1 day' end
+                case when $1 then now() - interval '1 day' end
          from outbox, generate_series(1, $2)
-         where id = $1",
+         where id = $3",
     )
-    .bind(template)
-    .bind(count)
     .bind(published)
+    .bind(count)
+    .bind(template)
     .execute(pool)
     .await
     .expect("fill outbox");

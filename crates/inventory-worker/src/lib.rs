@@ -135,10 +135,10 @@ async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) 
         Ending::Released => "released",
     };
     let lines: Option<Json<Vec<OrderLine>>> = sqlx::query_scalar(
-        "update reservations set state = $2, ended_at = now() where order_id = $1 and state = 'held' returning lines",
+        "update reservations set state = $1, ended_at = now() where order_id = $2 and state = 'held' returning lines",
     )
-    .bind(order_id)
     .bind(state)
+    .bind(order_id)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(Json(lines)) = lines else {
@@ -154,14 +154,14 @@ async fn end_reservation(tx: &mut PgConnection, order_id: Uuid, ending: Ending) 
         .await?;
     sqlx::query(
         "update stock set reserved = reserved - taken.quantity,
-                available = available + case when $3 then taken.quantity else 0 end,
-                settled = settled + case when $3 then 0 else taken.quantity end
-           from unnest($1::text[], $2::int[]) as taken (sku, quantity)
+                available = available + case when $1 then taken.quantity else 0 end,
+                settled = settled + case when $1 then 0 else taken.quantity end
+           from unnest($2::text[], $3::int[]) as taken (sku, quantity)
           where stock.sku = taken.sku",
     )
+    .bind(ending == Ending::Released)
     .bind(&skus)
     .bind(&quantities)
-    .bind(ending == Ending::Released)
     .execute(&mut *tx)
     .await?;
     Ok(())

@@ -49,13 +49,13 @@ pub async fn record_all(conn: &mut PgConnection, messages: &[(Uuid, &str)], endp
     let types: Vec<&str> = messages.iter().map(|(_, message_type)| *message_type).collect();
     let inserted: Vec<Uuid> = sqlx::query_scalar(
         "insert into inbox (message_id, message_type, endpoint)
-         select id, message_type, $3 from unnest($1::uuid[], $2::text[]) as m (id, message_type) order by id
+         select id, message_type, $1 from unnest($2::uuid[], $3::text[]) as m (id, message_type) order by id
          on conflict (message_id) do nothing
          returning message_id",
     )
+    .bind(endpoint)
     .bind(&ids)
     .bind(&types)
-    .bind(endpoint)
     .fetch_all(conn)
     .await?;
     let mut new: std::collections::HashSet<Uuid> = inserted.into_iter().collect();

@@ -161,15 +161,15 @@ async fn record_attempt(
     sqlx::query(
         "update outbox
             set attempts = attempts + 1,
-                refusals = refusals + $4,
+                refusals = refusals + $1,
                 last_error = $2,
                 available_at = now() + $3 * interval '1 millisecond'
-          where id = $1",
+          where id = $4",
     )
-    .bind(id)
+    .bind(refusals)
     .bind(error)
     .bind(retry_ms)
-    .bind(refusals)
+    .bind(id)
     .execute(conn)
     .await
     .map(drop)
@@ -179,11 +179,11 @@ async fn record_attempt(
 /// on (the rows behind it flow) until an operator re-arms it (`msgctl outbox retry`).
 pub async fn park(conn: &mut PgConnection, id: i64, error: &str) -> sqlx::Result<()> {
     sqlx::query(
-        "update outbox set attempts = attempts + 1, refusals = refusals + 1, last_error = $2, parked_at = now()
-          where id = $1",
+        "update outbox set attempts = attempts + 1, refusals = refusals + 1, last_error = $1, parked_at = now()
+          where id = $2",
     )
-    .bind(id)
     .bind(error)
+    .bind(id)
     .execute(conn)
     .await
     .map(drop)

@@ -268,13 +268,13 @@ async fn retry(pools: &[(String, PgPool)], message_ids: &[Uuid], all: bool) -> R
                     parked_at = null,
                     attempts = case when parked_at is null then attempts else 0 end,
                     refusals = case when parked_at is null then refusals else 0 end
-              where ($2 and ((published_at is null and not scheduled and attempts > 0)
+              where ($1 and ((published_at is null and not scheduled and attempts > 0)
                              or (published_at is null and scheduled and attempts > 0)))
-                 or (message_id = any($1) and published_at is null)
+                 or (message_id = any($2) and published_at is null)
               returning message_id",
         )
-        .bind(message_ids)
         .bind(all)
+        .bind(message_ids)
         .fetch_all(pool)
         .await
         .map_err(|error| Failure::Described(format!("{database}: {error}")))?;

@@ -310,9 +310,9 @@ async fn accept(
     // (Without a key the statement always writes.)
     let Claim { key, request } = claim.ok_or_else(|| ApiError::internal("an order without a key was not written"))?;
     let (same, job_id, order_id): (bool, Uuid, Uuid) =
-        sqlx::query_as("select request = $2, job_id, order_id from idempotency_keys where key = $1")
-            .bind(key.as_str())
+        sqlx::query_as("select request = $1, job_id, order_id from idempotency_keys where key = $2")
             .bind(request)
+            .bind(key.as_str())
             .fetch_one(pool)
             .await?;
     if same { Ok(Accepted { job_id, order_id }) } else { Err(ApiError::IdempotencyMismatch) }

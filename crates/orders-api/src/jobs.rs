@@ -136,11 +136,11 @@ pub struct OrderMove {
 /// The order of `job_id` moves to `to`, if its status is one `to` may be reached from.
 pub async fn move_order_of(tx: &mut PgConnection, job_id: Uuid, to: OrderStatus) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "update orders set status = $2, updated_at = now()
-          where id = (select order_id from jobs where id = $1) and status = any($3)",
+        "update orders set status = $1, updated_at = now()
+          where id = (select order_id from jobs where id = $2) and status = any($3)",
     )
-    .bind(job_id)
     .bind(to.as_str())
+    .bind(job_id)
     .bind(to.moves_from_names())
     .execute(tx)
     .await
@@ -162,23 +162,23 @@ pub async fn step_succeeded(
         "with job as (
             select id from jobs where id = $1 for update
          ), order_moved as (
-            update orders set status = $7, updated_at = now()
-             where id = $6 and status = any($8) and exists (select from job)
+            update orders set status = $2, updated_at = now()
+             where id = $3 and status = any($4) and exists (select from job)
          ), moved as (
-            update jobs set state = $3, retry_endpoint = null,
+            update jobs set state = $5, retry_endpoint = null,
                    published_at = coalesce(published_at, now()), updated_at = now()
-             where id = (select id from job) and (state = $4 or (state = $5 and retry_endpoint = $2))
+             where id = (select id from job) and (state = $6 or (state = $7 and retry_endpoint = $8))
          )
          select exists (select from job)",
     )
     .bind(job_id)
-    .bind(endpoint)
+    .bind(order.to.as_str())
+    .bind(order.order_id)
+    .bind(order.to.moves_from_names())
     .bind(JobState::Published.as_str())
     .bind(JobState::Queued.as_str())
     .bind(JobState::RetryWait.as_str())
-    .bind(order.order_id)
-    .bind(order.to.as_str())
-    .bind(order.to.moves_from_names())
+    .bind(endpoint)
     .fetch_one(tx)
     .await?;
     Ok(Applied::known(known, None))
@@ -193,18 +193,18 @@ pub async fn retry_scheduled(
 ) -> Result<Applied, sqlx::Error> {
     let known: bool = sqlx::query_scalar(
         "with moved as (
-            update jobs set state = $5, retry_endpoint = $2, attempt = greatest(attempt, $3),
+            update jobs set state = $1, retry_endpoint = $2, attempt = greatest(attempt, $3),
                    last_error = $4, updated_at = now()
-             where id = $1 and state <> all($6)
+             where id = $5 and state <> all($6)
                and not ($2 = $7 and exists (select 1 from orders o where o.id = jobs.order_id and o.status <> $8))
          )
-         select exists (select from jobs where id = $1)",
+         select exists (select from jobs where id = $5)",
     )
-    .bind(event.job_id)
+    .bind(JobState::RetryWait.as_str())
     .bind(&event.endpoint)
     .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
     .bind(&event.error)
-    .bind(JobState::RetryWait.as_str())
+    .bind(event.job_id)
     .bind(names(&JobState::UNMOVED_BY_STEPS))
     .bind(done_step)
     .bind(OrderStatus::Accepted.as_str())
@@ -260,21 +260,21 @@ pub async fn quarantined(
     }
     let ended = sqlx::query_scalar(
         "with step as (
-            insert into job_steps (job_id, endpoint, parked, redrives) values ($1, $6, true, $7)
+            insert into job_steps (job_id, endpoint, parked, redrives) values ($1, $2, true, $3)
             on conflict (job_id, endpoint)
             do update set parked = true, redrives = greatest(job_steps.redrives, excluded.redrives)
          )
-         update jobs set state = $4, attempt = greatest(attempt, $2), last_error = $3, updated_at = now()
-          where id = $1 and state <> all($5)
+         update jobs set state = $4, attempt = greatest(attempt, $5), last_error = $6, updated_at = now()
+          where id = $1 and state <> all($7)
           returning created_at",
     )
     .bind(job_id)
-    .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
-    .bind(error)
-    .bind(JobState::Quarantined.as_str())
-    .bind(names(&JobState::UNMOVED_BY_STEPS))
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
+    .bind(JobState::Quarantined.as_str())
+    .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
+    .bind(error)
+    .bind(names(&JobState::UNMOVED_BY_STEPS))
     .fetch_optional(tx)
     .await?;
     Ok(Applied::Job(ended))
@@ -295,12 +295,12 @@ pub async fn rejected(
         "with job as (
             select id from jobs where id = $1 for update
          ), order_moved as (
-            update orders set status = $6, updated_at = now()
-             where id = $5 and status = any($7) and exists (select from job)
+            update orders set status = $2, updated_at = now()
+             where id = $3 and status = any($4) and exists (select from job)
          ), moved as (
-            update jobs set state = $2, last_error = coalesce($3, last_error),
+            update jobs set state = $5, last_error = coalesce($6, last_error),
                    published_at = coalesce(published_at, now()), updated_at = now()
-             where id = (select id from job) and state <> all($4)
+             where id = (select id from job) and state <> all($7)
              returning created_at
          ), deadline_withdrawn as (
             -- As `decide` does.
@@ -311,12 +311,12 @@ pub async fn rejected(
          select exists (select from job), (select created_at from moved)",
     )
     .bind(job_id)
+    .bind(order.as_str())
+    .bind(order_id)
+    .bind(order.moves_from_names())
     .bind(JobState::Rejected.as_str())
     .bind(reason)
     .bind(names(&JobState::DECIDED))
-    .bind(order_id)
-    .bind(order.as_str())
-    .bind(order.moves_from_names())
     .bind(deadline_message_id(job_id))
     .fetch_one(&mut *tx)
     .await?;
@@ -536,16 +536,16 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
         _ => None,
     };
     sqlx::query(
-        "update jobs set state = coalesce($2, state),
-                released_at = case when $3 then coalesce(released_at, now()) end,
-                voided_at = case when $4 then coalesce(voided_at, now()) end,
+        "update jobs set state = coalesce($1, state),
+                released_at = case when $2 then coalesce(released_at, now()) end,
+                voided_at = case when $3 then coalesce(voided_at, now()) end,
                 updated_at = now()
-          where id = $1",
+          where id = $4",
     )
-    .bind(job_id)
     .bind(ends.map(JobState::as_str))
     .bind(released)
     .bind(voided)
+    .bind(job_id)
     .execute(&mut *tx)
     .await?;
     if let Some(state) = ends {

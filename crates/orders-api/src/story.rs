@@ -128,9 +128,8 @@ pub struct Step<'a> {
 pub async fn record(tx: &mut PgConnection, job_id: Uuid, kind: Kind, step: Step<'_>) -> Result<(), sqlx::Error> {
     sqlx::query(
         "insert into job_events (job_id, kind, endpoint, attempt, due_at, detail, trace_id, message_id)
-         select id, $2, $3, $4, $5, $6, $7, $8 from jobs where id = $1",
+         select id, $1, $2, $3, $4, $5, $6, $7 from jobs where id = $8",
     )
-    .bind(job_id)
     .bind(kind.as_str())
     .bind(step.endpoint)
     .bind(step.attempt.map(|attempt| i32::try_from(attempt).unwrap_or(i32::MAX)))
@@ -138,6 +137,7 @@ pub async fn record(tx: &mut PgConnection, job_id: Uuid, kind: Kind, step: Step<
     .bind(step.detail)
     .bind(trace::current().map(|context| context.trace_hex()))
     .bind(step.message_id)
+    .bind(job_id)
     .execute(tx)
     .await
     .map(drop)
@@ -204,18 +204,18 @@ pub async fn read(pool: &PgPool, job_id: Uuid) -> Result<Option<Story>, sqlx::Er
     let state = JobState::try_from(state).map_err(|e| sqlx::Error::Decode(e.into()))?;
     let events = sqlx::query_as(
         "select at, kind, endpoint, attempt, due_at, detail, trace_id, message_id from (
-            select 0 as n, 0::bigint as id, created_at as at, $2 as kind, null::text as endpoint,
+            select 0 as n, 0::bigint as id, created_at as at, $1 as kind, null::text as endpoint,
                    null::integer as attempt, null::timestamptz as due_at, null::text as detail, trace_id,
                    null::uuid as message_id
-              from jobs where id = $1
+              from jobs where id = $2
             union all
             select 1, id, at, kind, endpoint, attempt, due_at, detail, trace_id, message_id
-              from job_events where job_id = $1
+              from job_events where job_id = $2
          ) as story
          order by n, at, id",
     )
-    .bind(job_id)
     .bind(Kind::Accepted.as_str())
+    .bind(job_id)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;

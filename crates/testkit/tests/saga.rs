@@ -44,9 +44,9 @@ async fn invoices(shop: &Shop, order_id: Uuid) -> Vec<(String, i64)> {
 /// Set the order's reservation to `state` by hand, moving `held` units of SKU-2 from settled to
 /// held stock with it (negative: back).
 async fn settle_by_hand(shop: &Shop, order_id: Uuid, state: &str, held: i32) {
-    sqlx::query("update reservations set state = $2 where order_id = $1")
-        .bind(order_id)
+    sqlx::query("update reservations set state = $1 where order_id = $2")
         .bind(state)
+        .bind(order_id)
         .execute(&shop.inventory)
         .await
         .expect("the reservation");

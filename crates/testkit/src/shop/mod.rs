@@ -415,9 +415,9 @@ impl Shop {
     /// Set `available` for the SKUs matching the SQL pattern `skus` (before any order), and take
     /// the stock totals again.
     pub async fn restock(&mut self, skus: &str, available: i32) {
-        sqlx::query("update stock set available = $2 where sku like $1")
-            .bind(skus)
+        sqlx::query("update stock set available = $1 where sku like $2")
             .bind(available)
+            .bind(skus)
             .execute(&self.inventory)
             .await
             .expect("restock");

@@ -170,10 +170,10 @@ impl Shop {
     /// (`order.placed`, `order.ended`), as [`Self::copy_order_placed`] does.
     pub async fn copy_sent(&self, job_id: Uuid, message_type: &str, queue: &str, headers: &[(&str, AMQPValue)]) {
         let (payload, message_id): (sqlx::types::Json<Value>, Uuid) = sqlx::query_as(
-            "select payload, message_id from outbox where message_type = $2 and payload->>'jobId' = $1::text",
+            "select payload, message_id from outbox where message_type = $1 and payload->>'jobId' = $2::text",
         )
-        .bind(job_id)
         .bind(message_type)
+        .bind(job_id)
         .fetch_one(&self.orders)
         .await
         .unwrap_or_else(|error| panic!("the job's {message_type} row: {error}"));
