@@ -14,7 +14,7 @@
 //!   hand. [`start`] exports those counts as `job_moves_forbidden_total{from,to}` (alert
 //!   `JobMoveForbidden`), and the chaos soaks require none.
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::atomic::Ordering, time::Duration};
 
 use messaging::runtime::{metrics::Metrics, shutdown::Shutdown};
 use prometheus_client::metrics::{counter::Counter, family::Family};
@@ -44,7 +44,7 @@ pub const MOVES: [(JobState, JobState, &str); 22] = [
     (Queued, Compensating, "a cancel, the deadline or job.abandoned before the broker confirmed (jobs::decide)"),
     (Published, Compensating, "payment.declined, a cancel, the deadline or job.abandoned"),
     (RetryWait, Compensating, "payment.declined, a cancel, the deadline or job.abandoned"),
-    (Quarantined, Compensating, "a cancel, the deadline or job.abandoned while a step is parked"),
+    (Quarantined, Compensating, "payment.declined, a cancel, the deadline or job.abandoned after all"),
     (Compensating, Declined, "inventory.released and invoice.voided both in (jobs::compensated)"),
     (Compensating, Cancelled, "inventory.released and invoice.voided both in"),
 ];
@@ -81,7 +81,10 @@ pub fn promela() -> String {
     text
 }
 
-/// `job_moves_forbidden_total{from,to}`: moves outside [`MOVES`], as the database counted them.
+/// `job_moves_forbidden_total{from,to}`: the moves outside [`MOVES`] that table
+/// `job_moves_forbidden` holds, as the database's trigger counted them. It mirrors the table, so
+/// it holds across restarts and instances, a move made while no instance ran is seen, and an
+/// operator who clears the rows once they are understood sets it back to 0 (a counter's reset).
 #[derive(Debug, Clone, Default)]
 pub struct ForbiddenMoves {
     counted: Family<Vec<(String, String)>, Counter>,
@@ -94,37 +97,53 @@ impl ForbiddenMoves {
         metrics.register(
             "job_moves_forbidden",
             "Moves of a job's state that the job model forbids (moves::MOVES), by the states moved from and to, \
-             as the database's trigger counted them (table job_moves_forbidden)",
+             as table job_moves_forbidden holds them (the database's trigger counts them; cleared by hand)",
             moves.counted.clone(),
         );
         moves
     }
 
-    /// Every forbidden move's series, at 0: Prometheus sees the first move as an increase (a series
-    /// that appears at 1 has none), and the alert's query returns data while all is well.
-    fn forbid_all(&self) {
-        for from in JobState::ALL {
-            for to in JobState::ALL.into_iter().filter(|&to| !allowed(from, to)) {
-                self.counted.get_or_create(&labels(from.as_str().to_owned(), to.as_str().to_owned())).inc_by(0);
+    /// Set every series to what the table holds (`rows`): each forbidden pair, and any pair the
+    /// table names, to its count, or 0. Returns the pairs whose count grew since `before`.
+    fn mirror(
+        &self,
+        rows: &[(String, String, i64)],
+        before: &HashMap<(String, String), i64>,
+    ) -> Vec<(String, String, i64)> {
+        let now: HashMap<(String, String), i64> =
+            rows.iter().map(|(from, to, moves)| ((from.clone(), to.clone()), *moves)).collect();
+        let forbidden = JobState::ALL.into_iter().flat_map(|from| {
+            JobState::ALL
+                .into_iter()
+                .filter(move |&to| !allowed(from, to))
+                .map(move |to| (from.as_str().to_owned(), to.as_str().to_owned()))
+        });
+        let mut pairs: Vec<(String, String)> = forbidden.chain(now.keys().cloned()).collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        let mut grew = Vec::new();
+        for (from, to) in pairs {
+            let moves = now.get(&(from.clone(), to.clone())).copied().unwrap_or(0);
+            if moves > before.get(&(from.clone(), to.clone())).copied().unwrap_or(0) {
+                grew.push((from.clone(), to.clone(), moves));
             }
+            let counter = self.counted.get_or_create(&vec![("from".to_owned(), from), ("to".to_owned(), to)]);
+            counter.inner().store(u64::try_from(moves).unwrap_or(0), Ordering::Relaxed);
         }
+        grew
     }
 }
 
-/// A series' labels: the states moved from and to.
-fn labels(from: String, to: String) -> Vec<(String, String)> {
-    vec![("from".to_owned(), from), ("to".to_owned(), to)]
-}
-
-/// How often the counts are read: a forbidden move is a bug or a hand edit, never a load.
+/// How often the table is read: a forbidden move is a bug or a hand edit, never a load.
 pub const INTERVAL: Duration = Duration::from_secs(15);
 
-/// Read `job_moves_forbidden` every [`INTERVAL`] until `shutdown`, and add what it counted since
-/// to `job_moves_forbidden_total` (from its total at the first read: a restart loses nothing).
+/// Read `job_moves_forbidden` every [`INTERVAL`] until `shutdown` into `job_moves_forbidden_total`
+/// ([`ForbiddenMoves`]), logging each move counted since the last read (at the first, what the
+/// table holds already, once).
 pub fn start(pool: PgPool, metrics: ForbiddenMoves, shutdown: Shutdown) {
     tokio::spawn(async move {
-        let mut seen: HashMap<(String, String), i64> = HashMap::new();
-        let (mut failing, mut first) = (false, true);
+        let mut seen: Option<HashMap<(String, String), i64>> = None;
+        let mut failing = false;
         let mut ticks = tokio::time::interval(INTERVAL);
         loop {
             tokio::select! {
@@ -138,18 +157,19 @@ pub fn start(pool: PgPool, metrics: ForbiddenMoves, shutdown: Shutdown) {
             match tokio::time::timeout(Duration::from_secs(10), read).await {
                 Ok(Ok(rows)) => {
                     failing = false;
-                    if std::mem::take(&mut first) {
-                        metrics.forbid_all();
-                    }
-                    for (from, to, moves) in rows {
-                        let before = seen.entry((from.clone(), to.clone())).or_insert(0);
-                        if moves > *before {
+                    let grew = metrics.mirror(&rows, seen.as_ref().unwrap_or(&HashMap::new()));
+                    if seen.is_none() && !grew.is_empty() {
+                        let moves: i64 = grew.iter().map(|(_, _, moves)| moves).sum();
+                        tracing::warn!(
+                            moves,
+                            "table job_moves_forbidden holds moves the job model forbids: see JobMoveForbidden"
+                        );
+                    } else {
+                        for (from, to, moves) in &grew {
                             tracing::error!(%from, %to, moves, "a job moved as the job model forbids (job_moves_forbidden)");
-                            let added = u64::try_from(moves - *before).unwrap_or(0);
-                            metrics.counted.get_or_create(&labels(from, to)).inc_by(added);
-                            *before = moves;
                         }
                     }
+                    seen = Some(rows.into_iter().map(|(from, to, moves)| ((from, to), moves)).collect());
                 }
                 // Logged once per outage: the database's own readiness check pages for it.
                 outcome if !failing => {
@@ -196,6 +216,24 @@ mod tests {
                 assert_eq!(allowed(from, to), expected, "{from:?} -> {to:?}");
             }
         }
+    }
+
+    #[test]
+    fn the_counter_mirrors_the_table_and_says_what_grew() {
+        let metrics = ForbiddenMoves::default();
+        let row = |from: &str, to: &str, moves| (from.to_owned(), to.to_owned(), moves);
+        let series = |metrics: &ForbiddenMoves, from: &str, to: &str| {
+            metrics.counted.get_or_create(&vec![("from".into(), from.into()), ("to".into(), to.into())]).get()
+        };
+        let grew = metrics.mirror(&[row("succeeded", "published", 2)], &HashMap::new());
+        assert_eq!(grew, [row("succeeded", "published", 2)]);
+        assert_eq!(series(&metrics, "succeeded", "published"), 2);
+        assert_eq!(series(&metrics, "rejected", "queued"), 0, "every forbidden pair, at 0");
+        let before = HashMap::from([(("succeeded".to_owned(), "published".to_owned()), 2)]);
+        assert_eq!(metrics.mirror(&[row("succeeded", "published", 2)], &before), [], "nothing new");
+        // Cleared by an operator: back to 0.
+        assert_eq!(metrics.mirror(&[], &before), []);
+        assert_eq!(series(&metrics, "succeeded", "published"), 0);
     }
 
     #[test]

@@ -440,7 +440,8 @@ async fn a_database_of_the_previous_release_migrates_forward_and_its_old_jobs_st
 /// The job model checked in production (issue 60). The database allows exactly the moves the
 /// code's table does (`moves::allowed`, every pair of states); the moves the status consumer makes
 /// count nothing; a move outside the table, made by hand as an operator's mistake would be, is
-/// counted in its own transaction, and the API exports it as `job_moves_forbidden_total{from,to}`.
+/// counted in its own transaction, and the API exports it as `job_moves_forbidden_total{from,to}`
+/// until the operator clears the table's row.
 #[tokio::test]
 async fn a_job_move_the_model_forbids_is_counted_and_exported_and_the_allowed_ones_are_not() {
     use orders_api::{jobs::JobState, moves};
@@ -484,12 +485,18 @@ async fn a_job_move_the_model_forbids_is_counted_and_exported_and_the_allowed_on
         .expect("by hand");
     assert_eq!(forbidden().await, [("succeeded".to_owned(), "published".to_owned(), 1, job)]);
     let url = format!("{}/metrics", api.base);
-    let exported = r#"job_moves_forbidden_total{from="succeeded",to="published"} 1"#;
-    eventually("the forbidden move in /metrics", WAIT, || async {
-        let response = http::request("GET", &url, &[], None).await.expect("GET /metrics");
-        String::from_utf8_lossy(&response.body).lines().any(|line| line == exported).then_some(())
-    })
-    .await;
+    let exported = |count: u32| {
+        let (url, series) =
+            (url.clone(), format!(r#"job_moves_forbidden_total{{from="succeeded",to="published"}} {count}"#));
+        async move {
+            let response = http::request("GET", &url, &[], None).await.expect("GET /metrics");
+            String::from_utf8_lossy(&response.body).lines().any(|line| line == series).then_some(())
+        }
+    };
+    eventually("the forbidden move in /metrics", WAIT, || exported(1)).await;
+    // Understood, and cleared by the operator: the series goes back to 0, and the alert with it.
+    sqlx::query("delete from job_moves_forbidden").execute(&api.orders).await.expect("cleared");
+    eventually("the cleared move gone from /metrics", WAIT, || exported(0)).await;
 
     trigger.trigger();
     task.await.expect("api task").expect("api ran");
