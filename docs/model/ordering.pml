@@ -14,13 +14,15 @@
  * unless that one was parked; a message applied late was parked; and once nothing can move and
  * the operator has stopped redriving, no taken message still waits (each is applied, or parked).
  *
- * With -DHOLD, the endpoint's parking holds the key (issue 60, `Endpoint::holding_key_when_parked`):
- * a parked message keeps its place, and the key's later messages wait behind it; the operator
+ * With -DHOLD, the endpoint's parking holds the key (issue 60, decision 0034): a parked message
+ * keeps its place, and the key's later messages wait behind it; the operator
  * redrives it (it then takes its turn) or abandons it (msgctl: its place is given up then, as a
  * parked message's is in the default mode). Checked: every message applied is applied in its
  * turn, after every earlier message taken (applied, or abandoned): the key's applied order is its
- * sent order; none is ever applied late; and once nothing can move, with the operator acting on
- * every parked message (it may redrive up to REDRIVES times, and abandon), no message waits.
+ * sent order; none is ever applied late; and once nothing can move, a message waits only behind
+ * an earlier one still parked, which the operator has neither redriven nor abandoned. One parked
+ * copy per message: the code can park two (a park whose ack is lost); decision 0034 says what the
+ * build must do so that this view stays exact.
  *
  * Seeded bugs, one per -D flag (scripts/check-model asserts that spin finds each):
  *   FOLLOWS_PREVIOUS  a message follows the place just before its own, whatever its type

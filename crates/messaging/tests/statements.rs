@@ -23,49 +23,67 @@ fn sources() -> Vec<PathBuf> {
     found
 }
 
-/// The string literals of `code` outside comments, each with the line it starts on.
+/// The string literals of `code` outside comments (`//`, `/* */`), plain or raw (`r"…"`,
+/// `r#"…"#`), each with the line it starts on.
 fn literals(code: &str) -> Vec<(usize, String)> {
-    let mut found = Vec::new();
-    let (mut chars, mut line) = (code.chars().peekable(), 1);
-    while let Some(c) = chars.next() {
+    let chars: Vec<char> = code.chars().collect();
+    let (mut found, mut line, mut i) = (Vec::new(), 1, 0);
+    let at = |i: usize| chars.get(i).copied().unwrap_or('\0');
+    while i < chars.len() {
+        let c = chars[i];
+        let after_word = i > 0 && (chars[i - 1].is_alphanumeric() || chars[i - 1] == '_');
         match c {
             '\n' => line += 1,
-            '/' if chars.peek() == Some(&'/') => {
-                for c in chars.by_ref() {
-                    if c == '\n' {
-                        line += 1;
-                        break;
-                    }
+            '/' if at(i + 1) == '/' => {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
                 }
+                continue;
+            }
+            '/' if at(i + 1) == '*' => {
+                i += 2;
+                while i < chars.len() && !(chars[i] == '*' && at(i + 1) == '/') {
+                    line += usize::from(chars[i] == '\n');
+                    i += 1;
+                }
+                i += 2;
+                continue;
             }
             // A character literal: '"' or '\'' would otherwise open a string.
-            '\'' => {
-                let rest: String = chars.clone().take(3).collect();
-                if rest.starts_with("\"'") {
-                    chars.nth(1);
-                } else if rest.starts_with("\\'") || rest.starts_with("\\\"") {
-                    chars.nth(2);
+            '\'' if at(i + 1) == '"' && at(i + 2) == '\'' => i += 2,
+            '\'' if at(i + 1) == '\\' && at(i + 3) == '\'' => i += 3,
+            'r' if !after_word && (at(i + 1) == '"' || at(i + 1) == '#') => {
+                let hashes = chars[i + 1..].iter().take_while(|&&c| c == '#').count();
+                if at(i + 1 + hashes) == '"' {
+                    let close: Vec<char> = std::iter::once('"').chain(std::iter::repeat_n('#', hashes)).collect();
+                    let (start, mut text) = (line, String::new());
+                    i += 2 + hashes;
+                    while i < chars.len() && !chars[i..].starts_with(&close) {
+                        line += usize::from(chars[i] == '\n');
+                        text.push(chars[i]);
+                        i += 1;
+                    }
+                    found.push((start, text));
+                    i += close.len();
+                    continue;
                 }
             }
             '"' => {
-                let (start, mut text, mut escaped) = (line, String::new(), false);
-                for c in chars.by_ref() {
-                    if c == '\n' {
-                        line += 1;
+                let (start, mut text) = (line, String::new());
+                i += 1;
+                while i < chars.len() && chars[i] != '"' {
+                    line += usize::from(chars[i] == '\n');
+                    if chars[i] == '\\' {
+                        i += 1;
                     }
-                    match (escaped, c) {
-                        (false, '\\') => escaped = true,
-                        (false, '"') => break,
-                        _ => {
-                            escaped = false;
-                            text.push(c);
-                        }
-                    }
+                    text.push(at(i));
+                    i += 1;
                 }
                 found.push((start, text));
             }
             _ => {}
         }
+        i += 1;
     }
     found
 }
@@ -109,9 +127,11 @@ fn every_literal_statement_numbers_its_parameters_in_order() {
 
 #[test]
 fn the_scan_sees_a_statement_out_of_order_and_not_one_in_a_comment() {
-    let code = "let c = '\"';\n// \"where a = $2 and b = $1\"\nquery(\"update t set a = $2\n where id = $1\")";
+    let code = "let c = '\"';\n// \"where a = $2 and b = $1\"\n/* \"$2 $1\" */ query(\"update t set a = $2\n where id = $1\")\n\
+                r#\"a \"quoted\" $3 $1 $2\"#";
     let found = literals(code);
-    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found.len(), 2, "{found:?}");
     assert_eq!(found[0].0, 3);
     assert_eq!(parameters(&found[0].1), [2, 1]);
+    assert_eq!((found[1].0, parameters(&found[1].1)), (5, vec![3, 1, 2]));
 }

@@ -15,9 +15,9 @@
 //! and how often it was redriven, is kept per step (`job_steps`), so a redrive of one step's
 //! message neither reopens a job that another step's parked message holds nor loses to a redrive
 //! of another step. `docs/model/jobs.pml` checks these moves against every order of events, and
-//! `docs/model/saga.pml` the ends and their compensations. The
-//! move to `published` made by the broker's confirm is the outbox trigger of migration 0007 (one
-//! UPDATE of `jobs` per relay batch), keyed on the job's `order_placed_message_id` column.
+//! `docs/model/saga.pml` the ends and their compensations. The move to `published` made by the
+//! broker's confirm is the outbox trigger (migration 0007's, as 0013 left it: one UPDATE of `jobs`
+//! per relay batch), keyed on the job's `order_placed_message_id` column.
 //!
 //! An end decided, a job ended and an end sent again are also written into the job's story
 //! ([`crate::story`]), in the same transaction as the move.

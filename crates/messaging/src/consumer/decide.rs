@@ -10,7 +10,7 @@
 //! | a first delivery | apply it |
 //! | a redelivery | count its start in the crash ledger (committed), then apply it |
 //! | … started more than `max_crashes` times | park: it keeps killing its consumer |
-//! | … once it leaves this process alive, whichever way | forget its start (a crash park: once confirmed) |
+//! | … once it leaves this process alive, whichever way | forget its start (a crash park: once acked) |
 //! | … the crash ledger fails (not an outage) | apply it; the broker's delivery limit stays the net |
 //! | applied, or skipped by the inbox as a duplicate | ack |
 //! | waits for an earlier message of its key | defer it to the first wait tier, spending no attempt |
@@ -175,9 +175,10 @@ pub(super) enum Start {
     NotCounted,
     /// Forgotten whatever way the delivery leaves.
     Forget,
-    /// Parked for crashing its consumer: forgotten only once the parked copy is confirmed. If it
-    /// is not, the count stays, and when the delivery comes back it is parked at once instead of
-    /// crashing its consumer again.
+    /// Parked for crashing its consumer: forgotten only once the parked copy is confirmed and the
+    /// delivery acked. If it is not (the copy refused, or the delivery left unacked when the session
+    /// ended first), the count stays, and when the delivery comes back it is parked at once instead
+    /// of crashing its consumer again.
     ForgetOnceParked,
 }
 

@@ -168,7 +168,7 @@ impl<H: Handler> Runtime<H> {
     /// defer) and then ack, held beside the session's work ([`Io::hold`]) so that a broker that
     /// blocks publishing holds it, not the deliveries behind. Its start in the crash ledger, if
     /// `counted`, is forgotten as [`Start`] says (before a copy is held, after an ack or a
-    /// hand-back; a crash park's once the park is confirmed): the delivery leaves a process that
+    /// hand-back; a crash park's once the park is confirmed and acked): the delivery leaves a process that
     /// lives.
     async fn settle(
         self: &Arc<Self>,
@@ -186,7 +186,7 @@ impl<H: Handler> Runtime<H> {
             Settlement::Republish(copy) => {
                 // Forgotten now, whatever becomes of the copy (a broker blocking publishers may
                 // hold it past the session's end); a crash park's count, once the park is
-                // confirmed.
+                // confirmed and acked.
                 let (now, once_parked) = match counted {
                     Some(counted) if counted.start == Start::ForgetOnceParked => (None, Some(counted)),
                     counted => (counted, None),
