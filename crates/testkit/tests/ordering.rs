@@ -424,6 +424,39 @@ async fn a_park_the_broker_does_not_confirm_keeps_its_place() {
     running.stop().await;
 }
 
+/// `key`'s row at the ordered endpoint, inserted and not committed: every take of a turn and
+/// every give-up on it waits until the returned transaction ends.
+async fn hold_key(pool: &PgPool, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query("insert into inbox_key_positions (endpoint, key, next) values ('test.ordered', $1, 1)")
+        .bind(key)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the key");
+    holder
+}
+
+/// A consumer's pool on the test's database whose connections wait at most 1 s for a lock.
+async fn impatient_pool(env: &TestEnv) -> PgPool {
+    let options: sqlx::postgres::PgConnectOptions = env.database_url("ordered").parse().expect("url");
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.options([("lock_timeout", "1s")]))
+        .await
+        .expect("the consumer's pool")
+}
+
+/// The give-ups of a place waiting for a lock now: each one's backend and when it began.
+async fn give_ups_waiting(pool: &PgPool) -> Vec<(i32, chrono::DateTime<chrono::Utc>)> {
+    sqlx::query_as(
+        "select pid, query_start from pg_stat_activity
+          where wait_event_type = 'Lock' and query like '%inbox_give_up_place%'",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("pg_stat_activity")
+}
+
 /// A park whose give-up the database does not take at once (here a lock on its key held past the
 /// consumer's `lock_timeout`; a database down is the same to it) gives up its place once the
 /// database answers: the key's later message is applied. Until 2026-12-07 a single failed try
@@ -436,36 +469,16 @@ async fn a_give_up_the_database_refuses_is_tried_again_until_it_is_taken() {
     // Round 1 unreadable (an unknown major version): parked as it arrives, before any turn.
     let step = |round| Step { key: "k".into(), round, flaky: false, poison: false };
     enqueue_version(&pool, &step(1), 2).await;
-    // The key's row, inserted and not committed: every take of a turn on it waits.
-    let mut holder = pool.begin().await.expect("begin");
-    sqlx::query("insert into inbox_key_positions (endpoint, key, next) values ('test.ordered', 'k', 1)")
-        .execute(&mut *holder)
-        .await
-        .expect("hold the key");
-    // The consumer's connections wait at most 1 s for a lock.
-    let options: sqlx::postgres::PgConnectOptions = env.database_url("ordered").parse().expect("url");
-    let consumer_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options.options([("lock_timeout", "1s")]))
-        .await
-        .expect("the consumer's pool");
+    let holder = hold_key(&pool, "k").await;
+    let consumer_pool = impatient_pool(&env).await;
     let running = Running::start(&env, &consumer_pool, &endpoint, &policy).await;
     // A give-up waits for the key, then fails on the lock's timeout: seen waiting, then gone.
-    let waiting = || async {
-        sqlx::query_as::<_, (i32, chrono::DateTime<chrono::Utc>)>(
-            "select pid, query_start from pg_stat_activity
-              where wait_event_type = 'Lock' and query like '%inbox_give_up_place%'",
-        )
-        .fetch_all(&pool)
-        .await
-        .expect("pg_stat_activity")
-    };
     let first = eventually("round 1's give-up to wait for the key", Duration::from_secs(60), || async {
-        waiting().await.into_iter().next()
+        give_ups_waiting(&pool).await.into_iter().next()
     })
     .await;
     eventually("that try to fail on the lock's timeout", Duration::from_secs(30), || async {
-        (!waiting().await.contains(&first)).then_some(())
+        (!give_ups_waiting(&pool).await.contains(&first)).then_some(())
     })
     .await;
     holder.rollback().await.expect("release the key");
@@ -521,18 +534,9 @@ async fn a_crash_park_left_unacked_at_the_session_s_end_keeps_its_starts_and_is_
     assert!(got.expect("basic.get").is_some(), "the message");
     channel.close(200, "given back".into()).await.expect("close");
 
-    // The key's row held past the consumer's lock_timeout (1 s): the park's give-up waits.
-    let mut holder = pool.begin().await.expect("begin");
-    sqlx::query("insert into inbox_key_positions (endpoint, key, next) values ('test.ordered', 'k', 1)")
-        .execute(&mut *holder)
-        .await
-        .expect("hold the key");
-    let options: sqlx::postgres::PgConnectOptions = env.database_url("ordered").parse().expect("url");
-    let consumer_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options.options([("lock_timeout", "1s")]))
-        .await
-        .expect("the consumer's pool");
+    // The key's row held past the consumer's lock_timeout: the park's give-up waits.
+    let holder = hold_key(&pool, "k").await;
+    let consumer_pool = impatient_pool(&env).await;
     let session = || {
         let (trigger, stop) = shutdown::channel();
         let settings = env.consumer_settings(endpoint.clone(), policy.clone(), 16, Batching::OFF);
@@ -546,13 +550,7 @@ async fn a_crash_park_left_unacked_at_the_session_s_end_keeps_its_starts_and_is_
     })
     .await;
     eventually("its give-up waiting for the key", Duration::from_secs(30), || async {
-        let waiting: i64 = sqlx::query_scalar(
-            "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%inbox_give_up_place%'",
-        )
-        .fetch_one(&pool)
-        .await
-        .expect("pg_stat_activity");
-        (waiting > 0).then_some(())
+        (!give_ups_waiting(&pool).await.is_empty()).then_some(())
     })
     .await;
     trigger.trigger();
