@@ -327,7 +327,6 @@ pub struct Job {
     /// Its order.
     pub order_id: Uuid,
     /// Its state.
-    #[sqlx(try_from = "String")]
     pub state: crate::jobs::JobState,
     /// Highest attempt any step needed so far.
     pub attempt: i32,
@@ -416,7 +415,6 @@ pub struct Order {
     /// Who ordered.
     pub customer_id: String,
     /// Where it is.
-    #[sqlx(try_from = "String")]
     pub status: OrderStatus,
     /// What.
     #[sqlx(json)]
@@ -537,11 +535,11 @@ async fn cancel(pool: &PgPool, caller: &Caller, order_id: Uuid) -> Result<Accept
         jobs::Decided::UnknownJob => Err(ApiError::NotFound(format!("no order {order_id}"))),
         jobs::Decided::Before => {
             // Decided before, by this route or otherwise: which end?
-            let status: String = sqlx::query_scalar("select status from orders where id = $1")
+            let status: OrderStatus = sqlx::query_scalar("select status from orders where id = $1")
                 .bind(order_id)
                 .fetch_one(&mut *tx)
                 .await?;
-            match OrderStatus::try_from(status).map_err(ApiError::internal)? {
+            match status {
                 OrderStatus::Cancelled => Ok(accepted),
                 ended => Err(ApiError::Conflict(format!(
                     "order {order_id} has ended {}: it can no longer be cancelled",

@@ -116,11 +116,6 @@ impl TryFrom<String> for JobState {
     }
 }
 
-/// The names of `states`, as `jobs.state` stores them: what a statement binds for `state = any($n)`.
-pub fn names(states: &[JobState]) -> Vec<&'static str> {
-    states.iter().map(|state| state.as_str()).collect()
-}
-
 /// The order's status move that goes with a job's move: `order_id` takes `to` if its status is
 /// one `to` may be reached from ([`OrderStatus::moves_from`]; a later one stays). It is written in
 /// the job's statement (a data-modifying `WITH`), so that applying an event costs one round trip;
@@ -139,9 +134,9 @@ pub async fn move_order_of(tx: &mut PgConnection, job_id: Uuid, to: OrderStatus)
         "update orders set status = $1, updated_at = now()
           where id = (select order_id from jobs where id = $2) and status = any($3)",
     )
-    .bind(to.as_str())
+    .bind(to)
     .bind(job_id)
-    .bind(to.moves_from_names())
+    .bind(to.moves_from())
     .execute(tx)
     .await
     .map(drop)
@@ -172,12 +167,12 @@ pub async fn step_succeeded(
          select exists (select from job)",
     )
     .bind(job_id)
-    .bind(order.to.as_str())
+    .bind(order.to)
     .bind(order.order_id)
-    .bind(order.to.moves_from_names())
-    .bind(JobState::Published.as_str())
-    .bind(JobState::Queued.as_str())
-    .bind(JobState::RetryWait.as_str())
+    .bind(order.to.moves_from())
+    .bind(JobState::Published)
+    .bind(JobState::Queued)
+    .bind(JobState::RetryWait)
     .bind(endpoint)
     .fetch_one(tx)
     .await?;
@@ -200,14 +195,14 @@ pub async fn retry_scheduled(
          )
          select exists (select from jobs where id = $5)",
     )
-    .bind(JobState::RetryWait.as_str())
+    .bind(JobState::RetryWait)
     .bind(&event.endpoint)
     .bind(i32::try_from(event.next_attempt).unwrap_or(i32::MAX))
     .bind(&event.error)
     .bind(event.job_id)
-    .bind(names(&JobState::UNMOVED_BY_STEPS))
+    .bind(JobState::UNMOVED_BY_STEPS)
     .bind(done_step)
-    .bind(OrderStatus::Accepted.as_str())
+    .bind(OrderStatus::Accepted)
     .fetch_one(tx)
     .await?;
     Ok(Applied::known(known, None))
@@ -271,10 +266,10 @@ pub async fn quarantined(
     .bind(job_id)
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
-    .bind(JobState::Quarantined.as_str())
+    .bind(JobState::Quarantined)
     .bind(i32::try_from(attempt).unwrap_or(i32::MAX))
     .bind(error)
-    .bind(names(&JobState::UNMOVED_BY_STEPS))
+    .bind(JobState::UNMOVED_BY_STEPS)
     .fetch_optional(tx)
     .await?;
     Ok(Applied::Job(ended))
@@ -311,12 +306,12 @@ pub async fn rejected(
          select exists (select from job), (select created_at from moved)",
     )
     .bind(job_id)
-    .bind(order.as_str())
+    .bind(order)
     .bind(order_id)
-    .bind(order.moves_from_names())
-    .bind(JobState::Rejected.as_str())
+    .bind(order.moves_from())
+    .bind(JobState::Rejected)
     .bind(reason)
-    .bind(names(&JobState::DECIDED))
+    .bind(JobState::DECIDED)
     .bind(deadline_message_id(job_id))
     .fetch_one(&mut *tx)
     .await?;
@@ -402,9 +397,9 @@ pub async fn decide(
                 coalesce((select published_at is null from job), false)",
         )
         .bind(job_id)
-        .bind(status.as_str())
-        .bind(status.moves_from_names())
-        .bind(state.as_str())
+        .bind(status)
+        .bind(status.moves_from())
+        .bind(state)
         .bind(ending)
         .bind(result_key)
         .bind(reason)
@@ -507,8 +502,8 @@ pub enum Compensated {
 /// A job's compensation as its row holds it.
 #[derive(Debug, sqlx::FromRow)]
 struct Compensation {
-    state: String,
-    ending: Option<String>,
+    state: JobState,
+    ending: Option<JobState>,
     released: bool,
     voided: bool,
     created_at: DateTime<Utc>,
@@ -529,12 +524,7 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
         return Ok(Compensated::UnknownJob);
     };
     let (released, voided) = (released || undone == Undone::Released, voided || undone == Undone::Voided);
-    let ends = match ending {
-        Some(ending) if state == JobState::Compensating.as_str() && released && voided => {
-            Some(JobState::try_from(ending).map_err(|e| sqlx::Error::Decode(e.into()))?)
-        }
-        _ => None,
-    };
+    let ends = ending.filter(|_| state == JobState::Compensating && released && voided);
     sqlx::query(
         "update jobs set state = coalesce($1, state),
                 released_at = case when $2 then coalesce(released_at, now()) end,
@@ -542,7 +532,7 @@ pub async fn compensated(tx: &mut PgConnection, job_id: Uuid, undone: Undone) ->
                 updated_at = now()
           where id = $4",
     )
-    .bind(ends.map(JobState::as_str))
+    .bind(ends)
     .bind(released)
     .bind(voided)
     .bind(job_id)
@@ -584,7 +574,7 @@ pub async fn placing_lost_after_end(
     )
     .bind(job_id)
     .bind(message_id)
-    .bind(JobState::Compensating.as_str())
+    .bind(JobState::Compensating)
     .fetch_optional(&mut *tx)
     .await?;
     let Some((order_id, ending, reason)) = row else { return Ok(false) };
@@ -643,8 +633,8 @@ pub async fn redriven(
     .bind(job_id)
     .bind(endpoint)
     .bind(i32::try_from(redrive_count).unwrap_or(i32::MAX))
-    .bind(JobState::Published.as_str())
-    .bind(JobState::Quarantined.as_str())
+    .bind(JobState::Published)
+    .bind(JobState::Quarantined)
     .execute(tx)
     .await?
     .rows_affected();

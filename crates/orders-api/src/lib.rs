@@ -14,6 +14,7 @@ pub mod overview;
 pub mod problem;
 pub mod responses;
 pub mod status;
+mod stored;
 pub mod story;
 pub mod upgrade;
 pub mod writer;

@@ -257,11 +257,6 @@ impl OrderStatus {
             Self::Failed => &[Self::Accepted, Self::Reserved],
         }
     }
-
-    /// [`Self::moves_from`]'s names, for `status = any($n)`.
-    pub fn moves_from_names(self) -> Vec<&'static str> {
-        self.moves_from().iter().map(|status| status.as_str()).collect()
-    }
 }
 
 impl TryFrom<String> for OrderStatus {

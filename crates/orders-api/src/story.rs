@@ -130,7 +130,7 @@ pub async fn record(tx: &mut PgConnection, job_id: Uuid, kind: Kind, step: Step<
         "insert into job_events (job_id, kind, endpoint, attempt, due_at, detail, trace_id, message_id)
          select id, $1, $2, $3, $4, $5, $6, $7 from jobs where id = $8",
     )
-    .bind(kind.as_str())
+    .bind(kind)
     .bind(step.endpoint)
     .bind(step.attempt.map(|attempt| i32::try_from(attempt).unwrap_or(i32::MAX)))
     .bind(step.due_at)
@@ -170,7 +170,6 @@ pub struct Event {
     /// When the orders database learned it.
     pub at: DateTime<Utc>,
     /// What.
-    #[sqlx(try_from = "String")]
     pub kind: Kind,
     /// The step's endpoint, where it is one step's: a consumer's work queue, or `outbox:<database>`
     /// for a park by the relay (`published` names none).
@@ -195,13 +194,12 @@ pub async fn read(pool: &PgPool, job_id: Uuid) -> Result<Option<Story>, sqlx::Er
     // One snapshot for the job and its events.
     let mut tx = pool.begin().await?;
     sqlx::query("set transaction isolation level repeatable read, read only").execute(&mut *tx).await?;
-    let job: Option<(Uuid, String, Option<String>)> =
+    let job: Option<(Uuid, JobState, Option<String>)> =
         sqlx::query_as("select order_id, state, trace_id from jobs where id = $1")
             .bind(job_id)
             .fetch_optional(&mut *tx)
             .await?;
     let Some((order_id, state, trace_id)) = job else { return Ok(None) };
-    let state = JobState::try_from(state).map_err(|e| sqlx::Error::Decode(e.into()))?;
     let events = sqlx::query_as(
         "select at, kind, endpoint, attempt, due_at, detail, trace_id, message_id from (
             select 0 as n, 0::bigint as id, created_at as at, $1 as kind, null::text as endpoint,
@@ -214,7 +212,7 @@ pub async fn read(pool: &PgPool, job_id: Uuid) -> Result<Option<Story>, sqlx::Er
          ) as story
          order by n, at, id",
     )
-    .bind(Kind::Accepted.as_str())
+    .bind(Kind::Accepted)
     .bind(job_id)
     .fetch_all(&mut *tx)
     .await?;

@@ -117,7 +117,7 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
          )
          select count(*) filter (where deadline or decided), count(*) filter (where deadline and decided) from job",
     )
-    .bind(orders_api::jobs::names(&orders_api::jobs::JobState::DECIDED))
+    .bind(orders_api::jobs::JobState::DECIDED)
     .fetch_one(&shop.orders)
     .await
     .expect("the jobs' deadlines");

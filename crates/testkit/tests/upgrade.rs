@@ -172,7 +172,7 @@ async fn upgrade_from(releases: &[&str]) {
                      or j.state = any($2))",
         )
         .bind(&unsent)
-        .bind(orders_api::jobs::names(&orders_api::jobs::JobState::DECIDED))
+        .bind(orders_api::jobs::JobState::DECIDED)
         .fetch_one(&shop.orders)
         .await
         .expect("deadlines");
