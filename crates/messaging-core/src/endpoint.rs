@@ -85,6 +85,15 @@ impl Endpoint {
         self
     }
 
+    /// Bind contract `C`'s routing key on its exchange, without accepting it here: for an endpoint
+    /// whose handler's routes say what it accepts ([`Routes`](crate::handler::Routes), which the
+    /// consumer adds to the endpoint's own), so that its contracts are listed once. Not for a
+    /// contract routed by body ([`Contract::ROUTED_BY_BODY`]).
+    pub fn bind_contract<C: Contract>(self) -> Self {
+        const { assert!(!C::ROUTED_BY_BODY, "a contract routed by body is bound by its keys") };
+        self.bind(C::EXCHANGE, C::TYPE)
+    }
+
     /// Consume contract `C`: bind its routing key on its exchange, and accept it up to its
     /// current major version. Not for a contract routed by body ([`Contract::ROUTED_BY_BODY`]):
     /// [`Endpoint::consume_keys`] names its keys, and this does not compile.

@@ -5,7 +5,7 @@
 //! messages is added here first (`docs/adding-a-service.md`).
 
 use messaging_core::{
-    contracts::{JOBS_EXCHANGE, JobAbandoned, JobQuarantined, JobRedriven, JobRetryScheduled},
+    contracts::JOBS_EXCHANGE,
     endpoint::{Endpoint, Topology},
 };
 
@@ -23,21 +23,19 @@ pub fn shop() -> Topology {
 }
 
 /// The orders service's `orders.status`: every outcome of every step, the compensations'
-/// answers, the orders' own deadlines, and the runtime's job events.
+/// answers, the orders' own deadlines, and the runtime's job events (`job.#`). What it accepts is
+/// what its handler routes (orders-api's `status::handler`, eleven contracts): bound here, listed
+/// there once.
 pub fn orders_status() -> Endpoint {
     Endpoint::new("orders.status")
-        .consume::<InventoryReserved>()
-        .consume::<InventoryRejected>()
-        .consume::<InventoryReleased>()
-        .consume::<InvoiceCreated>()
-        .consume::<PaymentDeclined>()
-        .consume::<InvoiceVoided>()
-        .consume::<OrderDeadline>()
+        .bind_contract::<InventoryReserved>()
+        .bind_contract::<InventoryRejected>()
+        .bind_contract::<InventoryReleased>()
+        .bind_contract::<InvoiceCreated>()
+        .bind_contract::<PaymentDeclined>()
+        .bind_contract::<InvoiceVoided>()
+        .bind_contract::<OrderDeadline>()
         .bind(JOBS_EXCHANGE, "job.#")
-        .accept::<JobRetryScheduled>()
-        .accept::<JobQuarantined>()
-        .accept::<JobRedriven>()
-        .accept::<JobAbandoned>()
 }
 
 /// The routing key of every `order.ended` published by releases before 2026-12-07, which did not
@@ -71,7 +69,7 @@ pub fn billing() -> Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use messaging_core::contracts::Contract;
+    use messaging_core::contracts::{Contract, JobAbandoned};
 
     #[test]
     fn an_order_s_end_reaches_inventory_and_billing_only_if_it_must_undo() {

@@ -186,6 +186,13 @@ pub trait Handler: Send + Sync + 'static {
         async { Ok(()) }
     }
 
+    /// The types it handles, each up to its current major version, when it knows them ([`Routes`]
+    /// does): the consumer accepts them besides what its endpoint accepts, so that a service's
+    /// contracts are listed once, in its routes. None by default.
+    fn accepts(&self) -> Vec<(&'static str, u32)> {
+        Vec::new()
+    }
+
     /// Whether it handles exactly the types its endpoint accepts (`accepts`), when it can tell
     /// ([`Routes`] can): checked once before consuming, since a mismatch is a bug in the service.
     fn check_routes(&self, _accepts: &[&str]) -> Result<(), String> {

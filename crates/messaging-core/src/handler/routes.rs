@@ -83,13 +83,14 @@ type BatchLock<H> =
 /// ```
 pub struct Routes<H> {
     handler: H,
-    routes: Vec<(&'static str, Route<H>)>,
+    /// Each contract's type, its current major version and its route.
+    routes: Vec<(&'static str, u32, Route<H>)>,
     batch_lock: Option<BatchLock<H>>,
 }
 
 impl<H> std::fmt::Debug for Routes<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let types: Vec<&str> = self.routes.iter().map(|(message_type, _)| *message_type).collect();
+        let types: Vec<&str> = self.routes.iter().map(|(message_type, _, _)| *message_type).collect();
         f.debug_struct("Routes").field("types", &types).finish_non_exhaustive()
     }
 }
@@ -107,7 +108,7 @@ impl<H: Send + Sync + 'static> Routes<H> {
         C: Contract + DeserializeOwned + Send + 'static,
     {
         debug_assert!(self.types().all(|known| known != C::TYPE), "two routes for {}", C::TYPE);
-        self.routes.push((C::TYPE, route::<H, C>));
+        self.routes.push((C::TYPE, C::VERSION, route::<H, C>));
         self
     }
 
@@ -125,7 +126,7 @@ impl<H: Send + Sync + 'static> Routes<H> {
 
     /// The types it routes, in the order they were added.
     pub fn types(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.routes.iter().map(|(message_type, _)| *message_type)
+        self.routes.iter().map(|(message_type, _, _)| *message_type)
     }
 
     /// Whether it routes exactly the types in `accepts` (its endpoint's): a type accepted and not
@@ -189,8 +190,8 @@ where
 
 impl<H: Send + Sync + 'static> Handler for Routes<H> {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        match self.routes.iter().find(|(message_type, _)| *message_type == message.message_type) {
-            Some((_, route)) => route(&self.handler, message, tx).await,
+        match self.routes.iter().find(|(message_type, _, _)| *message_type == message.message_type) {
+            Some((_, _, route)) => route(&self.handler, message, tx).await,
             None => Err(Unreadable::UnknownType(message.message_type.clone()).into()),
         }
     }
@@ -200,6 +201,10 @@ impl<H: Send + Sync + 'static> Handler for Routes<H> {
             Some(lock) => lock(&self.handler, messages, tx).await,
             None => Ok(()),
         }
+    }
+
+    fn accepts(&self) -> Vec<(&'static str, u32)> {
+        self.routes.iter().map(|(message_type, version, _)| (*message_type, *version)).collect()
     }
 
     fn check_routes(&self, accepts: &[&str]) -> Result<(), String> {
@@ -232,6 +237,12 @@ mod tests {
         let both = Routes::new(Both).on::<JobQuarantined>().on::<JobRedriven>();
         assert_eq!(both.check(&endpoint), Ok(()));
         assert_eq!(both.types().collect::<Vec<_>>(), ["job.quarantined", "job.redriven"]);
+        // What the consumer accepts besides its endpoint's own: each type, up to its version.
+        let accepts = super::Handler::accepts(&both);
+        assert_eq!(
+            accepts,
+            [(JobQuarantined::TYPE, JobQuarantined::VERSION), (JobRedriven::TYPE, JobRedriven::VERSION)]
+        );
 
         let one = Routes::new(Both).on::<JobQuarantined>();
         let refusal = one.check(&endpoint).expect_err("job.redriven has no route");

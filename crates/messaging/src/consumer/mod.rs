@@ -153,12 +153,19 @@ pub fn readiness_flag(endpoint: &Endpoint) -> String {
 /// failure: those are waited out. Panics before connecting if the handler's routes do not fit
 /// the endpoint ([`Handler::check_routes`]): that is a bug in the service, not a state to wait out.
 pub async fn run<H: Handler>(
-    settings: ConsumerSettings,
+    mut settings: ConsumerSettings,
     handler: Arc<H>,
     pool: PgPool,
     health: Health,
     shutdown: Shutdown,
 ) {
+    // What the handler's routes take, the endpoint accepts too: a service lists its contracts
+    // once, in its routes, and its topology binds them (`Endpoint::bind_contract`).
+    for (message_type, version) in handler.accepts() {
+        if !settings.endpoint.takes(message_type) {
+            settings.endpoint.accepts.push((message_type, version));
+        }
+    }
     let name = settings.endpoint.name;
     let accepts: Vec<&str> = settings.endpoint.accepts.iter().map(|(accepted, _)| *accepted).collect();
     if let Err(mismatch) = handler.check_routes(&accepts) {
