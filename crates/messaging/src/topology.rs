@@ -14,7 +14,9 @@ use lapin::{
 };
 use messaging_core::contracts::JOBS_EXCHANGE;
 
-pub use messaging_core::endpoint::{Binding, DEFAULT_DELIVERY_LIMIT, Endpoint, Topology, direct_exchange_of};
+pub use messaging_core::endpoint::{
+    Binding, DEFAULT_DELIVERY_LIMIT, Endpoint, Topology, direct_exchange_of, topic_matches,
+};
 
 /// The delivery limit of queues that must keep every message however often it is fetched and
 /// returned (parking, and the intake of dead letters). Explicit, because RabbitMQ 4.x gives every

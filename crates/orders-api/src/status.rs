@@ -268,3 +268,33 @@ impl Handle<JobRedriven> for JobStatus {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use messaging::topology::topic_matches;
+
+    use super::*;
+
+    /// The routes say what `orders.status` accepts and the topology what reaches it: each route's
+    /// contract must be bound (or nothing would arrive, and the relay would not hold it), and each
+    /// contract bound by name must be routed (or it would be parked on arrival).
+    #[test]
+    fn the_status_endpoint_binds_every_contract_it_routes_and_routes_every_one_it_binds() {
+        let (endpoint, handler) = (endpoint(), handler(JobStatus::default()));
+        assert_eq!(handler.contracts().count(), 11);
+        for (message_type, exchange) in handler.contracts() {
+            let bound = endpoint
+                .bindings
+                .iter()
+                .any(|binding| binding.exchange == exchange && topic_matches(binding.routing_key, message_type));
+            assert!(bound, "{message_type} on {exchange} is routed but not bound");
+        }
+        for binding in endpoint.bindings.iter().filter(|binding| !binding.routing_key.contains(['*', '#'])) {
+            assert!(
+                handler.types().any(|t| t == binding.routing_key),
+                "{} is bound but not routed",
+                binding.routing_key
+            );
+        }
+    }
+}

@@ -83,14 +83,14 @@ type BatchLock<H> =
 /// ```
 pub struct Routes<H> {
     handler: H,
-    /// Each contract's type, its current major version and its route.
-    routes: Vec<(&'static str, u32, Route<H>)>,
+    /// Each contract's type, its current major version, its exchange and its route.
+    routes: Vec<(&'static str, u32, &'static str, Route<H>)>,
     batch_lock: Option<BatchLock<H>>,
 }
 
 impl<H> std::fmt::Debug for Routes<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let types: Vec<&str> = self.routes.iter().map(|(message_type, _, _)| *message_type).collect();
+        let types: Vec<&str> = self.routes.iter().map(|(message_type, ..)| *message_type).collect();
         f.debug_struct("Routes").field("types", &types).finish_non_exhaustive()
     }
 }
@@ -108,7 +108,7 @@ impl<H: Send + Sync + 'static> Routes<H> {
         C: Contract + DeserializeOwned + Send + 'static,
     {
         debug_assert!(self.types().all(|known| known != C::TYPE), "two routes for {}", C::TYPE);
-        self.routes.push((C::TYPE, C::VERSION, route::<H, C>));
+        self.routes.push((C::TYPE, C::VERSION, C::EXCHANGE, route::<H, C>));
         self
     }
 
@@ -126,7 +126,13 @@ impl<H: Send + Sync + 'static> Routes<H> {
 
     /// The types it routes, in the order they were added.
     pub fn types(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.routes.iter().map(|(message_type, _, _)| *message_type)
+        self.routes.iter().map(|(message_type, ..)| *message_type)
+    }
+
+    /// Each contract it routes: its type and the exchange it is published to, for a check that
+    /// its endpoint binds them.
+    pub fn contracts(&self) -> impl Iterator<Item = (&'static str, &'static str)> + '_ {
+        self.routes.iter().map(|(message_type, _, exchange, _)| (*message_type, *exchange))
     }
 
     /// Whether it routes exactly the types in `accepts` (its endpoint's): a type accepted and not
@@ -190,8 +196,8 @@ where
 
 impl<H: Send + Sync + 'static> Handler for Routes<H> {
     async fn handle(&self, message: &Incoming, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        match self.routes.iter().find(|(message_type, _, _)| *message_type == message.message_type) {
-            Some((_, _, route)) => route(&self.handler, message, tx).await,
+        match self.routes.iter().find(|(message_type, ..)| *message_type == message.message_type) {
+            Some((.., route)) => route(&self.handler, message, tx).await,
             None => Err(Unreadable::UnknownType(message.message_type.clone()).into()),
         }
     }
@@ -204,7 +210,7 @@ impl<H: Send + Sync + 'static> Handler for Routes<H> {
     }
 
     fn accepts(&self) -> Vec<(&'static str, u32)> {
-        self.routes.iter().map(|(message_type, version, _)| (*message_type, *version)).collect()
+        self.routes.iter().map(|(message_type, version, ..)| (*message_type, *version)).collect()
     }
 
     fn check_routes(&self, accepts: &[&str]) -> Result<(), String> {

@@ -161,12 +161,16 @@ pub async fn run<H: Handler>(
 ) {
     // What the handler's routes take, the endpoint accepts too: a service lists its contracts
     // once, in its routes, and its topology binds them (`Endpoint::bind_contract`).
+    let name = settings.endpoint.name;
     for (message_type, version) in handler.accepts() {
-        if !settings.endpoint.takes(message_type) {
-            settings.endpoint.accepts.push((message_type, version));
+        match settings.endpoint.accepts.iter().find(|(accepted, _)| *accepted == message_type) {
+            None => settings.endpoint.accepts.push((message_type, version)),
+            Some((_, accepted)) => assert_eq!(
+                *accepted, version,
+                "{name} accepts {message_type} up to major version {accepted}, its route up to {version}"
+            ),
         }
     }
-    let name = settings.endpoint.name;
     let accepts: Vec<&str> = settings.endpoint.accepts.iter().map(|(accepted, _)| *accepted).collect();
     if let Err(mismatch) = handler.check_routes(&accepts) {
         panic!("the handler of {name} does not fit its endpoint: {mismatch}");
