@@ -104,7 +104,8 @@ impl ForbiddenMoves {
     }
 
     /// Set every series to what the table holds (`rows`): each forbidden pair, and any pair the
-    /// table names, to its count, or 0. Returns the pairs whose count grew since `before`.
+    /// table names or named `before` (the last read), to its count, or 0. Returns the pairs whose
+    /// count grew since `before`.
     fn mirror(
         &self,
         rows: &[(String, String, i64)],
@@ -118,7 +119,8 @@ impl ForbiddenMoves {
                 .filter(move |&to| !allowed(from, to))
                 .map(move |to| (from.as_str().to_owned(), to.as_str().to_owned()))
         });
-        let mut pairs: Vec<(String, String)> = forbidden.chain(now.keys().cloned()).collect();
+        let mut pairs: Vec<(String, String)> =
+            forbidden.chain(now.keys().cloned()).chain(before.keys().cloned()).collect();
         pairs.sort_unstable();
         pairs.dedup();
         let mut grew = Vec::new();
@@ -234,6 +236,12 @@ mod tests {
         // Cleared by an operator: back to 0.
         assert_eq!(metrics.mirror(&[], &before), []);
         assert_eq!(series(&metrics, "succeeded", "published"), 0);
+        // A row of a move an earlier release forbade and this one allows goes back to 0 too.
+        let earlier = [row("queued", "published", 1)];
+        metrics.mirror(&earlier, &HashMap::new());
+        let before = HashMap::from([(("queued".to_owned(), "published".to_owned()), 1)]);
+        metrics.mirror(&[], &before);
+        assert_eq!(series(&metrics, "queued", "published"), 0);
     }
 
     #[test]
