@@ -85,6 +85,14 @@ impl Endpoint {
         self
     }
 
+    /// Whether a message published to `exchange` with `routing_key` reaches its work queue: a
+    /// binding of it matches ([`topic_matches`]).
+    pub fn receives(&self, exchange: &str, routing_key: &str) -> bool {
+        self.bindings
+            .iter()
+            .any(|binding| binding.exchange == exchange && topic_matches(binding.routing_key, routing_key))
+    }
+
     /// Bind contract `C`'s routing key on its exchange, without accepting it here: for an endpoint
     /// whose handler's routes say what it accepts ([`Routes`](crate::handler::Routes), which the
     /// consumer adds to the endpoint's own), so that its contracts are listed once. Not for a
@@ -233,9 +241,7 @@ impl Topology {
     /// the whole topology is declared: one per endpoint with a binding that matches it, in the
     /// endpoints' order.
     pub fn queues_for(&self, exchange: &str, routing_key: &str) -> Vec<&'static str> {
-        let matches =
-            |binding: &Binding| binding.exchange == exchange && topic_matches(binding.routing_key, routing_key);
-        self.endpoints.iter().filter(|endpoint| endpoint.bindings.iter().any(matches)).map(|e| e.name).collect()
+        self.endpoints.iter().filter(|endpoint| endpoint.receives(exchange, routing_key)).map(|e| e.name).collect()
     }
 }
 

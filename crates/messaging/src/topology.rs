@@ -14,9 +14,7 @@ use lapin::{
 };
 use messaging_core::contracts::JOBS_EXCHANGE;
 
-pub use messaging_core::endpoint::{
-    Binding, DEFAULT_DELIVERY_LIMIT, Endpoint, Topology, direct_exchange_of, topic_matches,
-};
+pub use messaging_core::endpoint::{Binding, DEFAULT_DELIVERY_LIMIT, Endpoint, Topology, direct_exchange_of};
 
 /// The delivery limit of queues that must keep every message however often it is fetched and
 /// returned (parking, and the intake of dead letters). Explicit, because RabbitMQ 4.x gives every
