@@ -162,13 +162,19 @@ pub struct Outgoing<'a, C> {
 impl<'a, C: Contract> Outgoing<'a, C> {
     /// `body` as a message of contract `C` belonging to job `correlation_id`.
     pub fn of(body: &'a C, correlation_id: Option<Uuid>) -> Self {
+        Self::identified(body, Uuid::now_v7(), Headers::of::<C>(correlation_id))
+    }
+
+    /// `body` under a message id and headers made before (the orders API makes them once, for
+    /// the row it writes alone or in a group commit's statement).
+    pub fn identified(body: &'a C, message_id: Uuid, headers: Headers) -> Self {
         Self {
-            message_id: Uuid::now_v7(),
+            message_id,
             message_type: C::TYPE,
             exchange: C::EXCHANGE,
             routing_key: body.routing_key(),
             payload: Json(body),
-            headers: Json(Headers::of::<C>(correlation_id)),
+            headers: Json(headers),
             deliver_at: None,
         }
     }

@@ -193,8 +193,8 @@ pub trait Handler: Send + Sync + 'static {
         Vec::new()
     }
 
-    /// Whether it handles exactly the types its endpoint accepts (`accepts`), when it can tell
-    /// ([`Routes`] can): checked once before consuming, since a mismatch is a bug in the service.
+    /// Whether it handles every type its endpoint accepts (`accepts`), when it can tell ([`Routes`]
+    /// can): checked once before consuming, since a type with no handler is a bug in the service.
     fn check_routes(&self, _accepts: &[&str]) -> Result<(), String> {
         Ok(())
     }

@@ -22,10 +22,17 @@ impl Backoff {
     /// capped at `max`, then drawn uniformly from its upper half ("equal jitter"), so a delay never
     /// collapses to zero yet two clients rarely collide.
     pub fn delay(&self, failures: u32) -> Duration {
+        self.delay_drawn(failures, fastrand::f64())
+    }
+
+    /// [`Self::delay`] with its jitter given: `draw`, in `[0, 1]`, picks the point in the upper
+    /// half (0 its bottom, 1 its top). What is decided free of I/O draws through this, so that a
+    /// test can fix the draw and know every wait exactly.
+    pub fn delay_drawn(&self, failures: u32, draw: f64) -> Duration {
         let factor = 1u32.checked_shl(failures.min(20)).unwrap_or(u32::MAX);
         let capped = self.initial.saturating_mul(factor).min(self.max);
         let half = capped / 2;
-        half + half.mul_f64(fastrand::f64())
+        half + half.mul_f64(draw.clamp(0.0, 1.0))
     }
 }
 
@@ -48,6 +55,8 @@ mod tests {
                 (Duration::from_millis(100) * 2u32.saturating_pow(failures.min(20))).min(Duration::from_secs(2));
             let delay = backoff.delay(failures);
             assert!(delay >= nominal / 2 && delay <= nominal, "{failures}: {delay:?}");
+            assert_eq!(backoff.delay_drawn(failures, 0.0), nominal / 2);
+            assert_eq!(backoff.delay_drawn(failures, 1.0), nominal);
         }
     }
 }
