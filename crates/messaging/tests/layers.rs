@@ -1,8 +1,9 @@
 //! The library's layers depend one way (decision 0027). Each module of `messaging-core` and of
 //! `messaging` has a floor; a file may name (in code or in a doc link) only modules on its own
 //! floor's level or below, so that the library reads from the bottom up and has no circle. And
-//! the bottom crate, with the crate of the shop's rules built on it alone, pulls in no HTTP server,
-//! command-line parser, telemetry SDK or metrics library.
+//! the bottom crate, with the shop's crates built on it alone (its contracts, its books, its demo
+//! without the workers' flags), pulls in no HTTP server, command-line parser, telemetry SDK or
+//! metrics library.
 
 use std::{
     collections::BTreeSet,
@@ -168,11 +169,34 @@ fn tree(package: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_core_and_the_shop_s_rules_pull_in_no_server_parser_or_telemetry_sdk() {
-    for package in ["messaging-core", "shop"] {
+    for package in ["messaging-core", "shop", "shop-books", "shop-demo"] {
         let packages = tree(package);
         assert!(packages.contains("sqlx"), "{package}'s tree was read: {packages:?}");
         let above: Vec<&&str> = ABOVE_THE_CORE.iter().filter(|name| packages.contains(**name)).collect();
         assert!(above.is_empty(), "{package} depends on {above:?}");
         assert!(!packages.contains("messaging"), "{package} depends on messaging, above the core");
     }
+}
+
+/// The consumer's machine decides; the session and its tasks do the I/O (decision 0035). Its files
+/// name, outside their comments, no broker client, database driver, async runtime or log macro.
+#[test]
+fn the_consumer_machine_names_no_io() {
+    let consumer = root().join("crates/messaging/src/consumer");
+    let mut paths = vec![consumer.join("machine.rs")];
+    paths.extend(files(&consumer.join("machine")).into_iter().map(|(_, path)| path));
+    assert!(paths.len() > 5, "the machine's files were found: {paths:?}");
+    let mut named = Vec::new();
+    for path in &paths {
+        let text = std::fs::read_to_string(path).expect("read a source file");
+        let code = text.lines().filter(|line| !line.trim_start().starts_with("//"));
+        for line in code {
+            for io in ["lapin", "sqlx", "tokio", "tracing::"] {
+                if line.contains(io) {
+                    named.push(format!("{}: {io}: {line}", path.display()));
+                }
+            }
+        }
+    }
+    assert!(named.is_empty(), "I/O named in the machine: {named:#?}");
 }

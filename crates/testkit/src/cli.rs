@@ -17,6 +17,7 @@ pub const WORKER_VARIABLES: &[&str] = &[
     "CONFIRM_TIMEOUT",
     "DELIVERY_LIMIT",
     "INBOX_RETENTION",
+    "IDLE_RENEWAL",
 ];
 
 /// `--help` names every environment variable in `variables`.

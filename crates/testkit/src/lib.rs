@@ -264,8 +264,8 @@ impl TestEnv {
     }
 
     /// Consumer settings for a test on this test's broker: fast reconnects (20 ms to 200 ms), a
-    /// crash bound of 3, a 10 s handler timeout, a 14-day inbox retention and the default confirm
-    /// timeout.
+    /// crash bound of 3, a 10 s handler timeout, a 14-day inbox retention, the default confirm
+    /// timeout and channels renewed after a minute idle.
     pub fn consumer_settings(
         &self,
         endpoint: messaging::topology::Endpoint,
@@ -284,6 +284,7 @@ impl TestEnv {
             handler_timeout: Duration::from_secs(10),
             inbox_retention: Duration::from_secs(14 * 86_400),
             confirm_timeout: messaging::publisher::CONFIRM_TIMEOUT,
+            idle_renewal: Some(Duration::from_secs(60)),
         }
     }
 

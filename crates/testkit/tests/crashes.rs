@@ -3,7 +3,9 @@
 //!   and nothing prefetched beside it is parked, quarantined or stuck;
 //! - deliveries handed back unhandled (connection cuts during a database outage) spend nothing
 //!   and move no message towards parking;
-//! - what the broker dead-letters by its own delivery limit still ends its job, quarantined.
+//! - what the broker dead-letters by its own delivery limit still ends its job, quarantined;
+//! - a delivery the broker counts as handed over but the consumer never saw (a quorum queue's
+//!   leader change can leave one) comes back once the idle consumer renews its channels.
 
 use std::time::Duration;
 
@@ -170,4 +172,24 @@ async fn a_result_that_arrives_after_its_job_was_quarantined_ends_the_job_and_it
     shop.restart(Service::Billing).await;
     shop.wait_for_state(job, "succeeded").await;
     assert_eq!(shop.order_status(job).await, "invoiced");
+}
+
+/// A quorum queue's leader change can leave a delivery that the broker counts as handed to a
+/// consumer, unacked, but that never reached it (rabbitmq-server#15473): a consumer that gets no
+/// later delivery would never see it, and it would come back only when its channel closes. The
+/// proxy swallows the inventory worker's one delivery so; the idle worker renews its channels
+/// (`IDLE_RENEWAL`) and the order goes through, applied once, without a reconnect.
+#[tokio::test]
+async fn a_delivery_lost_on_its_way_to_an_idle_consumer_comes_back_when_its_channels_are_renewed() {
+    let options = Options { consumer_env: vec![("IDLE_RENEWAL", "2s".to_owned())], ..Options::default() };
+    let mut shop = Shop::start(options).await;
+    let sessions = shop.metric(Service::Inventory, CONSUMER_SESSIONS).await;
+    shop.broker_proxy(Service::Inventory).swallow_deliveries(1);
+    let job = shop.place(&[("SKU-1", 1)]).await;
+    shop.wait_for_state(job, "succeeded").await;
+
+    assert_eq!(shop.broker_proxy(Service::Inventory).swallowed(), 1, "the delivery never reached the worker");
+    let ledger = shop.assert_books_balance().await;
+    assert_eq!(ledger.succeeded, 1, "{ledger}");
+    assert_eq!(shop.metric(Service::Inventory, CONSUMER_SESSIONS).await, sessions, "renewed in the same session");
 }

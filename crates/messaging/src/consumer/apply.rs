@@ -11,9 +11,9 @@ use uuid::Uuid;
 
 use super::{
     Handler, HandlerError, Runtime,
-    decide::Applied,
+    machine::Applied,
     ordering::{self, Turn},
-    settle::Member,
+    settle::Body,
 };
 use crate::runtime::{
     db::{self, Taken},
@@ -26,7 +26,7 @@ impl<H: Handler> Runtime<H> {
     /// Inbox rows (one statement for the batch), handlers and one commit for the whole batch,
     /// within `handler_timeout`: all or nothing. Each handler runs in its message's span and trace
     /// context, so the outbox rows it writes continue that message's trace.
-    pub(super) async fn apply_batch(&self, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
+    pub(super) async fn apply_batch(&self, members: &[&Body]) -> Result<Vec<Applied>, HandlerError> {
         let all = async {
             let mut conn = self.kept.take().await?;
             // Given up at the deadline below, the connection is closed, not pooled (decision 0029).
@@ -45,25 +45,31 @@ impl<H: Handler> Runtime<H> {
     }
 
     /// [`Self::apply_batch`]'s transaction, on `conn`.
-    async fn batch_transaction(&self, conn: &mut Taken, members: &[Member]) -> Result<Vec<Applied>, HandlerError> {
+    async fn batch_transaction(&self, conn: &mut Taken, members: &[&Body]) -> Result<Vec<Applied>, HandlerError> {
+        // The machine batches readable deliveries only.
+        let readable: Vec<(&Body, &Incoming)> =
+            members.iter().filter_map(|member| member.message().map(|message| (*member, message))).collect();
+        if readable.len() != members.len() {
+            return Err(HandlerError::Permanent("an unreadable delivery in a batch".into()));
+        }
         let mut tx = conn.begin().await?;
         let messages: Vec<(Uuid, &str)> =
-            members.iter().map(|member| (member.message.message_id, member.message.message_type.as_str())).collect();
+            readable.iter().map(|(_, message)| (message.message_id, message.message_type.as_str())).collect();
         let new = inbox::record_all(&mut tx, &messages, self.settings.endpoint.name).await?;
         let unseen: Vec<&Incoming> =
-            members.iter().zip(&new).filter(|(_, new)| **new).map(|(member, _)| &member.message).collect();
+            readable.iter().zip(&new).filter(|(_, new)| **new).map(|((_, message), _)| *message).collect();
         self.handler.lock_batch(&unseen, &mut tx).await?;
         let mut outcomes = Vec::with_capacity(members.len());
-        for (member, new) in members.iter().zip(new) {
+        for ((member, message), new) in readable.iter().zip(new) {
             if !new {
                 outcomes.push(Applied::Duplicate);
                 continue;
             }
-            if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, &member.message).await? {
+            if let Some(Turn::Waits { follows }) = self.take_turn(&mut tx, message).await? {
                 // Nothing of the batch commits; one by one, this message goes back to wait.
                 return Err(HandlerError::Transient(format!("a message waits for place {follows} of its key").into()));
             }
-            let handled = self.handler.handle(&member.message, &mut tx).instrument(member.span.clone());
+            let handled = self.handler.handle(message, &mut tx).instrument(member.made_span());
             trace::scope(member.context, handled).await?;
             outcomes.push(Applied::Done);
         }

@@ -72,6 +72,23 @@ pub struct ConsumerArgs {
     /// deleted too.
     #[arg(long, env = "INBOX_RETENTION", default_value = "14d", value_parser = parse_duration)]
     pub inbox_retention: Duration,
+
+    /// How long the consumers may idle, nothing in flight, before their channels are closed and
+    /// opened again: at least 1s, or 0 for never. A quorum queue can lose a delivery on its way
+    /// to a consumer at a leader change and take it back only when the consumer's channel closes
+    /// (rabbitmq-server#15473); the broker fetches it for a consumer that gets a later delivery,
+    /// and an idle one gets it back this way (decision 0036).
+    #[arg(long, env = "IDLE_RENEWAL", default_value = "60s", value_parser = parse_idle_renewal)]
+    pub idle_renewal: Duration,
+}
+
+/// `IDLE_RENEWAL`: 0, or at least a second, since a shorter one would open channels all the time.
+fn parse_idle_renewal(s: &str) -> Result<Duration, String> {
+    let period = parse_wait(s)?;
+    if !period.is_zero() && period < Duration::from_secs(1) {
+        return Err(format!("`{s}` would open channels again all the time: use 1s or more, or 0 for never"));
+    }
+    Ok(period)
 }
 
 impl ConsumerArgs {
@@ -98,7 +115,7 @@ impl ConsumerArgs {
     pub fn check_deferrals(&self) -> Result<(), String> {
         let policy = self.retry_policy();
         let Some(&first) = policy.delays().first() else { return Ok(()) };
-        let waits = first.saturating_mul(super::decide::MAX_DEFERRALS);
+        let waits = first.saturating_mul(super::machine::MAX_DEFERRALS);
         let needed = policy.horizon().saturating_mul(2);
         if waits >= needed {
             return Ok(());
@@ -110,7 +127,7 @@ impl ConsumerArgs {
             policy.delays().iter().map(|delay| format_duration(*delay)).collect::<Vec<_>>().join(","),
             self.max_attempts,
             describe(waits),
-            super::decide::MAX_DEFERRALS,
+            super::machine::MAX_DEFERRALS,
             describe(first),
             describe(needed),
             describe(policy.horizon()),
@@ -141,6 +158,15 @@ impl ConsumerArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_renewal_is_0_or_at_least_a_second() {
+        assert_eq!(parse_idle_renewal("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_idle_renewal("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_idle_renewal("60s"), Ok(Duration::from_secs(60)));
+        assert!(parse_idle_renewal("999ms").is_err());
+        assert!(parse_idle_renewal("soon").is_err());
+    }
 
     #[test]
     fn an_inbox_retention_must_cover_the_retries_and_a_day() {

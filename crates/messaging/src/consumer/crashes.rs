@@ -1,6 +1,6 @@
 //! The crash ledger: how often a redelivered message started its handler, alone, and never
 //! finished. A start is committed before the handler runs; a live process forgets it once the
-//! delivery is settled or handed back (a crash park's, once the park is confirmed and acked: `decide::Start`),
+//! delivery is settled or handed back (a crash park's, once the park is confirmed and acked: `machine::LedgerEntry`),
 //! so what stays counted are the starts that ended with the process (a crash, a kill, a panic). The runtime parks a message once the count passes its bound
 //! (decision 0005). First deliveries never come here: only redeliveries pay this extra commit.
 

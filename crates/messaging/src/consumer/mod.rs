@@ -6,7 +6,7 @@
 //! 1. manual acks and a bounded prefetch. Ready deliveries are applied in batches of up to
 //!    `BATCH_SIZE`, one transaction and one ack per batch, one batch at a time; if anything in a
 //!    batch fails, its messages are applied again one by one, so that each outcome below is what
-//!    it would be alone (decision 0008). With `BATCH_SIZE=1`, each delivery has its own task and
+//!    it would be alone (decision 0008). With `BATCH_SIZE=1`, each delivery has its own
 //!    transaction, up to the prefetch at once;
 //! 2. a delivery without a readable `message_id`, or of an unknown type or major version, is
 //!    parked at once;
@@ -31,23 +31,27 @@
 //!    other parked message;
 //! 8. on an endpoint ordered by key, a message that arrives before the earlier one of its key it
 //!    follows (of a type the endpoint takes) has been applied is rolled back and sent to wait
-//!    again (`ordering`), spending no attempt.
+//!    again (`ordering`), spending no attempt;
+//! 9. a consumer with nothing in flight for `idle_renewal` opens its channels again, so that a
+//!    delivery the broker counts as its own but never sent it (a quorum queue's leader change can
+//!    lose one so) comes back, redelivered.
 //!
-//! Its parts, two of them free of I/O: `scheduler` decides what to start next, and `decide` what
-//! becomes of each delivery (the table above, with its tests). `session` does the broker I/O
-//! around the scheduler, `settle` performs what `decide` says, `apply` runs the transaction,
-//! `park` and `ordering` publish retry, parked and deferred copies, and `acks` is the one place a
-//! delivery is acked: it cannot be acked twice, nor before its outcome is durable.
+//! Its parts: `machine`, free of I/O, decides what to start next and what becomes of each
+//! delivery (the table above; decision 0035): one per session, fed what happens and polled for
+//! what to do. `session` does the broker I/O around it, on one connection to consume and one to
+//! publish, and runs each of its actions as an effect: `settle` has the effects (count a start,
+//! apply, settle), `apply` runs the transaction, `park` and `ordering` publish retry, parked and
+//! deferred copies, and `acks` is the one place a delivery is acked: it cannot be acked twice,
+//! nor before its outcome is durable.
 
 mod acks;
 mod apply;
 mod args;
 mod crashes;
-mod decide;
+mod machine;
 mod ordering;
 mod park;
 mod probe;
-mod scheduler;
 mod session;
 mod settle;
 
@@ -100,6 +104,10 @@ pub struct ConsumerSettings {
     /// How long a retry, parked or job-event copy waits for its confirm (`CONFIRM_TIMEOUT`); past
     /// it the session ends and the delivery goes back to the broker unacked.
     pub confirm_timeout: Duration,
+    /// How long the consumers may idle (nothing in flight) before their channels are opened
+    /// again (`IDLE_RENEWAL`), handing back a delivery the broker lost on its way to them; `None`,
+    /// never.
+    pub idle_renewal: Option<Duration>,
 }
 
 impl ConsumerSettings {
@@ -117,6 +125,7 @@ impl ConsumerSettings {
             handler_timeout: args.handler_timeout,
             inbox_retention: args.inbox_retention,
             confirm_timeout: broker.confirm_timeout,
+            idle_renewal: Some(args.idle_renewal).filter(|period| !period.is_zero()),
         }
     }
 }
@@ -194,10 +203,11 @@ pub async fn run<H: Handler>(
         }
     });
     let metrics = health.metrics.endpoint(name);
-    let rules = decide::Rules {
+    let rules = machine::Rules {
         policy: settings.policy.clone(),
         max_crashes: settings.max_crashes,
         reconnect: settings.reconnect,
+        draw: fastrand::f64,
     };
     let flag = link.name.clone();
     let kept = db::Kept::new(pool.clone());
@@ -216,7 +226,7 @@ pub async fn run<H: Handler>(
 struct Runtime<H> {
     settings: ConsumerSettings,
     /// What its decisions read of `settings`.
-    rules: decide::Rules,
+    rules: machine::Rules,
     handler: Arc<H>,
     pool: PgPool,
     /// The connection its messages' transactions run on, kept between them.
@@ -227,4 +237,10 @@ struct Runtime<H> {
     /// The readiness flag of its link.
     flag: String,
     shutdown: Shutdown,
+}
+
+/// The time the consumer's decisions are told: the runtime's clock (paused in a test that pauses
+/// it), as a plain instant.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
 }

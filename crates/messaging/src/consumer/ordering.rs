@@ -181,7 +181,7 @@ impl<H: Handler> Runtime<H> {
 
     /// Send a message that must wait for place `follows` of its key back to the first wait tier
     /// (`delay`), its attempts untouched and its deferrals (`deferrals`, this one included)
-    /// counted; then ack it. How many it may take is `decide`'s.
+    /// counted; then ack it. How many it may take is the machine's (`MAX_DEFERRALS`).
     pub(super) async fn defer(
         &self,
         delivery: InFlight,

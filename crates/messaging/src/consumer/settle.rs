@@ -1,22 +1,22 @@
-//! From a delivery to its outcome: decode it, then perform what [`decide`](super::decide) says,
-//! step by step (count a redelivery's start, apply, wait out an outage), and settle it (ack,
-//! retry, park, defer or hand back). A batch that fails is applied again message by message.
+//! What each of the [`Machine`](super::machine::Machine)'s actions does, as an effect the
+//! session runs and whose end it feeds back: count a redelivery's start, apply a delivery or a
+//! batch, settle (ack, retry, park, defer or hand back). Each runs in its delivery's span and
+//! trace context.
 
 use std::sync::Arc;
 
 use lapin::message::Delivery;
 use messaging_core::{
     envelope::{self, Incoming, Unreadable},
-    trace::{self, TraceContext},
+    trace::TraceContext,
 };
-use tracing::Instrument;
 use uuid::Uuid;
 
 use super::{
     Handler, HandlerError, Runtime,
     acks::InFlight,
     crashes,
-    decide::{self, Applied, Arrival, Attempt, Decision, Event, Republish, Settlement, Start},
+    machine::{Applied, Arrival, Input, LedgerEntry, Republish, Settlement, Tag},
     session::Io,
 };
 use crate::{
@@ -24,20 +24,54 @@ use crate::{
     runtime::{db, metrics::Handled, shutdown::Shutdown},
 };
 
-/// A delivery as it arrived: decoded (or not), with its span and trace context.
-struct Arrived {
-    delivery: InFlight,
-    decoded: Result<Incoming, Unreadable>,
-    context: TraceContext,
-    span: tracing::Span,
+/// A delivery the session holds while its machine tracks it: decoded (or not), with its trace
+/// context and, once something is done with it, its span.
+pub(super) struct Body {
+    pub(super) delivery: InFlight,
+    pub(super) decoded: Result<Incoming, Unreadable>,
+    pub(super) context: TraceContext,
+    /// Made at its first action ([`Self::span`]): a delivery handed back unstarted at the session's
+    /// end exports none.
+    span: Option<tracing::Span>,
 }
 
-/// A readable delivery in a batch.
-pub(super) struct Member {
-    pub(super) delivery: InFlight,
-    pub(super) message: Incoming,
-    pub(super) context: TraceContext,
-    pub(super) span: tracing::Span,
+impl Body {
+    /// The message, if it could be read.
+    pub(super) fn message(&self) -> Option<&Incoming> {
+        self.decoded.as_ref().ok()
+    }
+
+    /// Its span, made the first time it is asked for. The span continues the trace the message
+    /// carries (or starts one): what the handler writes to its outbox, and the job events about
+    /// it, name this span as parent.
+    pub(super) fn span(&mut self, endpoint: &str) -> tracing::Span {
+        let Self { delivery, decoded, context, span } = self;
+        span.get_or_insert_with(|| {
+            let span = delivery_span("delivery", endpoint, delivery.delivery(), decoded.as_ref().ok());
+            context.record_on(&span);
+            span
+        })
+        .clone()
+    }
+
+    /// Its span if it has one, else a span that records nothing.
+    pub(super) fn made_span(&self) -> tracing::Span {
+        self.span.clone().unwrap_or_else(tracing::Span::none)
+    }
+}
+
+/// How an effect ended: what to feed the machine, the bodies it borrowed, and why the session must
+/// end, if it must (a settlement that failed, a panic).
+pub(super) struct Done {
+    pub(super) input: Input,
+    pub(super) bodies: Vec<(Tag, Body)>,
+    pub(super) error: Option<String>,
+}
+
+impl Done {
+    fn of(input: Input, bodies: Vec<(Tag, Body)>) -> Self {
+        Self { input, bodies, error: None }
+    }
 }
 
 /// What became of a delivery whose copy was republished: acked, or left unacked for the broker
@@ -51,18 +85,9 @@ pub(super) enum Settled {
 }
 
 impl<H: Handler> Runtime<H> {
-    /// [`Self::handle`] inside the delivery's span.
-    pub(super) async fn process(self: Arc<Self>, delivery: InFlight, io: Io) -> Result<(), PublishError> {
-        let Arrived { delivery, decoded, context, span } = self.arrived(delivery);
-        let handled = self.handle(delivery, decoded, &io).instrument(span);
-        trace::scope(context, handled).await
-    }
-
-    /// A delivery decoded once (the span is made from the decoded envelope, and the handling uses
-    /// it), with its span and trace context. The span continues the trace the message carries (or
-    /// starts one): what the handler writes to its outbox, and the job events about it, name this
-    /// span as parent.
-    fn arrived(&self, delivery: InFlight) -> Arrived {
+    /// A delivery arrived: decoded once (its span is made from the decoded envelope, and the
+    /// handling uses it), with its trace context, and what the machine reads of it.
+    pub(super) fn arrived(&self, delivery: InFlight) -> (Body, Arrival) {
         let endpoint = &self.settings.endpoint;
         let raw = delivery.delivery();
         let decoded = Incoming::decode(raw).and_then(|message| {
@@ -71,103 +96,100 @@ impl<H: Handler> Runtime<H> {
         });
         let traceparent = envelope::traceparent(&raw.properties);
         let context = TraceContext::continuing(traceparent.as_deref());
-        let span = delivery_span("delivery", endpoint.name, raw, decoded.as_ref().ok());
-        context.record_on(&span);
-        Arrived { delivery, decoded, context, span }
-    }
-
-    /// Apply a batch of deliveries (none redelivered) in one transaction, commit, and settle them
-    /// with one ack. Should anything in it fail (a handler's error, an outage, the commit, the
-    /// time limit), nothing of it commits and each message is applied again on its own, exactly
-    /// as without batching: its retry, parking, attempt count and inbox row are what they would
-    /// have been.
-    pub(super) async fn process_batch(self: Arc<Self>, deliveries: Vec<InFlight>, io: Io) -> Result<(), PublishError> {
-        let mut members = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            match self.arrived(delivery) {
-                Arrived { delivery, decoded: Ok(message), context, span } => {
-                    members.push(Member { delivery, message, context, span });
-                }
-                // Unreadable: parked at once, as on its own.
-                Arrived { delivery, decoded, context, span } => {
-                    let handled = self.handle(delivery, decoded, &io).instrument(span);
-                    trace::scope(context, handled).await?;
-                }
-            }
-        }
-        if members.len() > 1 {
-            let started = std::time::Instant::now();
-            match self.apply_batch(&members).await {
-                Ok(outcomes) => {
-                    let (deliveries, spans): (Vec<InFlight>, Vec<tracing::Span>) =
-                        members.into_iter().map(|member| (member.delivery, member.span)).unzip();
-                    InFlight::ack_all(deliveries).await?;
-                    self.metrics.batch(true);
-                    let seconds = started.elapsed().as_secs_f64();
-                    for (span, applied) in spans.iter().zip(outcomes) {
-                        span.in_scope(|| {
-                            self.metrics.handling(applied.handling(), seconds);
-                            self.acked(applied);
-                        });
-                    }
-                    return Ok(());
-                }
-                Err(error) => {
-                    self.metrics.batch(false);
-                    tracing::info!(messages = members.len(), %error, "batch not applied; applying its messages one by one");
-                }
-            }
-        }
-        for Member { delivery, message, context, span } in members {
-            let handled = self.handle(delivery, Ok(message), &io).instrument(span);
-            trace::scope(context, handled).await?;
-        }
-        Ok(())
-    }
-
-    /// What becomes of one delivery, from arrival to its settlement: decided by [`Decision`],
-    /// each step performed here. An error means the delivery could not be settled (the broker
-    /// connection failed): it stays unacked and comes back on the next session.
-    async fn handle(
-        self: &Arc<Self>,
-        delivery: InFlight,
-        decoded: Result<Incoming, Unreadable>,
-        io: &Io,
-    ) -> Result<(), PublishError> {
         let arrival = arrival(&delivery, decoded.as_ref().ok());
-        let message = match decoded {
-            Ok(message) => message,
-            Err(unreadable) => {
-                return self.settle(delivery, io, Decision::unreadable(arrival, &unreadable), None).await;
-            }
-        };
-        let (mut decision, first) = Decision::arrived(&self.rules, arrival);
-        let held = || self.metrics.held();
-        let settlement =
-            decide::drive(&mut decision, first, &io.ended, held, |attempt| self.attempt(attempt, &message)).await;
-        let counted = Counted { message_id: message.message_id, start: decision.start() };
-        self.settle(delivery, io, settlement, Some(counted)).await
+        (Body { delivery, decoded, context, span: None }, arrival)
     }
 
-    /// Perform `attempt` on the database and report what it came to.
-    async fn attempt(&self, attempt: Attempt, message: &Incoming) -> Event {
-        match attempt {
-            Attempt::CountStart => {
+    /// Commit one more start of a redelivery in the crash ledger.
+    pub(super) async fn count_start(self: Arc<Self>, tag: Tag, body: Body) -> Done {
+        let starts = match body.message() {
+            Some(message) => {
                 let start = crashes::record_start(&self.pool, self.settings.endpoint.name, message.message_id);
                 let started = db::within(db::QUERY_DEADLINE, start).await.map_err(HandlerError::from);
                 if let Err(error @ (HandlerError::Transient(_) | HandlerError::Permanent(_))) = &started {
                     tracing::warn!(%error, "crash ledger unavailable; handling the message uncounted");
                 }
-                Event::Started(started)
+                started
             }
-            Attempt::Apply => Event::Applied(self.apply(message).await),
+            None => Err(HandlerError::Permanent("unreadable".into())),
+        };
+        Done::of(Input::Started { tag, starts }, vec![(tag, body)])
+    }
+
+    /// Run a delivery's transaction.
+    pub(super) async fn apply_one(self: Arc<Self>, tag: Tag, body: Body) -> Done {
+        let applied = match &body.decoded {
+            Ok(message) => self.apply(message).await,
+            Err(unreadable) => Err(HandlerError::Permanent(unreadable.to_string().into())),
+        };
+        Done::of(Input::Applied { tag, applied }, vec![(tag, body)])
+    }
+
+    /// Apply a batch of deliveries (none redelivered) in one transaction, commit, and settle them
+    /// with one ack. Should anything in it fail (a handler's error, an outage, the commit, the
+    /// time limit), nothing of it commits and the bodies go back to the session: the machine then
+    /// applies each message again on its own, exactly as without batching, so that its retry,
+    /// parking, attempt count and inbox row are what they would have been.
+    pub(super) async fn apply_together(self: Arc<Self>, members: Vec<(Tag, Body)>) -> Done {
+        let started = std::time::Instant::now();
+        let bodies: Vec<&Body> = members.iter().map(|(_, body)| body).collect();
+        match self.apply_batch(&bodies).await {
+            Ok(outcomes) => {
+                let (deliveries, spans): (Vec<InFlight>, Vec<tracing::Span>) = members
+                    .into_iter()
+                    .map(|(_, body)| {
+                        let span = body.made_span();
+                        (body.delivery, span)
+                    })
+                    .unzip();
+                // Acked together, or not at all: a failed ack ends the session, counting nothing.
+                if let Err(error) = InFlight::ack_all(deliveries).await {
+                    let input = Input::BatchApplied { committed: true };
+                    return Done { input, bodies: Vec::new(), error: Some(error.to_string()) };
+                }
+                self.metrics.batch(true);
+                let seconds = started.elapsed().as_secs_f64();
+                for (span, applied) in spans.iter().zip(outcomes) {
+                    span.in_scope(|| {
+                        self.metrics.handling(applied.handling(), seconds);
+                        self.acked(applied);
+                    });
+                }
+                Done::of(Input::BatchApplied { committed: true }, Vec::new())
+            }
+            Err(error) => {
+                self.metrics.batch(false);
+                tracing::info!(messages = members.len(), %error, "batch not applied; applying its messages one by one");
+                Done::of(Input::BatchApplied { committed: false }, members)
+            }
         }
+    }
+
+    /// Settle a delivery as the machine decided, and forget its start in the crash ledger as
+    /// `start` says.
+    pub(super) async fn settle_one(
+        self: Arc<Self>,
+        tag: Tag,
+        body: Body,
+        settlement: Settlement,
+        ledger: LedgerEntry,
+        io: Io,
+    ) -> Done {
+        let counted = body.message().map(|message| Counted { message_id: message.message_id, start: ledger });
+        let settled = self.settle(body.delivery, &io, settlement, counted).await;
+        Done { input: Input::Settled(tag), bodies: Vec::new(), error: settled.err().map(|error| error.to_string()) }
+    }
+
+    /// Park what the broker dead-lettered.
+    pub(super) async fn park_dead_letter(self: Arc<Self>, delivery: InFlight, io: Io) -> Done {
+        let parked = self.park_dead_lettered(delivery, io).await;
+        Done { input: Input::DeadLetterParked, bodies: Vec::new(), error: parked.err().map(|error| error.to_string()) }
     }
 
     /// Settle a delivery as decided: ack it, or hand it back; or publish a copy (retry, park,
     /// defer) and then ack, held beside the session's work ([`Io::hold`]) so that a broker that
     /// blocks publishing holds it, not the deliveries behind. Its start in the crash ledger, if
-    /// `counted`, is forgotten as [`Start`] says (before a copy is held, after an ack or a
+    /// `counted`, is forgotten as [`LedgerEntry`] says (before a copy is held, after an ack or a
     /// hand-back; a crash park's once the park is confirmed and acked): the delivery leaves a process that
     /// lives.
     async fn settle(
@@ -188,7 +210,7 @@ impl<H: Handler> Runtime<H> {
                 // hold it past the session's end); a crash park's count, once the park is
                 // confirmed and acked.
                 let (now, once_parked) = match counted {
-                    Some(counted) if counted.start == Start::ForgetOnceParked => (None, Some(counted)),
+                    Some(counted) if counted.start == LedgerEntry::ForgetOnceParked => (None, Some(counted)),
                     counted => (counted, None),
                 };
                 self.forget_start(now, true).await;
@@ -228,15 +250,15 @@ impl<H: Handler> Runtime<H> {
         }
     }
 
-    /// Forget the crash ledger's count of starts of `counted`, as its [`Start`] says, the
+    /// Forget the crash ledger's count of starts of `counted`, as its [`LedgerEntry`] says, the
     /// delivery having been `settled` or not. (If this fails, the start stays counted: the bound
     /// errs towards parking a redelivered message early, never towards losing one.)
     async fn forget_start(&self, counted: Option<Counted>, settled: bool) {
         let Some(Counted { message_id, start }) = counted else { return };
         let forget = match start {
-            Start::NotCounted => false,
-            Start::Forget => true,
-            Start::ForgetOnceParked => settled,
+            LedgerEntry::NotCounted => false,
+            LedgerEntry::Forget => true,
+            LedgerEntry::ForgetOnceParked => settled,
         };
         if !forget {
             return;
@@ -266,7 +288,7 @@ impl<H: Handler> Runtime<H> {
 #[derive(Debug, Clone, Copy)]
 struct Counted {
     message_id: Uuid,
-    start: Start,
+    start: LedgerEntry,
 }
 
 /// What a decision reads of a delivery as it arrives: from its envelope when it decoded, else
@@ -305,7 +327,10 @@ pub(super) fn delivery_span(
     };
     let (message_id, job_id) = (OrEmpty(message_id), OrEmpty(job_id));
     let redelivered = delivery.redelivered;
+    // Of no parent: the session's span is the consumer's, not the message's (which `record_on`
+    // gives it), and a log line reads `delivery{…}` as it always has.
     tracing::info_span!(
+        parent: None,
         "delivery",
         kind,
         endpoint,
