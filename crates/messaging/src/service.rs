@@ -4,16 +4,17 @@
 //!   into each binary's own settings, which say what else they hold through [`BinarySettings`];
 //! - [`main`], what every binary's `main` does: parse the settings (from files too), exit 2 on a
 //!   bad one, log, bind `HTTP_ADDR`, run until SIGINT or SIGTERM, and exit as [`exit`] says;
-//! - [`Service`], what runs: any number of consumers (each an endpoint with its handler), other
-//!   long-running loops, and the service's own HTTP routes merged with `/healthz`, `/readyz` and
-//!   `/metrics`, started together and stopped together.
+//! - [`Service`], how every service starts and what it runs: [`Service::start`] checks the broker's
+//!   certificate, [`Service::database`] opens (creates, migrates, checks) its database, then any
+//!   number of consumers (each an endpoint with its handler), other long-running loops, and HTTP
+//!   routes of its own, merged with `/healthz`, `/readyz` and `/metrics`; [`Service::run`] runs
+//!   them together, stops them together and closes the databases.
 //!
-//! [`Worker`] puts them together for a service that consumes one endpoint: it describes itself
-//! (its name, database, migrations, endpoint and handler) and its `main` is
-//! `my_service::worker().main()`; this module parses the flags and environment, creates and
-//! migrates the database (messaging's tables, then the service's), runs it as a [`Service`], and
-//! shuts down gracefully on SIGINT or SIGTERM. `docs/adding-a-service.md` walks through one, and
-//! through a service that serves routes of its own beside its consumer.
+//! [`Worker`] describes a service that consumes one endpoint (its name, database, migrations,
+//! endpoint and handler) and its `main` is `my_service::worker().main()`: this module parses the
+//! flags and environment and starts it as a [`Service`], as the orders API and the relay start
+//! theirs, and shuts down gracefully on SIGINT or SIGTERM. `docs/adding-a-service.md` walks
+//! through one, and through a service that serves routes of its own beside its consumer.
 
 use std::{fmt, future::Future, net::SocketAddr, pin::Pin, process::ExitCode, sync::Arc};
 
@@ -28,8 +29,9 @@ use crate::{
     runtime::{
         backoff::Backoff,
         config::{BrokerArgs, SecretUrl},
-        db::{self, PoolSettings, SchemaArgs},
+        db::{self, Database, PoolSettings, SchemaArgs},
         health::{self, Health},
+        metrics::Metrics,
         serve::{self, HttpArgs},
         shutdown::Shutdown,
     },
@@ -40,27 +42,34 @@ pub use crate::runtime::startup::{BoxError, StartupError, exit};
 /// The future a [`Prepare`] returns.
 pub use futures_util::future::BoxFuture;
 
-/// A service's consumers, loops and routes, run together until shutdown: start-up, readiness,
-/// serving and stopping, once for every binary.
+/// A service's databases, consumers, loops and routes, run together until shutdown: start-up,
+/// readiness, serving and stopping, written once for every binary.
 ///
 /// ```no_run
-/// # async fn example(pool: sqlx::PgPool, settings: messaging::consumer::ConsumerSettings,
+/// # async fn example(args: messaging::service::ServiceArgs, database: messaging::runtime::db::Database<'_>,
+/// #     migrator: &sqlx::migrate::Migrator, settings: messaging::consumer::ConsumerSettings,
 /// #     handler: impl messaging::handler::Handler, listener: tokio::net::TcpListener,
-/// #     http: messaging::runtime::serve::HttpArgs, shutdown: messaging::runtime::shutdown::Shutdown) -> std::io::Result<()> {
-/// use messaging::{runtime::health::Health, service::Service};
+/// #     shutdown: messaging::runtime::shutdown::Shutdown) -> Result<(), messaging::service::BoxError> {
+/// use messaging::{runtime::db::PoolSettings, service::Service};
 ///
-/// let health = Health { databases: vec![("orders".to_owned(), pool.clone())], ..Health::default() };
-/// let service = Service::new(health, shutdown).consume(settings, handler, &pool);
+/// // The broker's certificate is checked before anything is written.
+/// let mut service = Service::start(&args, shutdown).await?;
+/// // Created if missing, migrated, its grants checked; `None` if shutdown came first.
+/// let Some(pool) = service.database("orders", database, migrator, PoolSettings::default()).await? else {
+///     return Ok(());
+/// };
 /// // The service's own routes; the health routes are merged with them.
 /// let routes = axum::Router::new().route("/hello", axum::routing::get(|| async { "hello" }));
-/// service.routes(routes).run(listener, &http).await
+/// service.consume(settings, handler, &pool).routes(routes).run(listener).await?;
+/// # Ok(())
 /// # }
 /// ```
 pub struct Service {
     health: Health,
     shutdown: Shutdown,
+    http: HttpArgs,
     tasks: Vec<Pin<Box<dyn Future<Output = ()> + Send>>>,
-    routes: Option<Router>,
+    routes: Router,
 }
 
 impl fmt::Debug for Service {
@@ -70,9 +79,61 @@ impl fmt::Debug for Service {
 }
 
 impl Service {
-    /// A service reporting `health` (its databases, readiness and metrics), stopping at `shutdown`.
-    pub fn new(health: Health, shutdown: Shutdown) -> Self {
-        Self { health, shutdown, tasks: Vec::new(), routes: None }
+    /// Begin a service on `args`' broker and HTTP limits, stopping at `shutdown`: nothing runs until
+    /// [`Service::run`]. A broker whose certificate does not verify stops it here, before anything
+    /// is written.
+    pub async fn start(args: &ServiceArgs, shutdown: Shutdown) -> Result<Self, StartupError> {
+        crate::runtime::broker::check_tls(&args.broker.amqp_url).await?;
+        Ok(Self {
+            health: Health::default(),
+            shutdown,
+            http: args.http.clone(),
+            tasks: Vec::new(),
+            routes: Router::new(),
+        })
+    }
+
+    /// Open its database: created if missing and the role may, messaging's migrations and then
+    /// `migrator` applied, the runtime role's grants checked ([`db::open`]), with the server waited
+    /// for while it cannot be reached. `/readyz` pings it under `label`, and it is closed once the
+    /// service has stopped. `Ok(None)` if shutdown came first. (It borrows the service, where the
+    /// other steps take and give it back, since it returns the pool.)
+    pub async fn database(
+        &mut self,
+        label: &str,
+        database: Database<'_>,
+        migrator: &Migrator,
+        settings: PoolSettings,
+    ) -> Result<Option<PgPool>, StartupError> {
+        let Some(pool) = db::open(database, migrator, settings, &self.shutdown).await? else {
+            return Ok(None);
+        };
+        self.health.databases.push((label.to_owned(), pool.clone()));
+        Ok(Some(pool))
+    }
+
+    /// Ping `pool` in `/readyz` under `label`, and close it once the service has stopped: a
+    /// database it uses but neither creates nor migrates (the relay's outboxes).
+    pub fn watch(mut self, label: &str, pool: PgPool) -> Self {
+        self.health.databases.push((label.to_owned(), pool));
+        self
+    }
+
+    /// Serve `metrics` on `/metrics`: the runtime's series and any the service registered in it.
+    /// Before any consumer or task, which would count in the registry it replaces (it panics
+    /// after one: a bug in the service).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        assert!(self.tasks.is_empty(), "with_metrics after a consumer or task: their series would not be served");
+        self.health.metrics = Arc::new(metrics);
+        self
+    }
+
+    /// Ready while its databases are, whatever its broker sessions do: `/readyz` only reports
+    /// them. For a service that does its work without the broker, such as the API, which a load
+    /// balancer must not take out while the broker is away ([`Health::broker_reported_only`]).
+    pub fn ready_without_broker(mut self) -> Self {
+        self.health.broker_reported_only = true;
+        self
     }
 
     /// What `/readyz` and `/metrics` report: the routes of [`Service::routes`] serve it too.
@@ -80,8 +141,13 @@ impl Service {
         &self.health
     }
 
+    /// When it stops: for loops of its own that watch it.
+    pub fn shutdown(&self) -> &Shutdown {
+        &self.shutdown
+    }
+
     /// Consume `settings.endpoint` with `handler`, in transactions on `pool`. Not ready until the
-    /// consumer is up, from the first probe on.
+    /// consumer is up, from the first probe on. Once per endpoint.
     pub fn consume<H: Handler>(self, settings: ConsumerSettings, handler: H, pool: &PgPool) -> Self {
         let flag = consumer::readiness_flag(&settings.endpoint);
         let consumer =
@@ -97,28 +163,31 @@ impl Service {
         self
     }
 
-    /// Serve `routes` too: merged with the health routes ([`health::routes`] of
-    /// [`Service::health`]), which no service can leave out. Their paths must differ.
+    /// Serve `routes` too, merged with any given before and with the health routes
+    /// ([`health::routes`] of [`Service::health`]), which no service can leave out. Their paths
+    /// must differ, and at most one may have a fallback (axum panics otherwise).
     pub fn routes(mut self, routes: Router) -> Self {
-        self.routes = Some(routes);
+        self.routes = self.routes.merge(routes);
         self
     }
 
     /// Serve HTTP on `listener` and run every consumer and task until shutdown; returns once all
-    /// have stopped (in-flight deliveries settled) and the server has closed.
-    pub async fn run(self, listener: TcpListener, http: &HttpArgs) -> std::io::Result<()> {
-        let Self { health, shutdown, tasks, routes } = self;
+    /// have stopped (in-flight deliveries settled) and the server has closed, with the databases
+    /// it opened closed.
+    pub async fn run(self, listener: TcpListener) -> std::io::Result<()> {
+        let Self { health, shutdown, http, tasks, routes } = self;
+        // Its databases ([`Service::database`], [`Service::watch`]), closed once it has stopped.
+        let pools: Vec<PgPool> = health.databases.iter().map(|(_, pool)| pool.clone()).collect();
         let timeouts = health.metrics.request_timeouts.clone();
-        let health = health::routes(health);
-        let routes = match routes {
-            Some(routes) => routes.merge(health),
-            None => health,
-        };
-        let served = serve::serve(listener, routes, http, shutdown, timeouts);
+        let routes = routes.merge(health::routes(health));
+        let served = serve::serve(listener, routes, &http, shutdown, timeouts);
         // The loops run in this task (the binary's main thread), as a worker's consumer always
         // did; they spawn their handlers' work onto the runtime's threads themselves. (Spawning
         // the loops too measured no different in the bench.)
         let (served, _) = tokio::join!(served, futures_util::future::join_all(tasks));
+        for pool in pools {
+            pool.close().await;
+        }
         served
     }
 }
@@ -270,10 +339,8 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
         shutdown: Shutdown,
     ) -> Result<(), StartupError> {
         let Settings { common, own } = settings;
-        let broker = &common.service.broker;
-        // Before anything is written: a broker whose certificate does not verify stops us here.
-        crate::runtime::broker::check_tls(&broker.amqp_url).await?;
-        let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, broker);
+        let mut service = Service::start(&common.service, shutdown).await?;
+        let consumer = ConsumerSettings::from_args(self.endpoint, &common.consumer, &common.service.broker);
         // One connection per concurrent delivery, plus one for health checks, and a few for its
         // routes, if it has any: a burst of requests must not take the consumer's connections,
         // which it would wait out as an outage.
@@ -284,23 +351,22 @@ impl<F: Args + FromArgMatches, H: Handler> Worker<F, H> {
             ..PoolSettings::default()
         };
         let database = common.schema.database(&common.database_url);
-        let Some(pool) = db::open(database, self.migrator, pool_settings, &shutdown).await? else {
+        let Some(pool) = service.database(self.database, database, self.migrator, pool_settings).await? else {
             return Ok(());
         };
         if let Some(prepare) = self.prepare
-            && !prepared(prepare, &own, &pool, &shutdown).await?
+            && !prepared(prepare, &own, &pool, service.shutdown()).await?
         {
+            pool.close().await;
             return Ok(());
         }
-        let health = Health { databases: vec![(self.database.to_owned(), pool.clone())], ..Health::default() };
-        let mut service = Service::new(health, shutdown).consume(consumer, (self.handler)(&own), &pool);
+        let mut service = service.consume(consumer, (self.handler)(&own), &pool);
         if let Some(routes) = self.routes {
             service = service.routes(routes(pool.clone()));
         }
-        if let Err(error) = service.run(listener, &common.service.http).await {
+        if let Err(error) = service.run(listener).await {
             tracing::error!(%error, "HTTP server failed");
         }
-        pool.close().await;
         Ok(())
     }
 

@@ -190,9 +190,8 @@ pub fn session_options(options: PgConnectOptions, timeouts: &db::DbTimeouts) -> 
 
 /// Run a relay loop per database until `shutdown`, with health endpoints on `listener`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
-    // Before anything is written: a broker whose certificate does not verify stops us here.
     let broker_args = &config.service.broker;
-    broker::check_tls(&broker_args.amqp_url).await?;
+    let mut service = Service::start(&config.service, shutdown.clone()).await?;
     let mut databases = Vec::new();
     for url in &config.database_urls {
         let options = PgConnectOptions::from_str(url.expose())
@@ -204,13 +203,10 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         let listening = db::pool_options(2, Duration::from_secs(5), false).connect_lazy_with(options);
         let outbox = OutboxDb { label, pool, listening, url: url.clone() };
         outbox.check().await?;
+        service = service.watch(&outbox.label, outbox.pool.clone());
         databases.push(outbox);
     }
-    let health = Health {
-        databases: databases.iter().map(|db| (db.label.clone(), db.pool.clone())).collect(),
-        ..Health::default()
-    };
-    let mut service = Service::new(health.clone(), shutdown.clone());
+    let health = service.health().clone();
     let expected = Arc::new(config.relay.topology.topology());
     for db in databases {
         let metrics = health.metrics.outbox(&db.label);
@@ -234,7 +230,7 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         // Not ready until this loop is up, from the first probe on.
         service = service.task(&relay.flag(), relay.run(link).instrument(span));
     }
-    service.run(listener, &config.service.http).await?;
+    service.run(listener).await?;
     Ok(())
 }
 
