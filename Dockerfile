@@ -7,7 +7,7 @@ WORKDIR /src
 COPY . .
 # Only what the image ships: not the test kit, the bench or the soak (a cold build of everything
 # takes 2.5 times as long). FEATURES: none by default, a production build; the demo's compose file
-# passes `shop/demo-faults`, the demo's fault SKUs (decision 0025). No build of the image has the
+# passes `shop-demo/demo-faults`, the demo's fault SKUs (decision 0025). No build of the image has the
 # fault suite's failpoints.
 ARG FEATURES=""
 RUN --mount=type=cache,target=/usr/local/cargo/registry \

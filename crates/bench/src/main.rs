@@ -22,7 +22,7 @@ use lapin::options::QueuePurgeOptions;
 use limits::Catalog;
 use messaging::topology;
 use report::Report;
-use shop::demo::DemoFaults;
+use shop_demo::DemoFaults;
 use sqlx::PgPool;
 use stages::{Cpu, Usage, Used, rate_from_timestamps, start, stop, wait_count};
 use testkit::TestEnv;
@@ -186,7 +186,8 @@ struct Stages {
     relay_cpu_per_message: Cpu,
     worker_rate: f64,
     naive: f64,
-    accept_rate: f64,
+    /// With group commit (`ORDER_GROUP_COMMIT`), which decision 0009's targets are for.
+    grouped_accept_rate: f64,
 }
 
 #[tokio::main]
@@ -304,7 +305,7 @@ impl Bench {
         let orders = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
         let inventory = env.migrated_pool("inventory", &inventory_worker::MIGRATOR).await;
         let mut conn = inventory.acquire().await.expect("connection");
-        shop::demo::stock_catalogue(&mut conn).await.expect("the demo's stock");
+        shop_demo::stock_catalogue(&mut conn).await.expect("the demo's stock");
         drop(conn);
         sqlx::query("update stock set available = 1000000000 where sku like 'SKU-_'")
             .execute(&inventory)
@@ -454,7 +455,7 @@ impl Bench {
 
         let billing = self.limit_pool("limit_billing", &billing_worker::MIGRATOR, size).await;
         let mut conn = billing.acquire().await.expect("connection");
-        shop::demo::price_catalogue(&mut conn).await.expect("the demo's prices");
+        shop_demo::price_catalogue(&mut conn).await.expect("the demo's prices");
         drop(conn);
         let (endpoint, handler) =
             (billing_worker::worker().endpoint.name, billing_worker::handler(DemoFaults::default()));
@@ -548,11 +549,21 @@ impl Bench {
         let c = self.args.concurrency;
         let (api, api_addr) = start("orders-api", &self.service_vars(&self.orders_url), &self.log_dir).await;
         let (accept_rate, _) = stages::post_orders(&api_addr, c, n, Catalog::Hot).await;
-        let note = format!("concurrency {c}, keep-alive");
+        let note = format!("concurrency {c}, keep-alive; each order a transaction of its own");
         self.report.figure("stage", "API accept (POST -> 202)", accept_rate, "/s", &note);
         stop(api).await;
         stages::retire_unpublished(&self.orders).await;
-        Stages { relay_rate, relay_cpu_per_message, worker_rate, naive, accept_rate }
+        // What group commit buys (opt-in, decision 0009): the same orders, those that arrive
+        // together written in one statement.
+        let mut vars = self.service_vars(&self.orders_url);
+        vars.push(("ORDER_GROUP_COMMIT", "true".to_owned()));
+        let (api, api_addr) = start("orders-api", &vars, &self.log_dir).await;
+        let (grouped_rate, _) = stages::post_orders(&api_addr, c, n, Catalog::Hot).await;
+        let note = format!("{:.2} x each order alone", grouped_rate / accept_rate);
+        self.report.figure("stage", "API accept with ORDER_GROUP_COMMIT", grouped_rate, "/s", &note);
+        stop(api).await;
+        stages::retire_unpublished(&self.orders).await;
+        Stages { relay_rate, relay_cpu_per_message, worker_rate, naive, grouped_accept_rate: grouped_rate }
     }
 
     /// Where [`Bench::limits`] writes the rows the peers fill their tables from.
@@ -743,8 +754,10 @@ impl Bench {
         let (c2p50, c2p99) = end_to_end.commit_to_publish;
         let order_cost = end_to_end.cpu.total() / limits.order_floor.total().total();
         report.below("end-to-end CPU per order / its floor < 1.25", order_cost, 1.25);
-        report.at_least("API accept / smallest order transaction >= 0.7", stages.accept_rate / limits.smallest, 0.7);
-        report.at_least("API accept / (a) >= 0.7", stages.accept_rate / limits.a, 0.7);
+        // Decision 0009's targets, met by group commit, which a deployment turns on for them.
+        let grouped = stages.grouped_accept_rate;
+        report.at_least("API accept, group commit / smallest order transaction >= 0.7", grouped / limits.smallest, 0.7);
+        report.at_least("API accept, group commit / (a) >= 0.7", grouped / limits.a, 0.7);
         let relay_cost = stages.relay_cpu_per_message.total() / limits.relay_floor.total();
         report.below("relay CPU per row / its floor (b + b' + b'') < 1.25", relay_cost, 1.25);
         report.at_least("relay drain / naive relay >= 10", stages.relay_rate / stages.naive, 10.0);

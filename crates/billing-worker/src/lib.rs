@@ -8,10 +8,8 @@ use std::collections::HashMap;
 
 use chrono::Utc;
 use messaging::prelude::*;
-use shop::{
-    End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined,
-    demo::{Demo, DemoFaults},
-};
+use shop::{End, InventoryReserved, InvoiceCreated, InvoiceVoided, OrderEnded, PaymentDeclined};
+use shop_demo::{Demo, DemoFaults};
 use sqlx::PgConnection;
 use uuid::Uuid;
 

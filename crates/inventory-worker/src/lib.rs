@@ -7,10 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use messaging::prelude::*;
-use shop::{
-    End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced,
-    demo::{Demo, DemoFaults},
-};
+use shop::{End, InventoryRejected, InventoryReleased, InventoryReserved, OrderEnded, OrderLine, OrderPlaced};
+use shop_demo::{Demo, DemoFaults};
 use sqlx::{PgConnection, types::Json};
 use uuid::Uuid;
 

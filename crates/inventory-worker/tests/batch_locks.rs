@@ -50,7 +50,7 @@ async fn waiting(pool: &PgPool) -> i64 {
 async fn two_batches_that_cross_on_the_same_skus_wait_for_each_other_instead_of_deadlocking() {
     let env = TestEnv::new().await;
     let pool = env.migrated_pool("inventory", &MIGRATOR).await;
-    shop::demo::stock_catalogue(&mut pool.acquire().await.expect("connection")).await.expect("the demo's stock");
+    shop_demo::stock_catalogue(&mut pool.acquire().await.expect("connection")).await.expect("the demo's stock");
     let handler = ReserveStock::default();
     let before = (available(&pool, "SKU-1").await, available(&pool, "SKU-2").await);
     // Handled one order at a time, these two would deadlock: the first takes SKU-2, the second

@@ -1,10 +1,10 @@
-//! `msgctl books`: the shop's books, checked across its three databases ([`shop::books`]), one
+//! `msgctl books`: the shop's books, checked across its three databases ([`shop_books`]), one
 //! disagreement per line. What the orders service counts in `books_disagreements`, listed.
 
 use std::time::Duration;
 
 use messaging::runtime::{config::SecretUrl, duration::parse_duration};
-use shop::books::{Books, Horizon};
+use shop_books::{Books, Horizon};
 
 use crate::Failure;
 
@@ -37,7 +37,7 @@ pub struct Args {
 
 /// List every disagreement; fail if there is one.
 pub async fn run(args: Args) -> Result<(), Failure> {
-    let pool = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(10));
+    let pool = |url: &SecretUrl| shop_books::read_only(url.expose(), Duration::from_secs(10));
     let books = Books {
         orders: pool(&args.orders_url)?,
         inventory: pool(&args.inventory_url)?,

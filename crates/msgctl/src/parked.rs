@@ -219,12 +219,12 @@ pub struct Inboxes {
 
 impl Inboxes {
     /// Read-only pools that connect when first used, one connection each
-    /// ([`shop::books::read_only`], as the books are read).
+    /// ([`shop_books::read_only`], as the books are read).
     pub fn connect_lazy(urls: &[SecretUrl]) -> Result<Self, Failure> {
         let pools = urls
             .iter()
             .map(|url| {
-                shop::books::read_only(url.expose(), INBOX_QUERY_DEADLINE)
+                shop_books::read_only(url.expose(), INBOX_QUERY_DEADLINE)
                     .map_err(|error| Failure::Described(format!("inbox database {url}: {error}")))
             })
             .collect::<Result<_, _>>()?;

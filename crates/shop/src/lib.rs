@@ -1,14 +1,13 @@
 //! The shop (`docs/architecture.md`): the message contracts its services exchange, one struct per
-//! message type with its type name, exchange and schema version, the demo's fault injection, and
-//! the check of the services' books against one another ([`books`]). Producers and consumers share
+//! message type with its type name, exchange and schema version, and who consumes them
+//! ([`topology`]). Contracts only: the demo's faults and catalogue are `shop-demo`'s, and the check
+//! of the services' books against one another is `shop-books`'. Producers and consumers share
 //! these definitions, so a field cannot drift between them. Bodies are camelCase JSON; unknown
 //! fields are ignored, so adding an optional field is a compatible (minor) change, while removing
 //! or retyping one needs a new major version.
 //!
 //! `messaging` knows none of this: it moves any [`Contract`].
 
-pub mod books;
-pub mod demo;
 pub mod topology;
 
 use chrono::{DateTime, Utc};

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use messaging::{runtime::shutdown, service::Worker};
-use shop::demo::{CATALOGUE, Demo};
+use shop_demo::{CATALOGUE, Demo};
 use sqlx::PgPool;
 use testkit::{
     TestEnv,

@@ -12,7 +12,7 @@ use messaging::{
     runtime::shutdown::{self, Shutdown},
     service::{BoxError, Worker},
 };
-use shop::demo::Demo;
+use shop_demo::Demo;
 use sqlx::PgPool;
 use testkit::{
     TestEnv,

@@ -1,6 +1,8 @@
-//! Demo fault injection (`DEMO_FAULTS=1`, the README's demo), shared by the shop's workers: a line
-//! whose SKU starts with `FLAKY` fails transiently on the first two attempts; one starting with
-//! `POISON` fails on every attempt (a simulated handler bug), so its message is parked after
+//! The demo's fault injection (`DEMO_FAULTS=1`, the README's demo) and catalogue, which the shop's
+//! workers take as flags ([`Demo`]). Not the shop's contracts (`shop`), which production runs.
+//!
+//! A line whose SKU starts with `FLAKY` fails transiently on the first two attempts; one starting
+//! with `POISON` fails on every attempt (a simulated handler bug), so its message is parked after
 //! `MAX_ATTEMPTS`; one starting with `CRASH` makes the process exit at once, every time (a handler
 //! that crashes), so its message is parked by the crash bound (`MAX_CRASHES`). Two fire in billing
 //! alone, after inventory has reserved the order: billing declines an order with a `DECLINE` line

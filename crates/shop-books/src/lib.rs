@@ -1,6 +1,7 @@
 //! The shop's books, checked across its three databases (issue 41): what the tests' ledger checks
 //! after a run, asked of a running shop. Each service keeps its own books, and nothing but
-//! messages keeps them in step; this is how an operator learns that they are not.
+//! messages keeps them in step; this is how an operator learns that they are not. It reads the
+//! services' tables, not their messages, so it is a crate of its own beside the contracts (`shop`).
 //!
 //! The rules, each over rows older than a grace period (an order ended a second ago may still be
 //! compensating):
