@@ -21,8 +21,9 @@ use messaging::{
 };
 use orders_api::{
     api::{OrderLineRequest, PlaceOrder},
+    group_commit::insert_orders,
     order::{Accepted, ValidOrder},
-    writer::{NewOrder, insert_orders},
+    place::NewOrder,
 };
 use shop::{InventoryReserved, InvoiceCreated, OrderPlaced};
 use sqlx::{PgPool, postgres::PgPoolOptions};

@@ -26,9 +26,9 @@ use crate::{
     auth::{Auth, Caller},
     jobs,
     order::{Accepted, CustomerId, IdempotencyKey, Line, OrderStatus, Quantity, Sku, ValidOrder},
+    place::{Claim, NewOrder, Writer},
     problem::{ApiError, Problem},
     story,
-    writer::{Claim, NewOrder, Writers},
 };
 
 /// The span of a `POST` to `route` that starts a trace (W3C trace context, `messaging::trace`),
@@ -71,23 +71,23 @@ impl Default for Limits {
     }
 }
 
-/// The API's routes: reads on `pool`, orders written by `writers`, within `limits`, changes only
+/// The API's routes: reads on `pool`, orders written by `writer`, within `limits`, changes only
 /// for callers `auth` accepts.
-pub fn router(pool: PgPool, writers: Writers, limits: Limits, auth: Auth) -> Router {
+pub fn router(pool: PgPool, writer: Writer, limits: Limits, auth: Auth) -> Router {
     Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{order_id}", get(get_order))
         .route("/orders/{order_id}/cancel", post(cancel_order))
         .route("/jobs/{job_id}", get(get_job))
         .route("/jobs/{job_id}/events", get(get_job_events))
-        .with_state(ApiState { pool, writers, limits, auth })
+        .with_state(ApiState { pool, writer, limits, auth })
 }
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
 pub(crate) struct ApiState {
     pool: PgPool,
-    writers: Writers,
+    writer: Writer,
     limits: Limits,
     auth: Auth,
 }
@@ -203,7 +203,7 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i32
     )
 )]
 pub(crate) async fn place_order(
-    State(ApiState { pool, writers, limits, .. }): State<ApiState>,
+    State(ApiState { pool, writer, limits, .. }): State<ApiState>,
     caller: Caller,
     headers: HeaderMap,
     body: Body,
@@ -250,7 +250,7 @@ pub(crate) async fn place_order(
     // names this request's span as its parent. Bounded: a silent (black-holed) connection answers
     // 503 after the deadline instead of holding the request for the kernel's TCP timeout.
     let span = request_span!("POST /orders", "/orders");
-    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writers, &order, claim, deadline));
+    let accepted = db::within(QUERY_DEADLINE, accept(&pool, &writer, &order, claim, deadline));
     let accepted = traced(&headers, span, accepted).await?;
     let location = format!("/jobs/{}", accepted.job_id);
     Ok((StatusCode::ACCEPTED, [(header::LOCATION, location)], Json(accepted)).into_response())
@@ -291,23 +291,23 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiErr
     key.map(Some).map_err(|invalid| ApiError::BadRequest(invalid.to_string()))
 }
 
-/// Write the order, its lines, its job, its `order.placed` outbox row and (with a key) the
-/// idempotency record in ONE statement, all or nothing; concurrent orders may share it
-/// ([`crate::writer`]), each with its own outcome.
+/// Write the order, its lines, its job, its outbox rows and (with a key) the idempotency record,
+/// all or nothing ([`crate::place`]; with group commit, concurrent orders share one statement,
+/// each with its own outcome). A key claimed before answers with its job, or 422.
 async fn accept(
     pool: &PgPool,
-    writers: &Writers,
+    writer: &Writer,
     order: &ValidOrder,
     claim: Option<Claim>,
     deadline: chrono::DateTime<chrono::Utc>,
 ) -> Result<Accepted, ApiError> {
     let accepted = Accepted { job_id: Uuid::now_v7(), order_id: Uuid::now_v7() };
-    if writers.write(NewOrder::new(accepted.clone(), order, claim.clone(), deadline)).await? {
+    if writer.write(NewOrder::new(accepted.clone(), order, claim.clone(), deadline)).await? {
         return Ok(accepted);
     }
     // The key was claimed before (or just now, by a concurrent request, which this one waited
     // for): the same request gets the same job. jsonb equality ignores key order and whitespace.
-    // (Without a key the statement always writes.)
+    // (Without a key the write always writes.)
     let Claim { key, request } = claim.ok_or_else(|| ApiError::internal("an order without a key was not written"))?;
     let (same, job_id, order_id): (bool, Uuid, Uuid) =
         sqlx::query_as("select request = $1, job_id, order_id from idempotency_keys where key = $2")

@@ -1,5 +1,5 @@
 //! The books checked in production: every `BOOKS_INTERVAL`, the orders service compares its
-//! orders with inventory's reservations and billing's invoices ([`shop::books`]) and exports the
+//! orders with inventory's reservations and billing's invoices ([`shop_books`]) and exports the
 //! count of each kind of disagreement as `books_disagreements{kind}` (alert `BooksDisagree`), and
 //! whether the last check ran as `books_check_up` (alert `BooksCheckDown`). It is on unless
 //! `BOOKS_CHECK=off`: `BOOKS_INVENTORY_URL` and `BOOKS_BILLING_URL` name the other two databases,
@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use messaging::runtime::{config::SecretUrl, duration::parse_duration, metrics::Metrics, shutdown::Shutdown};
 use prometheus_client::metrics::{family::Family, gauge::Gauge};
-use shop::books::{Books, Horizon, Kind};
+use shop_books::{Books, Horizon, Kind};
 use sqlx::PgPool;
 
 /// The check's settings.
@@ -97,7 +97,7 @@ pub fn start(
         }
     };
     tracing::info!(%inventory, %billing, "checking the books every {:?}", args.books_interval);
-    let read_only = |url: &SecretUrl| shop::books::read_only(url.expose(), Duration::from_secs(5));
+    let read_only = |url: &SecretUrl| shop_books::read_only(url.expose(), Duration::from_secs(5));
     let books = Books { orders, inventory: read_only(&inventory)?, billing: read_only(&billing)? };
     let horizon = Horizon { grace: args.books_grace, window: args.books_window, deadline: Some(deadline) };
     let interval = args.books_interval;
@@ -152,7 +152,7 @@ async fn check(books: &Books, horizon: Horizon, metrics: &BooksMetrics) {
     match tokio::time::timeout(Duration::from_secs(30), books.check(horizon)).await {
         Ok(Ok(found)) => {
             metrics.up.get_or_create(&Vec::new()).set(1);
-            for (kind, count) in shop::books::counts(&found) {
+            for (kind, count) in shop_books::counts(&found) {
                 metrics.disagreements.get_or_create(&[("kind", kind.as_str())]).set(count as i64);
             }
             if !found.is_empty() {

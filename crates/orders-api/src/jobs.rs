@@ -367,8 +367,8 @@ pub async fn decide(
 ) -> Result<Decided, sqlx::Error> {
     let (status, state, ending) = match end {
         End::Invoiced => (OrderStatus::Invoiced, JobState::Succeeded, None),
-        End::Declined => (OrderStatus::Declined, JobState::Compensating, Some(end.as_str())),
-        End::Cancelled => (OrderStatus::Cancelled, JobState::Compensating, Some(end.as_str())),
+        End::Declined => (OrderStatus::Declined, JobState::Compensating, Some(JobState::Declined)),
+        End::Cancelled => (OrderStatus::Cancelled, JobState::Compensating, Some(JobState::Cancelled)),
     };
     // The job's row is locked first, then the order's, as every other move of a job takes them:
     // `decided` reads `job`, so `job` runs first.
@@ -566,7 +566,7 @@ pub async fn placing_lost_after_end(
     if !endpoint.starts_with("outbox:") {
         return Ok(false);
     }
-    let row: Option<(Uuid, String, Option<String>)> = sqlx::query_as(
+    let row: Option<(Uuid, JobState, Option<String>)> = sqlx::query_as(
         "select order_id, ending, last_error from jobs
           where id = $1 and order_placed_message_id = $2 and state = $3 and released_at is null
             and ending is not null
@@ -578,9 +578,9 @@ pub async fn placing_lost_after_end(
     .fetch_optional(&mut *tx)
     .await?;
     let Some((order_id, ending, reason)) = row else { return Ok(false) };
-    let end = match ending.as_str() {
-        "declined" => End::Declined,
-        "cancelled" => End::Cancelled,
+    let end = match ending {
+        JobState::Declined => End::Declined,
+        JobState::Cancelled => End::Cancelled,
         other => return Err(sqlx::Error::Decode(format!("a compensating job's ending {other:?}").into())),
     };
     let ended = OrderEnded { order_id, job_id, end, reason };

@@ -6,31 +6,26 @@ pub mod api;
 pub mod auth;
 pub mod books;
 pub mod console;
+pub mod group_commit;
 pub mod jobs;
 pub mod moves;
 pub mod openapi;
 pub mod order;
 pub mod overview;
+pub mod place;
 pub mod problem;
 pub mod responses;
 pub mod status;
 mod stored;
 pub mod story;
 pub mod upgrade;
-pub mod writer;
 
 use std::sync::Arc;
 
 use axum::Router;
 use messaging::{
     consumer::ConsumerSettings,
-    runtime::{
-        config::SecretUrl,
-        db::{self, PoolSettings},
-        health::Health,
-        metrics::Metrics,
-        shutdown::Shutdown,
-    },
+    runtime::{config::SecretUrl, db::PoolSettings, metrics::Metrics, shutdown::Shutdown},
     service::{BinarySettings, BoxError, Service, ServiceArgs, WorkerArgs},
 };
 use sqlx::PgPool;
@@ -53,9 +48,15 @@ pub struct Config {
     /// Database connections for requests and the status consumer.
     #[arg(long, env = "DATABASE_POOL_SIZE", default_value_t = 20)]
     pub pool_size: u32,
-    /// Tasks writing accepted orders, each one statement at a time: the orders that arrive while
-    /// all are busy share their next statement (group commit). Each holds a connection of the pool
-    /// while it writes.
+    /// Write the orders that arrive together in one statement (group commit, decision 0009)
+    /// instead of each in a transaction of its own: one round trip and one commit for several
+    /// orders, each with its own outcome (1/0, true/false).
+    #[arg(long, env = "ORDER_GROUP_COMMIT", default_value = "false", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub order_group_commit: bool,
+    /// With group commit: tasks writing accepted orders, each one statement at a time; the orders
+    /// that arrive while all are busy share their next statement. Each holds a connection of the
+    /// pool while it writes.
     #[arg(long, env = "ORDER_WRITERS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub order_writers: u16,
     /// The largest body, in bytes, of the messages an order causes (its `order.placed`, and the
@@ -122,12 +123,12 @@ impl BinarySettings for Config {
 /// routes with it.
 pub fn app(
     pool: PgPool,
-    writers: writer::Writers,
+    writer: place::Writer,
     limits: api::Limits,
     auth: auth::Auth,
     page: Option<overview::Sources>,
 ) -> Router {
-    let api = api::router(pool, writers, limits, auth);
+    let api = api::router(pool, writer, limits, auth);
     let api = match page {
         Some(page) => api.merge(overview::routes(page)),
         None => api,
@@ -150,7 +151,7 @@ fn console(config: &Config, orders: &PgPool, auth: &auth::Auth) -> Option<consol
     match books::reader_urls(&config.books, &config.common.database_url) {
         Ok(urls) => {
             for url in [urls.0, urls.1] {
-                match shop::books::read_only(url.expose(), std::time::Duration::from_secs(5)) {
+                match shop_books::read_only(url.expose(), std::time::Duration::from_secs(5)) {
                     Ok(pool) => inboxes.push(pool),
                     Err(error) => tracing::warn!(%url, %error, "the console cannot read this inbox"),
                 }
@@ -165,12 +166,18 @@ fn console(config: &Config, orders: &PgPool, auth: &auth::Auth) -> Option<consol
 
 /// Run the API on `listener` and the status consumer until `shutdown`.
 pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Shutdown) -> Result<(), BoxError> {
-    // Before anything is written: a broker whose certificate does not verify stops us here.
     let WorkerArgs { database_url, schema, service: service_args, consumer } = &config.common;
     // Checked by `check` at start-up as well.
     let auth = config.auth.auth()?;
     let broker = &service_args.broker;
-    messaging::runtime::broker::check_tls(&broker.amqp_url).await?;
+    let mut metrics = Metrics::default();
+    let batches = group_commit::BatchMetrics::register(&mut metrics);
+    let books_metrics = books::BooksMetrics::register(&mut metrics);
+    let forbidden_moves = moves::ForbiddenMoves::register(&mut metrics);
+    let responses = responses::ResponseMetrics::register(&mut metrics);
+    // Ready while its database takes orders: a load balancer must not take the API out while the
+    // broker is away, since the outbox keeps what it accepts meanwhile (issue 56, row 2).
+    let mut service = Service::start(service_args, shutdown).await?.with_metrics(metrics).ready_without_broker();
     let settings = PoolSettings {
         max_connections: config.pool_size,
         // Fail fast into a 503 while the database is down, rather than hanging the client.
@@ -180,28 +187,16 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         // (Not by the status consumer's kept connection: its handler deadline finds it.)
         check_each_acquire: true,
     };
-    let Some(pool) = db::open(schema.database(database_url), &MIGRATOR, settings, &shutdown).await? else {
+    let Some(pool) = service.database("orders", schema.database(database_url), &MIGRATOR, settings).await? else {
         return Ok(());
     };
-    let mut metrics = Metrics::default();
-    let batches = writer::BatchMetrics::register(&mut metrics);
-    let books_metrics = books::BooksMetrics::register(&mut metrics);
-    let forbidden_moves = moves::ForbiddenMoves::register(&mut metrics);
-    let responses = responses::ResponseMetrics::register(&mut metrics);
-    let health = Health {
-        databases: vec![("orders".to_owned(), pool.clone())],
-        metrics: Arc::new(metrics),
-        // Ready while its database takes orders: a load balancer must not take the API out while
-        // the broker is away, since the outbox keeps what it accepts meanwhile (issue 56, row 2).
-        broker_reported_only: true,
-        ..Health::default()
-    };
     let status = ConsumerSettings::from_args(status::endpoint(), consumer, broker);
-    let handler = status::handler(status::JobStatus { metrics: Arc::clone(&health.metrics) });
+    let handler = status::handler(status::JobStatus { metrics: Arc::clone(&service.health().metrics) });
+    let shutdown = service.shutdown().clone();
     books::start(&config.books, database_url, config.order_deadline, pool.clone(), books_metrics, shutdown.clone())?;
     upgrade::start(pool.clone(), config.order_deadline, shutdown.clone());
-    moves::start(pool.clone(), forbidden_moves, shutdown.clone());
-    let service = Service::new(health, shutdown).consume(status, handler, &pool);
+    moves::start(pool.clone(), forbidden_moves, shutdown);
+    let service = service.consume(status, handler, &pool);
     let health = service.health().clone();
     let page = (config.live_page == "on").then(|| {
         overview::Sources::new(
@@ -213,16 +208,18 @@ pub async fn run(config: Config, listener: tokio::net::TcpListener, shutdown: Sh
         )
         .with_console(console(&config, &pool, &auth))
     });
-    let writers = writer::Writers::start(pool.clone(), config.order_writers.into(), batches);
+    let writer = if config.order_group_commit {
+        place::Writer::Grouped(group_commit::Writers::start(pool.clone(), config.order_writers.into(), batches))
+    } else {
+        place::Writer::Alone(pool.clone())
+    };
     let limits =
         api::Limits { max_message_bytes: config.max_message_bytes as usize, order_deadline: config.order_deadline };
-    let mut app = app(pool.clone(), writers, limits, auth, page);
+    let mut app = app(pool.clone(), writer, limits, auth, page);
     if let Some(view) = config.trace_view_url.clone() {
         app = app.layer(axum::Extension(view));
     }
     let app = app.layer(axum::middleware::from_fn_with_state(responses, responses::count));
-    let served = service.routes(app).run(listener, &service_args.http).await;
-    pool.close().await;
-    served?;
+    service.routes(app).run(listener).await?;
     Ok(())
 }

@@ -12,7 +12,7 @@ use axum::{
 pub use messaging::runtime::problem::Problem;
 use messaging::{outage, runtime::problem, service::BoxError};
 
-use crate::writer::WriteError;
+use crate::place::WriteError;
 
 /// Everything a request can fail with.
 #[derive(Debug, thiserror::Error)]

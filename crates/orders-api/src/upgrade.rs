@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use messaging::{
+    envelope::Headers,
     outbox::Outgoing,
     runtime::{backoff::Backoff, shutdown::Shutdown},
 };
@@ -155,8 +156,8 @@ async fn step(pool: &PgPool, order_deadline: Duration) -> Result<Step, sqlx::Err
             sent.ended += 1;
         } else {
             let body = OrderDeadline { order_id, job_id };
-            let deadline =
-                Outgoing { message_id: crate::jobs::deadline_message_id(job_id), ..Outgoing::of(&body, Some(job_id)) };
+            let id = crate::jobs::deadline_message_id(job_id);
+            let deadline = Outgoing::identified(&body, id, Headers::of::<OrderDeadline>(Some(job_id)));
             deadline.at(at).enqueue(&mut tx).await?;
             sent.deadlines += 1;
         }

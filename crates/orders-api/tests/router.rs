@@ -1,8 +1,9 @@
 //! The HTTP contract of orders-api, at the router: every request goes through the API's own
 //! router (`orders_api::app`; the service runtime merges the health routes with it) with `tower::ServiceExt::oneshot`, on a migrated database of the
 //! test's own, with no server, no broker and no other service. Precise problem+json errors that
-//! write nothing, idempotency keys, the all-or-nothing order statement, and the lookups. What
-//! needs processes (the group commit under a paused writer, crashes) is in `testkit`'s suites.
+//! write nothing, idempotency keys, the all-or-nothing order write, and the lookups. What
+//! needs processes (the group commit under a paused writer, crashes) is in `testkit`'s suites. The
+//! orders are written as by default, each in a transaction of its own (`orders_api::place`).
 
 use axum::{
     Router,
@@ -12,7 +13,8 @@ use axum::{
 use messaging::runtime::metrics::Metrics;
 use orders_api::{
     auth::{Auth, AuthArgs},
-    writer::{BatchMetrics, Writers},
+    group_commit::{BatchMetrics, Writers},
+    place::Writer,
 };
 use serde_json::Value;
 use sqlx::PgPool;
@@ -23,12 +25,20 @@ use tower::ServiceExt;
 const LIMITS: orders_api::api::Limits =
     orders_api::api::Limits { max_message_bytes: 4096, order_deadline: std::time::Duration::from_secs(30 * 60) };
 
-/// The API's router on the test's own `orders` database.
+/// The API's router on the test's own `orders` database, writing each order alone (the default).
 async fn api(env: &TestEnv) -> (Router, PgPool) {
+    api_writing(env, false).await
+}
+
+/// [`api`], with group commit (`ORDER_GROUP_COMMIT`) if `grouped`: the rows written are the same.
+async fn api_writing(env: &TestEnv, grouped: bool) -> (Router, PgPool) {
     let pool = env.migrated_pool("orders", &orders_api::MIGRATOR).await;
-    let mut metrics = Metrics::default();
-    let writers = Writers::start(pool.clone(), 2, BatchMetrics::register(&mut metrics));
-    let app = orders_api::app(pool.clone(), writers, LIMITS, auth(), None);
+    let writer = if grouped {
+        Writer::Grouped(Writers::start(pool.clone(), 2, BatchMetrics::register(&mut Metrics::default())))
+    } else {
+        Writer::Alone(pool.clone())
+    };
+    let app = orders_api::app(pool.clone(), writer, LIMITS, auth(), None);
     (app, pool)
 }
 
@@ -206,8 +216,7 @@ async fn an_order_whose_reservation_would_be_over_the_message_limit_is_refused()
     };
     let placed_bytes = messaging::outbox::published_size(&placed).expect("size");
     let limits = orders_api::api::Limits { max_message_bytes: placed_bytes + 18, ..LIMITS };
-    let writers = Writers::start(pool.clone(), 1, BatchMetrics::register(&mut Metrics::default()));
-    let app = orders_api::app(pool.clone(), writers, limits, auth(), None);
+    let app = orders_api::app(pool.clone(), Writer::Alone(pool.clone()), limits, auth(), None);
     let body: Vec<String> = lines.iter().map(|line| format!(r#"{{"sku":"{}","quantity":1}}"#, line.sku)).collect();
     let body = format!(r#"{{"customerId":"c","lines":[{}]}}"#, body.join(","));
     let limit = format!("over the {}-byte limit (MAX_MESSAGE_BYTES)", placed_bytes + 18);
@@ -217,109 +226,118 @@ async fn an_order_whose_reservation_would_be_over_the_message_limit_is_refused()
 
 #[tokio::test]
 async fn an_accepted_order_is_written_whole_and_reads_back_as_queued_and_accepted() {
-    let env = TestEnv::new().await;
-    let (app, pool) = api(&env).await;
-    let answer = post(
-        &app,
-        r#"{"customerId":"c-1","lines":[{"sku":"SKU-1","quantity":2},{"sku":"SKU-2","quantity":1.0}]}"#,
-        &[],
-    )
-    .await;
-    assert_eq!(answer.status, StatusCode::ACCEPTED, "{}", answer.body);
-    let (job_id, order_id) =
-        (answer.body["jobId"].as_str().expect("jobId"), answer.body["orderId"].as_str().expect("id"));
-    assert_eq!(answer.location, Some(format!("/jobs/{job_id}")));
+    // Each order written alone (the default), then with group commit.
+    for grouped in [false, true] {
+        let env = TestEnv::new().await;
+        let (app, pool) = api_writing(&env, grouped).await;
+        let answer = post(
+            &app,
+            r#"{"customerId":"c-1","lines":[{"sku":"SKU-1","quantity":2},{"sku":"SKU-2","quantity":1.0}]}"#,
+            &[],
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::ACCEPTED, "{}", answer.body);
+        let (job_id, order_id) =
+            (answer.body["jobId"].as_str().expect("jobId"), answer.body["orderId"].as_str().expect("id"));
+        assert_eq!(answer.location, Some(format!("/jobs/{job_id}")));
 
-    let job = get(&app, &format!("/jobs/{job_id}")).await;
-    assert_eq!(job.status, StatusCode::OK);
-    assert_eq!(job.body["state"], "queued", "nothing published it: no relay runs here");
-    assert_eq!(job.body["orderId"], order_id);
-    let order = get(&app, &format!("/orders/{order_id}")).await;
-    assert_eq!(order.body["status"], "accepted");
-    assert_eq!(order.body["customerId"], "c-1");
-    assert_eq!(
-        order.body["lines"],
-        serde_json::json!([{"sku": "SKU-1", "quantity": 2}, {"sku": "SKU-2", "quantity": 1}])
-    );
+        let job = get(&app, &format!("/jobs/{job_id}")).await;
+        assert_eq!(job.status, StatusCode::OK);
+        assert_eq!(job.body["state"], "queued", "nothing published it: no relay runs here");
+        assert_eq!(job.body["orderId"], order_id);
+        let order = get(&app, &format!("/orders/{order_id}")).await;
+        assert_eq!(order.body["status"], "accepted");
+        assert_eq!(order.body["customerId"], "c-1");
+        assert_eq!(
+            order.body["lines"],
+            serde_json::json!([{"sku": "SKU-1", "quantity": 2}, {"sku": "SKU-2", "quantity": 1}])
+        );
 
-    // The order, its two lines, its job and one order.placed row, under the job as correlation id.
-    assert_eq!(count(&pool, "orders").await, 1);
-    assert_eq!(count(&pool, "order_lines").await, 2);
-    let (message_type, correlation): (String, Option<String>) =
-        sqlx::query_as("select message_type, headers ->> 'correlation_id' from outbox where not scheduled")
-            .fetch_one(&pool)
-            .await
-            .expect("row");
-    assert_eq!(message_type, "order.placed");
-    assert_eq!(correlation.as_deref(), Some(job_id));
-    // Its deadline is scheduled beside it, ORDER_DEADLINE ahead, and order.placed carries it.
-    let (message_type, correlation, ahead, placed_deadline): (String, Option<String>, f64, bool) = sqlx::query_as(
-        "select d.message_type, d.headers ->> 'correlation_id', extract(epoch from d.available_at - d.created_at)::float8,
-                (p.payload ->> 'deadline')::timestamptz = d.available_at
-           from outbox d, outbox p where d.scheduled and not p.scheduled",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("the deadline's row");
-    assert_eq!(message_type, "order.deadline");
-    assert_eq!(correlation.as_deref(), Some(job_id));
-    assert!((ahead - LIMITS.order_deadline.as_secs_f64()).abs() < 10.0, "due {ahead} s after it was written");
-    assert!(placed_deadline, "order.placed carries another deadline than its row's");
-    // The size the API checks against MAX_MESSAGE_BYTES is the size of the body the relay sends.
-    let (payload, sent): (Value, i32) =
-        sqlx::query_as("select payload, octet_length(payload::text) from outbox where not scheduled")
-            .fetch_one(&pool)
-            .await
-            .expect("row");
-    assert_eq!(messaging::outbox::published_size(&payload).expect("serializes"), sent as usize);
+        // The order, its two lines, its job and one order.placed row, under the job as correlation id.
+        assert_eq!(count(&pool, "orders").await, 1);
+        assert_eq!(count(&pool, "order_lines").await, 2);
+        let (message_type, correlation): (String, Option<String>) =
+            sqlx::query_as("select message_type, headers ->> 'correlation_id' from outbox where not scheduled")
+                .fetch_one(&pool)
+                .await
+                .expect("row");
+        assert_eq!(message_type, "order.placed");
+        assert_eq!(correlation.as_deref(), Some(job_id));
+        // Its deadline is scheduled beside it, ORDER_DEADLINE ahead, and order.placed carries it.
+        let (message_type, correlation, ahead, placed_deadline): (String, Option<String>, f64, bool) = sqlx::query_as(
+            "select d.message_type, d.headers ->> 'correlation_id', extract(epoch from d.available_at - d.created_at)::float8,
+                    (p.payload ->> 'deadline')::timestamptz = d.available_at
+               from outbox d, outbox p where d.scheduled and not p.scheduled",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("the deadline's row");
+        assert_eq!(message_type, "order.deadline");
+        assert_eq!(correlation.as_deref(), Some(job_id));
+        assert!((ahead - LIMITS.order_deadline.as_secs_f64()).abs() < 10.0, "due {ahead} s after it was written");
+        assert!(placed_deadline, "order.placed carries another deadline than its row's");
+        // The size the API checks against MAX_MESSAGE_BYTES is the size of the body the relay sends.
+        let (payload, sent): (Value, i32) =
+            sqlx::query_as("select payload, octet_length(payload::text) from outbox where not scheduled")
+                .fetch_one(&pool)
+                .await
+                .expect("row");
+        assert_eq!(messaging::outbox::published_size(&payload).expect("serializes"), sent as usize);
+    }
 }
 
 #[tokio::test]
 async fn idempotency_key_replays_the_same_job_and_refuses_another_body() {
-    let env = TestEnv::new().await;
-    let (app, pool) = api(&env).await;
-    let body = r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":2}]}"#;
-    // The same request, formatted differently: still the same request.
-    let same = r#"{ "lines": [ { "quantity": 2, "sku": "SKU-1" } ], "customerId": "c-7" }"#;
-    let first = post(&app, body, &[("Idempotency-Key", "key-1")]).await;
-    assert_eq!(first.status, StatusCode::ACCEPTED);
-    let replay = post(&app, same, &[("Idempotency-Key", "key-1")]).await;
-    assert_eq!(replay.status, StatusCode::ACCEPTED);
-    assert_eq!(replay.body, first.body, "same jobId and orderId");
-    assert_eq!(replay.location, first.location);
+    // Each order written alone (the default), then with group commit.
+    for grouped in [false, true] {
+        let env = TestEnv::new().await;
+        let (app, pool) = api_writing(&env, grouped).await;
+        let body = r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":2}]}"#;
+        // The same request, formatted differently: still the same request.
+        let same = r#"{ "lines": [ { "quantity": 2, "sku": "SKU-1" } ], "customerId": "c-7" }"#;
+        let first = post(&app, body, &[("Idempotency-Key", "key-1")]).await;
+        assert_eq!(first.status, StatusCode::ACCEPTED);
+        let replay = post(&app, same, &[("Idempotency-Key", "key-1")]).await;
+        assert_eq!(replay.status, StatusCode::ACCEPTED);
+        assert_eq!(replay.body, first.body, "same jobId and orderId");
+        assert_eq!(replay.location, first.location);
 
-    let other =
-        post(&app, r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":3}]}"#, &[("Idempotency-Key", "key-1")])
-            .await;
-    assert_problem(&other, 422, "Idempotency-Key");
+        let other = post(
+            &app,
+            r#"{"customerId":"c-7","lines":[{"sku":"SKU-1","quantity":3}]}"#,
+            &[("Idempotency-Key", "key-1")],
+        )
+        .await;
+        assert_problem(&other, 422, "Idempotency-Key");
 
-    // Concurrent requests with one new key: exactly one order, one job id for all.
-    let mut racers = tokio::task::JoinSet::new();
-    for _ in 0..8 {
-        let app = app.clone();
-        racers.spawn(async move { post(&app, body, &[("Idempotency-Key", "key-race")]).await });
+        // Concurrent requests with one new key: exactly one order, one job id for all.
+        let mut racers = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let app = app.clone();
+            racers.spawn(async move { post(&app, body, &[("Idempotency-Key", "key-race")]).await });
+        }
+        let mut job_ids = std::collections::HashSet::new();
+        while let Some(answer) = racers.join_next().await {
+            let answer = answer.expect("task");
+            assert_eq!(answer.status, StatusCode::ACCEPTED);
+            job_ids.insert(answer.body["jobId"].as_str().expect("jobId").to_owned());
+        }
+        assert_eq!(job_ids.len(), 1, "one job for one key");
+
+        let a = post(&app, body, &[]).await.body;
+        let b = post(&app, body, &[]).await.body;
+        assert_ne!(a["jobId"], b["jobId"], "no key: a new job each time");
+        assert_eq!(count(&pool, "orders").await, 4);
+        // Each order's order.placed and its scheduled order.deadline.
+        assert_eq!(count(&pool, "outbox").await, 8);
     }
-    let mut job_ids = std::collections::HashSet::new();
-    while let Some(answer) = racers.join_next().await {
-        let answer = answer.expect("task");
-        assert_eq!(answer.status, StatusCode::ACCEPTED);
-        job_ids.insert(answer.body["jobId"].as_str().expect("jobId").to_owned());
-    }
-    assert_eq!(job_ids.len(), 1, "one job for one key");
-
-    let a = post(&app, body, &[]).await.body;
-    let b = post(&app, body, &[]).await.body;
-    assert_ne!(a["jobId"], b["jobId"], "no key: a new job each time");
-    assert_eq!(count(&pool, "orders").await, 4);
-    // Each order's order.placed and its scheduled order.deadline.
-    assert_eq!(count(&pool, "outbox").await, 8);
 }
 
 #[tokio::test]
 async fn failure_after_order_insert_before_commit_leaves_no_order_and_no_outbox_row() {
     let env = TestEnv::new().await;
     let (app, pool) = api(&env).await;
-    // Make the outbox insert (the last write of the statement) fail, after the order, its lines
+    // Make the outbox insert (the last write of the transaction) fail, after the order, its lines
     // and its job were inserted.
     sqlx::query("alter table outbox add constraint refuse_orders check (message_type <> 'order.placed') not valid")
         .execute(&pool)

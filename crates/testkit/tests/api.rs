@@ -1,7 +1,7 @@
-//! The HTTP contract of orders-api where it needs the real processes: orders that share the
-//! API's one statement under load, each with its own outcome. The rest of the contract (problem
-//! documents, idempotency keys, the all-or-nothing statement) is tested at the router, without a
-//! server or a broker: `crates/orders-api/tests/router.rs`.
+//! The HTTP contract of orders-api where it needs the real processes: with group commit, orders
+//! that share one statement under load, each with its own outcome. The rest of the contract
+//! (problem documents, idempotency keys, the all-or-nothing write) is tested at the router,
+//! without a server or a broker: `crates/orders-api/tests/router.rs`.
 
 mod common;
 
@@ -19,8 +19,9 @@ fn assert_problem(response: &http::Response, status: u16, detail_contains: &str)
     assert!(detail.contains(detail_contains), "detail `{detail}` should mention `{detail_contains}`");
 }
 
-/// Orders that arrive while the API's writers are busy share one statement (group commit,
-/// `orders_api::writer`), and each keeps the outcome it would have had alone: a key is claimed
+/// With group commit on (`ORDER_GROUP_COMMIT`), orders that arrive while the API's writers are busy
+/// share one statement (`orders_api::group_commit`), and each keeps the outcome it would have had
+/// alone: a key is claimed
 /// once even when both of its requests are in one batch, a different body under a taken key is
 /// refused, and an order the database refuses fails alone, its batch written again one by one.
 #[tokio::test]
@@ -32,7 +33,7 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
         .await
         .expect("constraint");
     shop.kill(Service::Api).await;
-    shop.restart_with(Service::Api, &[("FAILPOINTS", "api.before-commit=1s")]).await;
+    shop.restart_with(Service::Api, &[("FAILPOINTS", "api.before-commit=1s"), ("ORDER_GROUP_COMMIT", "true")]).await;
     let url = format!("{}/orders", shop.http(Service::Api));
     let post = |key: Option<String>, customer: &str| {
         let (url, body) =
@@ -59,7 +60,7 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
     for i in 0..writers {
         // One at a time, so that each writer takes one.
         blockers.push(post(None, &format!("blocker-{i}")));
-        shop.wait_for_failpoint(Service::Api, orders_api::writer::BEFORE_COMMIT, usize::from(i) + 1).await;
+        shop.wait_for_failpoint(Service::Api, orders_api::place::BEFORE_COMMIT, usize::from(i) + 1).await;
     }
 
     let keyed: Vec<_> = (0..24).map(|i| post(Some(format!("k-{i}")), &format!("c-{i}"))).collect();
@@ -95,7 +96,7 @@ async fn orders_sharing_a_statement_each_keep_their_own_outcome() {
     assert_eq!(clash_statuses, [202, 422], "the first body under a key is written, the other refused");
     assert_problem(&refused.await.expect("task"), 500, "internal error");
     // The refused order was in a batch with others, which were written again one by one.
-    let fell_back = format!(r#"{}{{outcome="fell_back""#, orders_api::writer::ORDER_BATCHES);
+    let fell_back = format!(r#"{}{{outcome="fell_back""#, orders_api::group_commit::ORDER_BATCHES);
     assert!(shop.metric(Service::Api, &fell_back).await >= 1, "a batch fell back to writing each order alone");
 
     let written = usize::from(writers) + 24 + 4 + 3 + 1;

@@ -232,7 +232,7 @@ async fn a_transaction_in_flight_on_a_stalled_connection_gives_up_at_the_deadlin
             http::request("POST", &url, &key, Some(body)).await
         })
     };
-    shop.wait_for_failpoint(Service::Api, orders_api::writer::BEFORE_COMMIT, 1).await;
+    shop.wait_for_failpoint(Service::Api, orders_api::place::BEFORE_COMMIT, 1).await;
     shop.database_proxy(Service::Api).stall();
 
     // messaging::runtime::db::QUERY_DEADLINE (10 s) bounds it; without it, the kernel's TCP timeout would

@@ -20,13 +20,16 @@ fn second(service: Service) -> Instance {
 }
 
 /// The same key sent to each API while the first holds it uncommitted: the second waits for the
-/// first's commit and answers with the same job; one order is written.
+/// first's commit and answers with the same job; one order is written. The second writes with
+/// group commit and the first without, as during a change of `ORDER_GROUP_COMMIT`.
 #[tokio::test]
 async fn an_idempotency_key_holds_across_two_apis() {
     let _one = ONE_SHOP.lock().await;
     let mut shop = Shop::start(Options { instances: 2, ..Options::default() }).await;
     shop.kill(Service::Api).await;
     shop.restart_with(Service::Api, &[("FAILPOINTS", "api.before-commit=1s")]).await;
+    shop.kill(second(Service::Api)).await;
+    shop.restart_with(second(Service::Api), &[("ORDER_GROUP_COMMIT", "true")]).await;
     let body = r#"{"customerId":"twice","lines":[{"sku":"SKU-1","quantity":1}]}"#;
     let post = |base: String| {
         tokio::spawn(async move {
@@ -37,7 +40,7 @@ async fn an_idempotency_key_holds_across_two_apis() {
     };
     let first = post(shop.http(Service::Api).to_owned());
     // The first API holds the key in its open transaction before the second is asked.
-    shop.wait_for_failpoint(Service::Api, orders_api::writer::BEFORE_COMMIT, 1).await;
+    shop.wait_for_failpoint(Service::Api, orders_api::place::BEFORE_COMMIT, 1).await;
     let second = post(shop.http(second(Service::Api)).to_owned());
     let (first, second) = (first.await.expect("task"), second.await.expect("task"));
     let job = |response: &http::Response| {

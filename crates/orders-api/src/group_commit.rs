@@ -1,5 +1,8 @@
-//! Group commit for `POST /orders`: the orders that arrive while the writers are busy are written
-//! together, in one statement and so one round trip and one commit ([`insert_orders`]).
+//! Group commit for `POST /orders`, opt-in (`ORDER_GROUP_COMMIT`, decision 0009): the orders that
+//! arrive while the writers are busy are written together, in one statement and so one round trip
+//! and one commit ([`insert_orders`]), where [`crate::place::write`] takes a transaction of seven
+//! round trips (eight with an idempotency key) for each. The rows are the same; `just bench`
+//! prints both accept rates.
 //!
 //! A request hands its order to a queue and waits for the answer. Each of a few writer tasks
 //! takes what the queue holds (at least one order, at most [`MAX_ORDERS`]), writes it and
@@ -18,9 +21,7 @@
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use messaging::{
-    envelope::Headers,
     outage, outbox,
     runtime::{
         db::{self, QUERY_DEADLINE},
@@ -34,12 +35,8 @@ use sqlx::{PgConnection, PgPool, QueryBuilder, types::Json};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::order::{Accepted, IdempotencyKey, ValidOrder};
+use crate::place::{BEFORE_COMMIT, NewOrder, WriteError};
 
-/// Failpoint (`messaging::runtime::failpoint`): a writer holds a database connection for a batch of orders
-/// (one or more) and has not yet sent the one statement that writes them (and commits, all or
-/// nothing).
-pub const BEFORE_COMMIT: &str = "api.before-commit";
 /// Statements that wrote several orders, by `outcome`: `committed`, or `fell_back` (the statement
 /// failed, and its orders were written again one by one).
 pub const ORDER_BATCHES: &str = "order_batches_total";
@@ -47,65 +44,6 @@ pub const ORDER_BATCHES: &str = "order_batches_total";
 pub const MAX_ORDERS: usize = 64;
 /// Orders waiting for a writer, at most; a request beyond it waits for room.
 const QUEUE: usize = 1024;
-
-/// An idempotency key, and the request it came with: a later request with the key gets the same
-/// job if it brings the same request, and a 422 if not.
-#[derive(Debug, Clone)]
-pub struct Claim {
-    /// The key.
-    pub key: IdempotencyKey,
-    /// The request as parsed (`jsonb` equality ignores key order and whitespace).
-    pub request: serde_json::Value,
-}
-
-/// One accepted order, ready to be written: everything [`insert_orders`] binds.
-#[derive(Debug)]
-pub struct NewOrder {
-    /// The ids the client will be given.
-    pub ids: Accepted,
-    /// Its `order.placed` body (it also holds the customer and the lines).
-    pub placed: OrderPlaced,
-    /// Its idempotency claim, if a key came with it.
-    pub claim: Option<Claim>,
-    /// The outbox row's id.
-    pub message_id: Uuid,
-    /// The outbox row's headers: the job as correlation id, the trace context current when the
-    /// order was made (the request's span), and the order's ordering key ([`shop::order_key`]).
-    pub headers: Headers,
-    /// Its `order.deadline`, scheduled for `deadline`: a second outbox row, delivered to the
-    /// orders service itself then.
-    pub deadline: ScheduledDeadline,
-}
-
-/// An order's `order.deadline` outbox row, due at the order's deadline.
-#[derive(Debug)]
-pub struct ScheduledDeadline {
-    /// The body.
-    pub body: OrderDeadline,
-    /// When it is due.
-    pub at: DateTime<Utc>,
-    /// The row's id, made from the job's ([`crate::jobs::deadline_message_id`]): the move that
-    /// ends the order withdraws the row.
-    pub message_id: Uuid,
-    /// The row's headers (as [`NewOrder::headers`]).
-    pub headers: Headers,
-}
-
-impl NewOrder {
-    /// `order` under `ids`, to be cancelled at `deadline` if it has not ended, with the current
-    /// trace context.
-    pub fn new(ids: Accepted, order: &ValidOrder, claim: Option<Claim>, deadline: DateTime<Utc>) -> Self {
-        let placed = order.placed(&ids, deadline);
-        // The job names its order.placed row, so that the row's confirm marks it `published`.
-        let outbox::Outgoing { message_id, headers: Json(headers), .. } =
-            outbox::Outgoing::of(&placed, Some(ids.job_id)).ordered_by(shop::order_key(ids.order_id));
-        let body = OrderDeadline { order_id: ids.order_id, job_id: ids.job_id };
-        let outbox::Outgoing { headers: Json(deadline_headers), .. } = outbox::Outgoing::of(&body, Some(ids.job_id));
-        let deadline_id = crate::jobs::deadline_message_id(ids.job_id);
-        let deadline = ScheduledDeadline { body, at: deadline, message_id: deadline_id, headers: deadline_headers };
-        Self { ids, placed, claim, message_id, headers, deadline }
-    }
-}
 
 /// Everything the accepted `orders` write, in one statement and so one round trip, all or
 /// nothing: for each, the idempotency claim (if a key is given: claimed first, in key order, so
@@ -199,38 +137,6 @@ pub async fn insert_orders(conn: &mut PgConnection, orders: &[&NewOrder]) -> Res
          select job_id from go",
     );
     statement.build_query_scalar().fetch_all(conn).await
-}
-
-/// Why an order was not written.
-#[derive(Debug, thiserror::Error)]
-pub enum WriteError {
-    /// Its statement failed.
-    #[error(transparent)]
-    Database(#[from] sqlx::Error),
-    /// The statement of the batch it was in failed for all of them, as `error` says (the database
-    /// is unreachable, or it was the only order).
-    #[error("{error} (in a batch of orders)")]
-    Batch {
-        /// The failure, as the batch's first order got it.
-        error: String,
-        /// Whether the database was unreachable.
-        unreachable: bool,
-    },
-    /// The writers have stopped (the service is shutting down).
-    #[error("the order writers have stopped")]
-    Stopped,
-}
-
-impl WriteError {
-    /// Whether the client should retry later (a 503): the database did not answer, the statement
-    /// lost to other work ([`outage::lost_to_other_work`]), or the service is stopping.
-    pub fn retry_later(&self) -> bool {
-        match self {
-            Self::Database(error) => outage::retry_later(error),
-            Self::Batch { unreachable, .. } => *unreachable,
-            Self::Stopped => true,
-        }
-    }
 }
 
 /// An order on its way to a writer, and where its outcome goes.
