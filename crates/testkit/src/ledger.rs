@@ -19,6 +19,15 @@ pub async fn stock_totals(inventory: &PgPool) -> BTreeMap<String, i64> {
     .collect()
 }
 
+/// The job moves the model forbids, as the orders database counted them (migration 0014's
+/// trigger, which `job_moves_forbidden_total` exports): each `(from, to, moves)`.
+pub async fn forbidden_job_moves(orders: &PgPool) -> Vec<(String, String, i64)> {
+    sqlx::query_as("select from_state, to_state, moves from job_moves_forbidden order by 1, 2")
+        .fetch_all(orders)
+        .await
+        .expect("read job_moves_forbidden")
+}
+
 /// The outcome of a run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {

@@ -46,6 +46,12 @@ pub fn binary(name: &str) -> PathBuf {
 /// b4c3cd0, with the range still holding them): the demo's published ports (25432, 25673, 25674)
 /// and the Erlang distribution ports of the brokers `.ci` starts (AMQP's port + 20000: 25672,
 /// 25690, 25693, 25694).
+///
+/// A port handed out stays this process's until it exits, across processes too: a lock on a file
+/// per port (`$TMPDIR/reliable-orders-ports`) that the kernel releases when the process ends.
+/// Without it, a service that a test killed and starts again on its port (`Shop::restart`) found
+/// it taken by another test binary walking the same range, which had found it free meanwhile (CI,
+/// 8c0f1d3: "Address already in use", twice in one run).
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     const FIRST: u32 = 26_000;
@@ -57,11 +63,31 @@ pub fn free_port() -> u16 {
     for _ in 0..COUNT {
         let port = FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT;
         let port = u16::try_from(port).expect("below 32768");
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if let Some(reserved) = reserve(port)
+            && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+        {
+            RESERVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(reserved);
             return port;
         }
     }
     panic!("no free port in {FIRST}..{}", FIRST + COUNT);
+}
+
+/// The locks of the ports [`free_port`] handed out, held until the process exits.
+static RESERVED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// `port`'s lock file, locked by this process; `None` if another process holds it.
+fn reserve(port: u16) -> Option<std::fs::File> {
+    let dir = std::env::temp_dir().join("reliable-orders-ports");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|error| panic!("create {}: {error}", dir.display()));
+    let path = dir.join(port.to_string());
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", path.display()));
+    file.try_lock().ok().map(|()| file)
 }
 
 /// Run `command` to its end and return its output, its stdin closed and stdout and stderr
@@ -220,5 +246,17 @@ impl Process {
     /// Times `needle` occurs in its log.
     pub fn log_count(&self, needle: &str) -> usize {
         self.log_text().matches(needle).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{free_port, reserve};
+
+    #[test]
+    fn a_port_handed_out_stays_reserved_while_this_process_runs() {
+        let port = free_port();
+        assert!(reserve(port).is_none(), "port {port} was handed out, and its lock is held");
+        assert_ne!(free_port(), port, "the next port is another");
     }
 }
