@@ -193,6 +193,18 @@ struct Stages {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    // Without both, the test kit would start containers of its own (Postgres 17, RabbitMQ 4.3 in
+    // Docker), and the run would measure those, not the servers it is compared with.
+    for names in [["DATABASE_URL", "TEST_DATABASE_URL"], ["AMQP_URL", "TEST_AMQP_URL"]] {
+        if !names.iter().any(|name| std::env::var(name).is_ok_and(|value| !value.is_empty())) {
+            eprintln!(
+                "bench: {} is not set: name the servers to measure (`just bench` names the local ones, \
+                 postgres://postgres@127.0.0.1:5432 and amqp://guest:guest@127.0.0.1:5672)",
+                names[0]
+            );
+            std::process::exit(2);
+        }
+    }
     let json_path = args.json.clone();
     let skip_scale = args.skip_scale;
     let mut bench = Bench::new(args).await;
