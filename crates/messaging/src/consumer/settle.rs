@@ -166,7 +166,7 @@ impl<H: Handler> Runtime<H> {
     }
 
     /// Settle a delivery as the machine decided, and forget its start in the crash ledger as
-    /// `start` says.
+    /// `ledger` says.
     pub(super) async fn settle_one(
         self: Arc<Self>,
         tag: Tag,
