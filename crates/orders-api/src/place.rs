@@ -68,30 +68,36 @@ pub struct ScheduledDeadline {
     pub headers: Headers,
 }
 
+impl ScheduledDeadline {
+    /// Job `job_id`'s `order.deadline` for `order_id`, due `at`, under the id the move that ends
+    /// the order withdraws it by.
+    pub fn new(order_id: Uuid, job_id: Uuid, at: DateTime<Utc>) -> Self {
+        let message_id = crate::jobs::deadline_message_id(job_id);
+        let headers = Headers::of::<OrderDeadline>(Some(job_id));
+        Self { body: OrderDeadline { order_id, job_id }, at, message_id, headers }
+    }
+
+    /// Its outbox row, due at `at`.
+    pub fn row(&self) -> outbox::Outgoing<'_, OrderDeadline> {
+        outbox::Outgoing::identified(&self.body, self.message_id, self.headers.clone()).at(self.at)
+    }
+}
+
 impl NewOrder {
     /// `order` under `ids`, to be cancelled at `deadline` if it has not ended, with the current
     /// trace context.
     pub fn new(ids: Accepted, order: &ValidOrder, claim: Option<Claim>, deadline: DateTime<Utc>) -> Self {
         let placed = order.placed(&ids, deadline);
         // The job names its order.placed row, so that the row's confirm marks it `published`.
-        let outbox::Outgoing { message_id, headers: Json(headers), .. } =
-            outbox::Outgoing::of(&placed, Some(ids.job_id)).ordered_by(shop::order_key(ids.order_id));
-        let body = OrderDeadline { order_id: ids.order_id, job_id: ids.job_id };
-        let outbox::Outgoing { headers: Json(deadline_headers), .. } = outbox::Outgoing::of(&body, Some(ids.job_id));
-        let deadline_id = crate::jobs::deadline_message_id(ids.job_id);
-        let deadline = ScheduledDeadline { body, at: deadline, message_id: deadline_id, headers: deadline_headers };
+        let message_id = Uuid::now_v7();
+        let headers = Headers::of::<OrderPlaced>(Some(ids.job_id)).ordered_by(shop::order_key(ids.order_id));
+        let deadline = ScheduledDeadline::new(ids.order_id, ids.job_id, deadline);
         Self { ids, placed, claim, message_id, headers, deadline }
     }
 
     /// Its `order.placed` outbox row.
     fn placed_row(&self) -> outbox::Outgoing<'_, OrderPlaced> {
         outbox::Outgoing::identified(&self.placed, self.message_id, self.headers.clone())
-    }
-
-    /// Its `order.deadline` outbox row, due at the deadline.
-    fn deadline_row(&self) -> outbox::Outgoing<'_, OrderDeadline> {
-        let deadline = &self.deadline;
-        outbox::Outgoing::identified(&deadline.body, deadline.message_id, deadline.headers.clone()).at(deadline.at)
     }
 }
 
@@ -154,7 +160,7 @@ pub async fn write(pool: &PgPool, order: &NewOrder) -> Result<bool, sqlx::Error>
         }
     }
     order.placed_row().enqueue(&mut tx).await?;
-    order.deadline_row().enqueue(&mut tx).await?;
+    order.deadline.row().enqueue(&mut tx).await?;
     failpoint::hit(BEFORE_COMMIT).await;
     tx.commit().await?;
     conn.return_on_drop();

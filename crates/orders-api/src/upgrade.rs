@@ -16,13 +16,14 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use messaging::{
-    envelope::Headers,
     outbox::Outgoing,
     runtime::{backoff::Backoff, shutdown::Shutdown},
 };
-use shop::{End, OrderDeadline, OrderEnded};
+use shop::{End, OrderEnded};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::place::ScheduledDeadline;
 
 /// Rows of `upgrade_backlog` sent in one transaction.
 const BATCH: i64 = 200;
@@ -155,10 +156,7 @@ async fn step(pool: &PgPool, order_deadline: Duration) -> Result<Step, sqlx::Err
             Outgoing::of(&ended, Some(job_id)).enqueue(&mut tx).await?;
             sent.ended += 1;
         } else {
-            let body = OrderDeadline { order_id, job_id };
-            let id = crate::jobs::deadline_message_id(job_id);
-            let deadline = Outgoing::identified(&body, id, Headers::of::<OrderDeadline>(Some(job_id)));
-            deadline.at(at).enqueue(&mut tx).await?;
+            ScheduledDeadline::new(order_id, job_id, at).row().enqueue(&mut tx).await?;
             sent.deadlines += 1;
         }
     }
